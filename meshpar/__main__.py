@@ -1,0 +1,3 @@
+from meshpar.cli import main
+
+main()
