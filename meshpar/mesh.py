@@ -1,0 +1,104 @@
+"""The device mesh: named parallel dimensions, validated before any process group exists.
+
+Dimensions, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``. The
+innermost dims change fastest across ranks, so ``tp`` groups are neighbouring ranks (the
+same host, the fastest links) and ``pp`` groups span hosts. Every dim is in the mesh even
+at degree 1, so ``mesh["tp"]`` is always valid. A flattened ``dp`` (``dp_replicate x
+dp_shard``) is what data is sharded over and loss is averaged over.
+
+Rank layout, for pp=2, dp_shard=2, tp=2 on 8 ranks::
+
+    pp 0: dp_shard 0 -> ranks 0 1 (tp)   dp_shard 1 -> ranks 2 3
+    pp 1: dp_shard 0 -> ranks 4 5        dp_shard 1 -> ranks 6 7
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshpar.recipe import ParallelConfig, RecipeError
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved degrees: every dim >= 1 and their product is the world size."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in DIMS)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the number of distinct batch shards."""
+        return self.dp_replicate * self.dp_shard
+
+    def __str__(self) -> str:
+        return " x ".join(f"{d} {n}" for d, n in zip(DIMS, self.degrees, strict=True) if n > 1) or "1 rank"
+
+
+def _equation(degrees: dict[str, int]) -> str:
+    return " * ".join(f"{d}({n})" for d, n in degrees.items())
+
+
+def resolve(cfg: ParallelConfig, world_size: int) -> Layout:
+    """Fill ``dp_shard = -1`` with the ranks left over and check the product is the world size."""
+    degrees = {d: getattr(cfg, d) for d in DIMS}
+    if degrees["dp_shard"] == -1:
+        others = math.prod(n for d, n in degrees.items() if d != "dp_shard")
+        if world_size % others:
+            shown = {d: n for d, n in degrees.items() if d != "dp_shard"}
+            raise RecipeError(f"[parallel] dp_shard = -1 takes the ranks left over, but {_equation(shown)} = "
+                              f"{others} does not divide the world size {world_size}; change the degrees or "
+                              f"run on a multiple of {others} ranks")
+        degrees["dp_shard"] = world_size // others
+    if math.prod(degrees.values()) != world_size:
+        raise RecipeError(f"[parallel] {_equation(degrees)} = {math.prod(degrees.values())} != world size "
+                          f"{world_size}; make the degrees multiply to {world_size} or set dp_shard = -1")
+    return Layout(**degrees)
+
+
+def local_world_size(cfg: ParallelConfig) -> int:
+    """Ranks a recipe asks for when nothing else says: the product, with ``dp_shard = -1`` as 1."""
+    return math.prod(max(getattr(cfg, d), 1) for d in DIMS)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The run's DeviceMesh with every dim named, plus the flattened ``dp`` mesh.
+
+    ``mesh["tp"]`` (any dim of DIMS) and ``mesh["dp"]`` are 1-D sub-meshes; pass them to the
+    part that needs them explicitly. There is no global mesh.
+    """
+
+    layout: Layout
+    world: DeviceMesh  # all DIMS, outermost first
+    dp: DeviceMesh  # dp_replicate x dp_shard flattened: what batches are sharded over
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.dp if name == "dp" else self.world[name]
+
+    @property
+    def dp_rank(self) -> int:
+        """Which shard of the global batch this rank takes."""
+        return self.dp.get_local_rank()
+
+
+def build(layout: Layout, device_type: str) -> Mesh:
+    """Create the mesh over the default process group (one sub-group per dim, plus ``dp``)."""
+    world = init_device_mesh(device_type, layout.degrees, mesh_dim_names=DIMS)
+    return Mesh(layout, world, world["dp_replicate", "dp_shard"]._flatten("dp"))
