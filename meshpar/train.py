@@ -1,0 +1,232 @@
+"""The training loop, one rank's view: ``python -m meshpar.train RECIPE [--section.key=value ...]``.
+
+This is what ``torchrun ... -m meshpar.train`` runs on a cluster and what ``meshpar train``
+starts on each local rank. The data flow (shared/DESIGN.md):
+
+    recipe -> layout (checked before any process group) -> data (cached tokens)
+      -> process group + mesh -> model on meta -> to_empty + init_weights -> parallelize
+      -> optimizer + LR schedule -> loop: batch -> forward/backward per microbatch
+      -> gradient sync -> clip -> step -> metrics
+
+[Note: losses do not depend on the layout]
+Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
+is a mean over its tokens divided by the accumulation depth, and gradients are averaged
+over the data-parallel ranks, so the gradient is the mean over the whole global batch for
+any split of it across ranks and microbatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshpar import mesh as meshlib
+from meshpar import recipe as recipelib
+from meshpar.data import BatchLoader, Corpus, prepare
+from meshpar.hardware import HardwareProfile, load_profile
+from meshpar.metrics import MetricsLogger, Progress, peak_memory_gb
+from meshpar.models import Family, get_family
+from meshpar.optim import build_lr_schedule, build_optimizer
+from meshpar.recipe import Recipe, RecipeError
+from meshpar.replicate import all_reduce_gradients
+from meshpar.runtime import RankInfo, init_process_group, rank_info, select_device
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # logits[B, T, V] targets[B, T] -> mean over B*T tokens, computed in fp32
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _check_batch(recipe: Recipe, layout: meshlib.Layout) -> int:
+    """Gradient-accumulation depth, or a RecipeError naming the batch keys and working values."""
+    t = recipe.train
+    per_step = t.micro_batch * layout.dp
+    if t.global_batch % per_step:
+        fits = [m for m in range(1, t.global_batch + 1) if t.global_batch % (m * layout.dp) == 0]
+        raise RecipeError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
+                          f"({t.micro_batch}) x data-parallel degree ({layout.dp}); micro_batch values that fit: "
+                          f"{fits or 'none: raise global_batch to a multiple of ' + str(layout.dp)}")
+    return t.global_batch // per_step
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: torch.device) -> float:
+    """Mean loss over the first ``eval_batches`` global batches of held-out data."""
+    t = recipe.train
+    loader = BatchLoader(tokens, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
+                         dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed, shuffle=False)
+    model.eval()
+    total = torch.zeros((), device=device)
+    n = 0
+    for _ in range(t.eval_batches):
+        for inputs, targets in loader.next_step():
+            total += cross_entropy(model(inputs.to(device)), targets.to(device))
+            n += 1
+    model.train()
+    total /= n
+    dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+    return total.item()
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What a run is made of, found before any process group exists."""
+
+    layout: meshlib.Layout
+    accum: int  # microbatches per optimizer step on each rank
+    family: Family
+    args: Any  # the family's model args
+    corpus: Corpus
+
+
+def preflight(recipe: Recipe, world_size: int) -> Preflight:
+    """Every check that needs no process group; raises RecipeError naming the key to change.
+
+    ``meshpar train`` runs it before starting ranks, and each rank again before it joins.
+    """
+    t = recipe.train
+    layout = meshlib.resolve(recipe.parallel, world_size)
+    family = get_family(recipe.model.family)
+    if recipe.parallel.dp_shard == -1 and layout.dp_shard > 1 and "dp_shard" not in family.mesh_dims:
+        # dp_shard = -1 is the default, so say what it became and the layout that does run.
+        raise RecipeError(f"parallel.dp_shard = -1 takes the ranks left over, {layout.dp_shard} of {world_size}, but "
+                          f"sharded data parallelism (meshpar.fully_shard) is not built yet; for data parallelism on "
+                          f"{world_size} ranks set parallel.dp_replicate = {layout.dp_replicate * layout.dp_shard}",
+                          "parallel.dp_shard")
+    family.check_degrees(dataclasses.asdict(layout))
+    accum = _check_batch(recipe, layout)
+    args = family.model_args(recipe.model)
+    if t.seq_len > args.max_seq_len:
+        raise RecipeError(f"train.seq_len ({t.seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}) "
+                          f"for {family.name} {recipe.model.size}")
+    if t.eval_every and recipe.data.val_fraction == 0:
+        raise RecipeError("train.eval_every > 0 needs held-out data; set data.val_fraction > 0 or "
+                          "train.eval_every = 0")
+    corpus = prepare(recipe.data)
+    if corpus.vocab_size > args.vocab_size:
+        raise RecipeError(f"the data has {corpus.vocab_size} token ids but model.vocab_size is {args.vocab_size}; "
+                          f"set model.vocab_size = {corpus.vocab_size} (or a smaller data.vocab_size)")
+    return Preflight(layout, accum, family, args, corpus)
+
+
+@dataclass
+class RunResult:
+    records: list[dict[str, Any]]  # the metrics records, the same on every rank
+    state_dict: dict[str, torch.Tensor] | None  # final full parameters on CPU, when asked for
+
+
+def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
+    """Run ``recipe`` on this rank. ``return_state`` also returns the final parameters (for tests)."""
+    info = rank_info()
+    checked = preflight(recipe, info.world_size)
+    device = select_device(recipe.train.device, info)
+    profile = load_profile(recipe.metrics.hardware, device.type)
+    init_process_group(device, info)
+    try:
+        mesh = meshlib.build(checked.layout, device.type)
+        model, records = _train_loop(recipe, checked, mesh, device, profile, info)
+        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if return_state else None
+        return RunResult(records, state)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: torch.device,
+                profile: HardwareProfile, info: RankInfo) -> tuple[torch.nn.Module, list[dict[str, Any]]]:
+    t, family, args, corpus, accum = recipe.train, checked.family, checked.args, checked.corpus, checked.accum
+    output_dir = Path(t.output_dir)
+    if info.is_rank0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        resolved = recipelib.dumps(recipe)
+        (output_dir / "recipe.toml").write_text(resolved)
+        print(f"meshpar: {family.name} {recipe.model.size} on {mesh.layout} ({info.world_size} ranks, {device.type}), "
+              f"data {corpus.name}, {accum} microbatches/step\n--- resolved recipe "
+              f"({output_dir / 'recipe.toml'}) ---\n{resolved}---", flush=True)
+
+    torch.manual_seed(t.seed)
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    model.to_empty(device=device)
+    model.init_weights()  # same seed on every rank: replicas start identical
+    n_params = sum(p.numel() for p in model.parameters())
+    model = family.parallelize(model, mesh)
+    optimizer = build_optimizer(model, recipe.optim)
+    scheduler = build_lr_schedule(optimizer, recipe.optim, t.steps)
+    loader = BatchLoader(corpus.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
+                         dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed)
+
+    progress_on = {"on": True, "off": False, "auto": sys.stderr.isatty()}[recipe.metrics.progress]
+    progress = Progress(t.steps, enabled=progress_on and info.is_rank0)
+    metrics = MetricsLogger(output_dir, enabled=info.is_rank0, progress=progress)
+    if info.is_rank0:
+        print(f"meshpar: {n_params:,} parameters, {args.flops_per_token(t.seq_len) / 1e6:,.1f} MFLOP/token, "
+              f"MFU against {profile.name}", flush=True)
+    flops_per_token = args.flops_per_token(t.seq_len)
+    n_devices = info.world_size if device.type == "cuda" else info.world_size // info.local_world_size
+    peak = profile.peak_flops(torch.float32) * n_devices
+    tokens_per_step = t.global_batch * t.seq_len
+    params = [p for p in model.parameters() if p.requires_grad]
+    records: list[dict[str, Any]] = []
+    last_time, last_step = time.perf_counter(), 0
+
+    for step in range(1, t.steps + 1):
+        loss_sum = torch.zeros((), device=device)
+        for inputs, targets in loader.next_step():
+            loss = cross_entropy(model(inputs.to(device)), targets.to(device)) / accum
+            loss.backward()
+            loss_sum += loss.detach()
+        all_reduce_gradients(model, mesh["dp_replicate"])
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if recipe.optim.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, recipe.optim.grad_clip, grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.update(step)
+
+        if step % t.log_every == 0 or step == t.steps:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
+            last_time, last_step = now, step
+            record = {"step": step, "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
+                      "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak,
+                      "mem_gb": peak_memory_gb(device)}
+            records.append(record)
+            metrics.log(record)
+        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            record = {"step": step, "val_loss": evaluate(model, corpus.val, recipe, mesh, device)}
+            records.append(record)
+            metrics.log(record)
+            last_time = time.perf_counter()  # validation time is not training throughput
+    progress.close()
+    return model, records
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m meshpar.train", description="Train one rank (use under "
+                                     "torchrun, or run `meshpar train`, which starts local ranks itself).")
+    parser.add_argument("recipe", type=Path)
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        recipe = recipelib.load(args.recipe, overrides)
+        train(recipe)
+    except RecipeError as e:
+        print(f"meshpar: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""End-to-end training: the loss falls on real text, and the layout does not change the numbers.
+
+The single-process run is the reference: data-parallel replicas and gradient accumulation
+must reproduce its loss at every step and every parameter at the end.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshpar import recipe as recipelib
+from meshpar.train import train
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--model.n_layers=2", "--train.seq_len=64", "--train.global_batch=8", "--train.micro_batch=2",
+         "--train.log_every=1", "--train.eval_every=0", "--data.tokenizer=byte", "--model.vocab_size=256",
+         "--metrics.progress=off", "--optim.warmup_steps=2"]
+
+
+# [Note: parity tolerance] Different layouts sum the same fp32 numbers in a different order
+# (~1e-7 relative). Losses and gradient norms show that directly. AdamW divides by sqrt(v), so
+# for gradient elements near zero such noise can move an update by up to a fraction of lr
+# (3e-3 here); after 4 steps parameters agree to ~6e-6 absolute, so PARAM_ATOL is 1% of lr.
+PARAM_ATOL = 3e-5
+
+
+def _load(name: str, out: Path, *extra: str) -> recipelib.Recipe:
+    return recipelib.load(ROOT / "recipes" / name, [*SMALL, f"--train.output_dir={out}", *extra])
+
+
+def _losses(records) -> list[float]:
+    return [r["loss"] for r in records if "loss" in r]
+
+
+@pytest.mark.parametrize("name", ["llama_debug.toml", "gpt2_debug.toml"])
+def test_loss_falls_on_shakespeare(name, tmp_path, data_cache):
+    recipe = _load(name, tmp_path, "--train.steps=40", "--train.eval_every=20", "--train.eval_batches=2")
+    records = train(recipe).records
+    losses = _losses(records)
+    assert len(losses) == 40
+    assert losses[0] > 5.0  # ~ln(256): an untrained byte-level model
+    assert sum(losses[-5:]) / 5 < losses[0] - 2.0, losses
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in train_lines] == list(range(1, 41))
+    assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gb"} <= set(train_lines[0])
+    assert [r["step"] for r in lines if "val_loss" in r] == [20, 40]
+    assert all(0 < r["mfu"] < 1 and r["tokens_per_s"] > 0 and r["mem_gb"] > 0 for r in train_lines)
+    assert recipelib.load(tmp_path / "recipe.toml") == recipe  # the saved recipe is the resolved one
+
+
+def test_gradient_accumulation_matches_one_big_microbatch(tmp_path, data_cache):
+    whole = train(_load("llama_debug.toml", tmp_path / "a", "--train.steps=4", "--train.micro_batch=8"),
+                  return_state=True)
+    accumulated = train(_load("llama_debug.toml", tmp_path / "b", "--train.steps=4", "--train.micro_batch=2"),
+                        return_state=True)
+    torch.testing.assert_close(_losses(accumulated.records), _losses(whole.records), rtol=1e-5, atol=0)
+    for name, ref in whole.state_dict.items():
+        torch.testing.assert_close(accumulated.state_dict[name], ref, rtol=1e-4, atol=PARAM_ATOL, msg=name)
+
+
+def _train_on_rank(recipe: recipelib.Recipe):
+    result = train(recipe, return_state=True)
+    return result.records, result.state_dict
+
+
+def test_dp_replicate_matches_single_process(tmp_path, data_cache):
+    steps = "--train.steps=4"
+    reference = train(_load("llama_debug.toml", tmp_path / "ref", steps), return_state=True)
+    recipe = _load("llama_debug.toml", tmp_path / "dp2", steps, "--parallel.dp_replicate=2")
+    (records0, state0), (records1, state1) = run_distributed(_train_on_rank, 2, recipe, timeout=180,
+                                                             init_process_group=False)
+    assert records0 == records1 or _losses(records0) == _losses(records1)  # loss is all-reduced: same on ranks
+    torch.testing.assert_close(_losses(records0), _losses(reference.records), rtol=1e-5, atol=0)
+    grad_norms = [[r["grad_norm"] for r in rs] for rs in (records0, reference.records)]
+    torch.testing.assert_close(grad_norms[0], grad_norms[1], rtol=1e-4, atol=0)
+    for name, ref in reference.state_dict.items():
+        assert torch.equal(state0[name], state1[name]), f"replicas diverged at {name}"
+        torch.testing.assert_close(state0[name], ref, rtol=1e-4, atol=PARAM_ATOL, msg=name)
+
+
+def test_cli_launches_local_ranks(tmp_path, data_cache):
+    """`meshpar train` with a 2-rank recipe starts the ranks itself and matches one process."""
+    args = [*SMALL, "--train.steps=3", "--parallel.dp_replicate=2", f"--train.output_dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-m", "meshpar", "train", "recipes/llama_debug.toml", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 ranks" in proc.stdout and "dp_replicate 2" in proc.stdout
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    reference = train(_load("llama_debug.toml", tmp_path / "ref", "--train.steps=3")).records
+    torch.testing.assert_close([r["loss"] for r in lines], _losses(reference), rtol=1e-5, atol=0)
+
+
+def test_cli_refuses_a_layout_for_the_wrong_world_size(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "meshpar", "train", "recipes/llama_debug.toml", "--nproc=3",
+                           "--parallel.dp_replicate=2", f"--train.output_dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "meshpar: error: [parallel] dp_shard = -1 takes the ranks left over, but pp(1) * dp_replicate(2) * cp(1) * "
+        "tp(1) = 2 does not divide the world size 3; change the degrees or run on a multiple of 2 ranks"]
