@@ -48,7 +48,7 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     def __str__(self) -> str:
-        return " x ".join(f"{d} {n}" for d, n in zip(DIMS, self.degrees, strict=True) if n > 1) or "1 rank"
+        return " x ".join(f"{d} {n}" for d, n in zip(DIMS, self.degrees, strict=True) if n > 1) or "single rank"
 
 
 def _equation(degrees: dict[str, int]) -> str:

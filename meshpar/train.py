@@ -148,8 +148,9 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
         output_dir.mkdir(parents=True, exist_ok=True)
         resolved = recipelib.dumps(recipe)
         (output_dir / "recipe.toml").write_text(resolved)
-        print(f"meshpar: {family.name} {recipe.model.size} on {mesh.layout} ({info.world_size} ranks, {device.type}), "
-              f"data {corpus.name}, {accum} microbatches/step\n--- resolved recipe "
+        ranks = f"{info.world_size} rank{'s' if info.world_size > 1 else ''}"
+        print(f"meshpar: {family.name} {recipe.model.size} | {ranks} on {device.type} | layout {mesh.layout} | "
+              f"data {corpus.name} | {accum} microbatches/step\n--- resolved recipe "
               f"({output_dir / 'recipe.toml'}) ---\n{resolved}---", flush=True)
 
     torch.manual_seed(t.seed)
