@@ -1,0 +1,202 @@
+"""A parameter group: the parameters of one ``fully_shard`` call, the unit of communication.
+
+Unshard is one all-gather of one flat buffer (copy-in: every parameter's local rows, padded
+and cast to ``param_dtype``; copy-out: each parameter's rows from every rank into its
+unsharded buffer). Gradient reduction is one reduce-scatter of one flat buffer in
+``reduce_dtype`` (plus one all-reduce over the replicate dim when hybrid). Parameters below
+``shard_threshold`` stay replicated: no all-gather, and their gradients share one
+all-reduce over the whole data-parallel mesh.
+
+Flat layouts, for N shard ranks and parameters p_i of padded chunk size n_i = c_i * inner_i::
+
+    all-gather input  [n_1 | n_2 | ...]                        this rank's chunks
+    all-gather output [rank 0: n_1 | n_2 ...][rank 1: ...] ...  = reduce-scatter input
+    reduce-scatter output [n_1 | n_2 | ...]                     this rank's summed chunks
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.profiler import record_function
+
+from meshpar import comm
+from meshpar.fsdp.policies import MixedPrecisionPolicy
+from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
+
+
+class ParamGroup:
+    def __init__(self, params: list[ShardedParam], mesh_info: MeshInfo, mp: MixedPrecisionPolicy):
+        self.params = [p for p in params if p.is_sharded]
+        self.replicated = [p for p in params if not p.is_sharded]
+        self.mesh_info, self.mp = mesh_info, mp
+        self.world = mesh_info.shard_size
+        self.state = ParamState.SHARDED
+        self.requires_gradient_sync = True
+        self.reshard_after_backward = True
+        self.divide_factor: float | None = None  # default: the data-parallel world size
+        self._gather: tuple[comm.Work, torch.Tensor] | None = None  # all-gather in flight
+        self._reduce: tuple[comm.Work, torch.Tensor, list[ShardedParam]] | None = None
+        self._grads_ready: set[int] = set()
+        self._hooked: set[int] = set()
+
+    # --- sizes ---------------------------------------------------------------------------------
+    @property
+    def all_params(self) -> list[ShardedParam]:
+        return self.params + self.replicated
+
+    @property
+    def per_rank_numel(self) -> int:
+        return sum(p.padded_numel for p in self.params)
+
+    # --- unshard / reshard -----------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Start the all-gather (``async_op``) or complete the unshard."""
+        if self.state is ParamState.UNSHARDED:
+            return
+        if self._gather is None and self.params:
+            dtype = self.mp.param_dtype or self.params[0].orig_dtype
+            with record_function("meshpar::fsdp.copy_in"):
+                send = torch.empty(self.per_rank_numel, dtype=dtype, device=self.params[0].local.device)
+                offset = 0
+                for p in self.params:
+                    n = p.local_rows * p.inner
+                    send[offset:offset + n].copy_(p.local.reshape(-1))  # rows past n are padding
+                    offset += p.padded_numel
+            recv = torch.empty(self.world * self.per_rank_numel, dtype=dtype, device=send.device)
+            work = comm.all_gather(recv, send, self.mesh_info.shard_group, async_op=True,
+                                   dim=self.mesh_info.dim_name(self.mesh_info.shard_dim))
+            self._gather = (work, recv)
+        if not async_op:
+            self._finish_unshard()
+
+    def _finish_unshard(self) -> None:
+        if self._gather is not None:
+            work, recv = self._gather
+            self._gather = None
+            with record_function("meshpar::fsdp.all_gather_wait"):
+                work.wait()
+            with record_function("meshpar::fsdp.copy_out"):
+                dtype = recv.dtype
+                outs = [p.alloc_unsharded(dtype, self.world).view(self.world, -1) for p in self.params]
+                with torch.no_grad():
+                    pieces = recv.view(self.world, -1).split([p.padded_numel for p in self.params], dim=1)
+                    for p, out, piece in zip(self.params, outs, pieces, strict=True):
+                        with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
+                            out.copy_(piece)
+        for p in self.replicated:  # the local tensor is the whole parameter
+            dtype = self.mp.param_dtype or p.orig_dtype
+            data = p.local if dtype == p.orig_dtype else p.local.to(dtype)
+            if p.unsharded is None or p.unsharded.data_ptr() != data.data_ptr():
+                p.unsharded = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+        for p in self.all_params:
+            p.to_unsharded()
+            self._hook_grad(p)
+        self.state = ParamState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Swap the sharded parameters back in and free the unsharded storage."""
+        if self._gather is not None:  # a prefetch nobody used: finish it so the buffers are consistent
+            self._gather[0].wait()
+            self._gather = None
+        if self.state is ParamState.SHARDED:
+            return
+        for p in self.all_params:
+            p.to_sharded()
+        for p in self.params:
+            p.free_unsharded()
+        self.state = ParamState.SHARDED
+
+    # --- gradients -------------------------------------------------------------------------------
+    def _hook_grad(self, p: ShardedParam) -> None:
+        """Count accumulated gradients; the last one of the group starts its reduction."""
+        if id(p.unsharded) in self._hooked or not p.requires_grad:
+            return
+        self._hooked.add(id(p.unsharded))
+
+        def on_grad(_: torch.Tensor, key: int = id(p)) -> None:
+            self._grads_ready.add(key)
+            if len(self._grads_ready) == sum(q.requires_grad for q in self.all_params):
+                self.post_backward()
+
+        p.unsharded.register_post_accumulate_grad_hook(on_grad)
+
+    def post_backward(self) -> None:
+        """After this unit's backward: reduce (or keep, without sync) its gradients; reshard."""
+        self._grads_ready.clear()
+        with record_function("meshpar::fsdp.post_backward"):
+            if self.requires_gradient_sync:
+                self.wait_for_reduce()  # at most one reduction in flight per group
+                self._start_reduce()
+            else:
+                for p in self.all_params:
+                    grad = p.take_unsharded_grad()
+                    if grad is not None:
+                        p.accumulated_grad = grad
+            if self.reshard_after_backward:
+                self.reshard()
+
+    def _divide_factor(self) -> float:
+        if self.divide_factor is not None:
+            return self.divide_factor
+        return self.world * self.mesh_info.replicate_size
+
+    def _start_reduce(self) -> None:
+        grads = {id(p): p.take_unsharded_grad() for p in self.all_params}
+        reduce_dtype = self.mp.reduce_dtype or (self.params[0].orig_dtype if self.params else torch.float32)
+        if self.params and any(grads[id(p)] is not None for p in self.params):
+            with record_function("meshpar::fsdp.reduce_copy_in"):
+                send = torch.empty(self.world, self.per_rank_numel, dtype=reduce_dtype,
+                                   device=self.params[0].local.device)
+                offset = 0
+                for p in self.params:
+                    block = send[:, offset:offset + p.padded_numel]
+                    grad = grads[id(p)]
+                    if grad is None:
+                        block.zero_()
+                    else:
+                        padding = self.world * p.rows_per_rank - p.shape[0]
+                        rows = grad.reshape(p.shape[0], p.inner)
+                        block.copy_(F.pad(rows, (0, 0, 0, padding)).view(self.world, -1) if padding else
+                                    rows.view(self.world, -1))
+                    offset += p.padded_numel
+            recv = torch.empty(self.per_rank_numel, dtype=reduce_dtype, device=send.device)
+            work = comm.reduce_scatter(recv, send.view(-1), self.mesh_info.shard_group, async_op=True,
+                                       dim=self.mesh_info.dim_name(self.mesh_info.shard_dim))
+            self._reduce = (work, recv, self.params)
+        replicated = [(p, grads[id(p)]) for p in self.replicated if grads[id(p)] is not None]
+        if replicated:  # one all-reduce over the whole dp mesh for all small parameters
+            flat = torch.cat([g.reshape(-1).to(reduce_dtype) for _, g in replicated])
+            for dim in filter(lambda d: d is not None, (self.mesh_info.replicate_dim, self.mesh_info.shard_dim)):
+                comm.all_reduce(flat, self.mesh_info.mesh.get_group(dim), dim=self.mesh_info.dim_name(dim))
+            flat.div_(self._divide_factor())
+            for (p, g), piece in zip(replicated, flat.split([g.numel() for _, g in replicated]), strict=True):
+                p.add_sharded_grad(piece.view(p.shape))
+
+    def wait_for_reduce(self) -> None:
+        """Finish the reduction in flight, if any, and hand the sharded gradients to the parameters."""
+        if self._reduce is None:
+            return
+        work, recv, params = self._reduce
+        self._reduce = None
+        with record_function("meshpar::fsdp.reduce_scatter_wait"):
+            work.wait()
+        if self.mesh_info.replicate_dim is not None:
+            with record_function("meshpar::fsdp.all_reduce_replicas"):
+                comm.all_reduce(recv, self.mesh_info.replicate_group,
+                                dim=self.mesh_info.dim_name(self.mesh_info.replicate_dim))
+        recv.div_(self._divide_factor())
+        offset = 0
+        for p in params:
+            p.add_sharded_grad(recv[offset:offset + p.local_rows * p.inner].view(p.local_rows, *p.shape[1:]))
+            offset += p.padded_numel
+
+    def finish_backward(self) -> None:
+        """End of the whole backward: reduce what no hook reduced (unused parameters), wait, reshard."""
+        if self._grads_ready or any(p.unsharded is not None and p.unsharded.grad is not None
+                                    for p in self.all_params):
+            self.post_backward()
+        self.wait_for_reduce()
+        self._grads_ready.clear()
+        if self.reshard_after_backward:
+            self.reshard()

@@ -1,0 +1,182 @@
+"""One managed parameter: its dim-0 shard (a DTensor), its unsharded buffer, and where it lives.
+
+A ``ShardedParam`` is either SHARDED (the module holds ``self.sharded``, an
+``nn.Parameter(DTensor)``, and the unsharded storage is freed) or UNSHARDED (the module
+holds ``self.unsharded``, a plain ``nn.Parameter`` over a full-size buffer in the compute
+dtype). The parameter group moves all its parameters between the two states together.
+
+Sharding follows ``torch.chunk`` on dim 0, as PyTorch's ``fully_shard`` does: with N ranks
+each chunk has ``c = ceil(rows / N)`` rows, rank r owns rows ``[r*c, min((r+1)*c, rows))``,
+so the last ranks may own fewer rows or none. Collectives need equal sizes, so every rank
+sends ``c`` rows ("padded"); the padding rows are never read back.
+
+[Note: the unsharded parameter keeps its identity]
+Autograd saves the unsharded weight (e.g. for ``linear``'s backward). Freeing it by
+dropping our reference would not free memory, since autograd still holds it. So the
+unsharded parameter is created once, over its own storage, and is freed with
+``storage.resize_(0)`` and refilled in place before backward: the tensor autograd saved is
+the one we refill. The refill is a copy into a view of the same storage, which bumps the
+version counter autograd checks, so it runs under ``_unsafe_preserve_version_counter``:
+the values written are the ones forward used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+
+class ParamState(Enum):
+    SHARDED = auto()
+    UNSHARDED = auto()
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The data-parallel mesh seen by one unit: a shard dim, and a replicate dim when hybrid."""
+
+    mesh: DeviceMesh
+    shard_dim: int  # mesh dim index parameters are sharded over
+    replicate_dim: int | None  # mesh dim index gradients are all-reduced over (hybrid), else None
+
+    @property
+    def shard_group(self):
+        return self.mesh.get_group(self.shard_dim)
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_dim)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_dim)
+
+    @property
+    def replicate_group(self):
+        return None if self.replicate_dim is None else self.mesh.get_group(self.replicate_dim)
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate_dim is None else self.mesh.size(self.replicate_dim)
+
+    def dim_name(self, dim: int) -> str:
+        names = self.mesh.mesh_dim_names
+        return names[dim] if names else f"dim{dim}"
+
+    def placements(self, sharded: bool) -> tuple[Placement, ...]:
+        shard: Placement = Shard(0) if sharded else Replicate()
+        return (shard,) if self.replicate_dim is None else (Replicate(), shard)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+class ShardedParam:
+    """See the module docstring. ``places`` are every (module, attribute) holding this parameter
+    (more than one for tied weights)."""
+
+    def __init__(self, param: nn.Parameter, places: list[tuple[nn.Module, str]], mesh_info: MeshInfo,
+                 device: torch.device, *, shard: bool):
+        self.places, self.mesh_info, self.is_sharded = places, mesh_info, shard
+        self.shape, self.orig_dtype, self.requires_grad = param.shape, param.dtype, param.requires_grad
+        n, r = (mesh_info.shard_size, mesh_info.shard_rank) if shard else (1, 0)
+        self.rows_per_rank = math.ceil(self.shape[0] / n) if self.shape[0] else 0  # c
+        self.inner = math.prod(self.shape[1:])  # elements per row
+        self.local_rows = max(0, min(self.rows_per_rank, self.shape[0] - r * self.rows_per_rank))
+        start = r * self.rows_per_rank
+        local = torch.empty((self.local_rows, *self.shape[1:]), dtype=param.dtype, device=device)
+        if param.device.type != "meta":
+            with torch.no_grad():
+                local.copy_(param.detach()[start:start + self.local_rows])
+        self.sharded = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+        self.orig_id = id(param)  # to detect a tie that spans two units
+        self.unsharded: nn.Parameter | None = None
+        self._unsharded_padded: torch.Tensor | None = None  # [N*c, ...] view of the unsharded storage
+        self.accumulated_grad: torch.Tensor | None = None  # unsharded, across no-sync microbatches
+        self.state = ParamState.SHARDED
+        self.set_on_modules(self.sharded)
+
+    # --- sizes -------------------------------------------------------------------------------
+    @property
+    def padded_numel(self) -> int:
+        """Elements this rank sends per all-gather (its chunk padded to ``c`` rows)."""
+        return self.rows_per_rank * self.inner
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.sharded.to_local()
+
+    def _to_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh_info.mesh, self.mesh_info.placements(self.is_sharded),
+                                  run_check=False, shape=self.shape, stride=_contiguous_stride(self.shape))
+
+    # --- module attributes ---------------------------------------------------------------------
+    def set_on_modules(self, param: nn.Parameter) -> None:
+        for module, attr in self.places:
+            module._parameters[attr] = param
+
+    def refresh_after_apply(self) -> None:
+        """After ``module._apply`` (``to_empty``, ``.to``) replaced our sharded parameter, adopt the
+        new one and make every tied place hold it again."""
+        module, attr = self.places[0]
+        new = module._parameters[attr]
+        if new is not self.sharded:
+            if not isinstance(new, DTensor):
+                raise RuntimeError(f"{type(module).__name__}.{attr} is no longer a sharded DTensor after a module "
+                                   f"conversion; convert fully-sharded modules with to_empty / .to only")
+            self.sharded = new
+        self.set_on_modules(self.sharded)
+
+    # --- unsharded buffer ----------------------------------------------------------------------
+    def alloc_unsharded(self, dtype: torch.dtype, world: int) -> torch.Tensor:
+        """Allocate (or re-allocate) the unsharded storage; returns its padded [N*c, ...] view."""
+        nbytes = world * self.padded_numel * dtype.itemsize
+        if self.unsharded is None or self.unsharded.dtype != dtype:
+            storage = torch.empty(world * self.rows_per_rank, *self.shape[1:], dtype=dtype, device=self.local.device)
+            self._unsharded_padded = storage
+            self.unsharded = nn.Parameter(storage[:self.shape[0]], requires_grad=self.requires_grad)
+        elif self.unsharded.untyped_storage().size() != nbytes:
+            self.unsharded.untyped_storage().resize_(nbytes)
+        return self._unsharded_padded
+
+    def free_unsharded(self) -> None:
+        if self.unsharded is not None:
+            self.unsharded.untyped_storage().resize_(0)
+
+    def to_unsharded(self) -> None:
+        self.set_on_modules(self.unsharded)
+        self.state = ParamState.UNSHARDED
+
+    def to_sharded(self) -> None:
+        self.set_on_modules(self.sharded)
+        self.state = ParamState.SHARDED
+
+    # --- gradients -----------------------------------------------------------------------------
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient summed over no-sync microbatches; clears both sources."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        if self.accumulated_grad is not None:
+            grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)
+            self.accumulated_grad = None
+        return grad
+
+    def add_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Accumulate a reduced local gradient into ``sharded.grad`` (a DTensor like the parameter)."""
+        local_grad = local_grad.to(self.orig_dtype)
+        if self.sharded.grad is None:
+            self.sharded.grad = self._to_dtensor(local_grad)
+        else:
+            self.sharded.grad._local_tensor.add_(local_grad)
