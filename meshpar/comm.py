@@ -135,11 +135,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Proces
 
 
 @torch.no_grad()
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: str, async_op: bool = False) -> Work:
-    """Sum ``tensor`` over ``group`` in place."""
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: str, async_op: bool = False,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Work:
+    """Reduce ``tensor`` over ``group`` in place (a sum unless ``op`` says otherwise)."""
     n = dist.get_world_size(group)
     _record("all_reduce", dim, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
     with record_function("meshpar::comm.all_reduce"):
         if n == 1:
             return Work(None)
-        return Work(dist.all_reduce(tensor, group=group, async_op=async_op))
+        return Work(dist.all_reduce(tensor, op=op, group=group, async_op=async_op))

@@ -117,8 +117,11 @@ def _managed(module: nn.Module, ignored: set[int]) -> tuple[dict[int, list[tuple
     return places, nested_ids
 
 
+_FULL_PRECISION = MixedPrecisionPolicy()
+
+
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool | int = True,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: CPUOffloadPolicy | None = None,
+                mp_policy: MixedPrecisionPolicy = _FULL_PRECISION, offload_policy: CPUOffloadPolicy | None = None,
                 shard_threshold: int = 0, ignored_params: Iterable[nn.Parameter] | None = None) -> nn.Module:
     """Shard ``module``'s parameters (those no nested ``fully_shard`` took) over ``mesh``.
 
@@ -139,7 +142,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: b
         raise NotImplementedError("reshard_after_forward as an int is not built yet; use True or False")
     info = _mesh_info(mesh)
     places, nested_ids = _managed(module, {id(p) for p in ignored_params or ()})
-    params = {id(p): m._parameters[a] for pid, pl in places.items() for m, a in pl[:1] for p in [m._parameters[a]]}
+    params = {pid: pl[0][0]._parameters[pl[0][1]] for pid, pl in places.items()}
     devices = {p.device for p in params.values()}
     if len(devices) > 1:
         raise ValueError(f"{type(module).__name__} has parameters on several devices ({sorted(map(str, devices))}); "

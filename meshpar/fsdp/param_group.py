@@ -170,7 +170,7 @@ class ParamGroup:
             for dim in filter(lambda d: d is not None, (self.mesh_info.replicate_dim, self.mesh_info.shard_dim)):
                 comm.all_reduce(flat, self.mesh_info.mesh.get_group(dim), dim=self.mesh_info.dim_name(dim))
             flat.div_(self._divide_factor())
-            for (p, g), piece in zip(replicated, flat.split([g.numel() for _, g in replicated]), strict=True):
+            for (p, _), piece in zip(replicated, flat.split([g.numel() for _, g in replicated]), strict=True):
                 p.add_sharded_grad(piece.view(p.shape))
 
     def wait_for_reduce(self) -> None:

@@ -1,0 +1,69 @@
+"""Gradient clipping with the true global norm over parameters sharded on any mix of meshes.
+
+Each gradient contributes ``sum |g|^p`` of its local shard; contributions are summed over
+the mesh dims the gradient is sharded on (``Shard`` placements) and not over the dims it is
+replicated on, then over the groups given in ``extra_groups`` (pipeline stages, which hold
+disjoint parameters). The result is the norm a single process would compute over the full
+gradients, up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from meshpar import comm
+
+
+@torch.no_grad()
+def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0,
+               extra_groups: Iterable[dist.ProcessGroup] = ()) -> torch.Tensor:
+    """Global ``norm_type``-norm of ``grads`` (plain tensors or DTensors), as an fp32 scalar."""
+    is_inf = math.isinf(norm_type)
+    reduce_op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    # group the local contributions by the set of (mesh, dim) they must be reduced over
+    partial: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
+    for g in grads:
+        local, key = g, ()
+        if isinstance(g, DTensor):
+            local = g.to_local()
+            key = tuple((g.device_mesh, i) for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+        acc = partial[key]  # touch the entry even for an empty shard: every rank reduces the same keys
+        x = local.detach().float().abs()
+        if x.numel() == 0:
+            continue
+        value = x.max() if is_inf else x.pow(norm_type).sum()
+        acc = acc.to(value.device)
+        partial[key] = torch.maximum(acc, value) if is_inf else acc + value
+    total = torch.zeros((), dtype=torch.float32)
+    for key, value in partial.items():
+        for mesh, dim in key:
+            names = mesh.mesh_dim_names
+            comm.all_reduce(value, mesh.get_group(dim), dim=names[dim] if names else f"dim{dim}", op=reduce_op)
+        total = total.to(value.device)
+        total = torch.maximum(total, value) if is_inf else total + value
+    for group in extra_groups:
+        comm.all_reduce(total, group, dim="extra", op=reduce_op)
+    return total if is_inf else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
+                    extra_groups: Iterable[dist.ProcessGroup] = ()) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before.
+
+    ``extra_groups``: process groups whose ranks hold disjoint parameters (pipeline stages).
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = total_norm(grads, norm_type, extra_groups)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(coef.to(local.device, local.dtype))
+    return norm
