@@ -74,6 +74,15 @@ class ParallelConfig:
                            valid=(lambda v: v == -1 or v >= 1, "-1 (the ranks left over) or >= 1"))
     cp: int = option(1, "Context-parallel degree (sequence split across ranks).", ge=1)
     tp: int = option(1, "Tensor-parallel degree (innermost mesh dim, fastest links).", ge=1)
+    reshard_after_forward: bool = option(True, "FSDP: free unsharded parameters after forward and all-gather "
+                                               "again in backward (ZeRO-3); false keeps them until after "
+                                               "backward (ZeRO-2: less communication, more memory).")
+    param_dtype: str = option("float32", "FSDP compute and all-gather dtype; sharded parameters and optimizer "
+                                         "state stay float32.", choices=("float32", "bfloat16", "float16"))
+    reduce_dtype: str = option("float32", "FSDP gradient reduce-scatter dtype.",
+                               choices=("float32", "bfloat16", "float16"))
+    shard_threshold: int = option(0, "FSDP: parameters with fewer elements stay replicated (one all-reduce "
+                                     "for all of them instead of tiny shards).", ge=0)
 
 
 @dataclass(frozen=True)

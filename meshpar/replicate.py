@@ -1,9 +1,10 @@
 """Replicated data parallelism: identical parameters on every replica, gradients averaged.
 
-This is the ``dp_replicate`` dimension on its own. Parameters are broadcast from the first
-replica once, so replicas start identical even if their initialization differed; after
-the last microbatch of a step, :func:`all_reduce_gradients` averages every gradient over
-the replicas with one collective on one flat buffer (per dtype).
+This is the ``dp_replicate`` dimension on its own (with ``dp_shard = 1``; with sharding, the
+FSDP engine all-reduces across replicas itself). Replicas start identical because
+initialization is the same on every rank; after the last microbatch of a step,
+:func:`all_reduce_gradients` averages every gradient over the replicas with one
+collective on one flat buffer (per dtype).
 
 [Note: one flat all-reduce per step]
 Gradient accumulation sums local gradients over microbatches without communication; the
@@ -17,18 +18,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-
-@torch.no_grad()
-def broadcast_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Make every replica's parameters and buffers equal to the first replica's."""
-    group = mesh.get_group()
-    src = dist.get_global_rank(group, 0)
-    for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor, src=src, group=group)
+from meshpar import comm
 
 
 @torch.no_grad()
@@ -43,6 +36,6 @@ def all_reduce_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         flat.div_(mesh.size())  # divide first: the sum of pre-scaled values cannot overflow
-        dist.all_reduce(flat, group=mesh.get_group())
+        comm.all_reduce(flat, mesh.get_group(), dim="dp_replicate")
         for g, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(reduced.view_as(g))

@@ -4,7 +4,7 @@ This is what ``torchrun ... -m meshpar.train`` runs on a cluster and what ``mesh
 starts on each local rank. The data flow (shared/DESIGN.md):
 
     recipe -> layout (checked before any process group) -> data (cached tokens)
-      -> process group + mesh -> model on meta -> to_empty + init_weights -> parallelize
+      -> process group + mesh -> model on meta -> parallelize (FSDP) -> to_empty + init_weights
       -> optimizer + LR schedule -> loop: batch -> forward/backward per microbatch
       -> gradient sync -> clip -> step -> metrics
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -28,10 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
+from meshpar.clip import clip_grad_norm_
 from meshpar.data import BatchLoader, Corpus, prepare
+from meshpar.fsdp import FSDPModule
 from meshpar.hardware import HardwareProfile, load_profile
 from meshpar.metrics import MetricsLogger, Progress, peak_memory_gb
 from meshpar.models import Family, get_family
@@ -96,12 +100,6 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
     t = recipe.train
     layout = meshlib.resolve(recipe.parallel, world_size)
     family = get_family(recipe.model.family)
-    if recipe.parallel.dp_shard == -1 and layout.dp_shard > 1 and "dp_shard" not in family.mesh_dims:
-        # dp_shard = -1 is the default, so say what it became and the layout that does run.
-        raise RecipeError(f"parallel.dp_shard = -1 takes the ranks left over, {layout.dp_shard} of {world_size}, but "
-                          f"sharded data parallelism (meshpar.fully_shard) is not built yet; for data parallelism on "
-                          f"{world_size} ranks set parallel.dp_replicate = {layout.dp_replicate * layout.dp_shard}",
-                          "parallel.dp_shard")
     family.check_degrees(dataclasses.asdict(layout))
     accum = _check_batch(recipe, layout)
     args = family.model_args(recipe.model)
@@ -134,7 +132,11 @@ def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
     try:
         mesh = meshlib.build(checked.layout, device.type)
         model, records = _train_loop(recipe, checked, mesh, device, profile, info)
-        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if return_state else None
+        state = None
+        if return_state:  # gathered: a collective per DTensor, for tests only
+            state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+                     for k, v in model.state_dict().items()}
+        dist.barrier()  # gloo groups torn down while a peer still talks can abort at exit
         return RunResult(records, state)
     finally:
         dist.destroy_process_group()
@@ -156,10 +158,11 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     torch.manual_seed(t.seed)
     with torch.device("meta"):
         model = family.model_cls(args)
+    model = family.parallelize(model, mesh, recipe.parallel)  # still on meta: shards only from here on
     model.to_empty(device=device)
-    model.init_weights()  # same seed on every rank: replicas start identical
-    n_params = sum(p.numel() for p in model.parameters())
-    model = family.parallelize(model, mesh)
+    model.init_weights()  # layout-independent values (meshpar.init): every layout starts from the same model
+    n_params = sum(p.numel() for p in model.parameters())  # DTensors count their global size
+    sharded = isinstance(model, FSDPModule)
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_lr_schedule(optimizer, recipe.optim, t.steps)
     loader = BatchLoader(corpus.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
@@ -173,7 +176,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
               f"MFU against {profile.name}", flush=True)
     flops_per_token = args.flops_per_token(t.seq_len)
     n_devices = info.world_size if device.type == "cuda" else info.world_size // info.local_world_size
-    peak = profile.peak_flops(torch.float32) * n_devices
+    peak = profile.peak_flops(getattr(torch, recipe.parallel.param_dtype)) * n_devices
     tokens_per_step = t.global_batch * t.seq_len
     params = [p for p in model.parameters() if p.requires_grad]
     records: list[dict[str, Any]] = []
@@ -181,14 +184,16 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
 
     for step in range(1, t.steps + 1):
         loss_sum = torch.zeros((), device=device)
-        for inputs, targets in loader.next_step():
+        for i, (inputs, targets) in enumerate(loader.next_step()):
+            if sharded:  # reduce-scatter once per step, after the last microbatch
+                model.set_requires_gradient_sync(i == accum - 1)
             loss = cross_entropy(model(inputs.to(device)), targets.to(device)) / accum
             loss.backward()
             loss_sum += loss.detach()
-        all_reduce_gradients(model, mesh["dp_replicate"])
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if recipe.optim.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, recipe.optim.grad_clip, grad_norm)
+        if not sharded:
+            all_reduce_gradients(model, mesh["dp_replicate"])
+        max_norm = recipe.optim.grad_clip if recipe.optim.grad_clip > 0 else math.inf
+        grad_norm = clip_grad_norm_(params, max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

@@ -319,7 +319,7 @@ def test_dp_shard_minus_one_takes_the_ranks_left_over():
     layout = meshlib.resolve(ParallelConfig(pp=2, tp=2), 8)
     assert layout == meshlib.Layout(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2)
     assert (layout.world_size, layout.dp, str(layout)) == (8, 2, "pp 2 x dp_shard 2 x tp 2")
-    assert str(meshlib.resolve(ParallelConfig(), 1)) == "1 rank"
+    assert str(meshlib.resolve(ParallelConfig(), 1)) == "single rank"
     assert meshlib.resolve(ParallelConfig(dp_replicate=2, dp_shard=2), 4).dp == 4
 
 
@@ -358,6 +358,11 @@ def test_preflight_passes_on_a_good_recipe(byte_recipe):
     assert (checked.accum, checked.corpus.vocab_size, checked.layout.world_size) == (4, 256, 1)
 
 
+def test_preflight_default_dp_shard_takes_every_rank(byte_recipe):
+    checked = preflight(byte_recipe("--model.vocab_size=256"), 2)  # dp_shard = -1 -> 2: FSDP over both ranks
+    assert (checked.layout.dp_shard, checked.layout.dp, checked.accum) == (2, 2, 2)
+
+
 @pytest.mark.parametrize(("world_size", "overrides", "message"), [
     (2, ["--parallel.dp_replicate=2", "--train.global_batch=6", "--train.micro_batch=2"],
      r"train\.global_batch \(6\) must be a multiple of train\.micro_batch \(2\) x data-parallel degree \(2\); "
@@ -374,12 +379,7 @@ def test_preflight_passes_on_a_good_recipe(byte_recipe):
     (1, ["--data.path=/nonexistent/meshpar.txt"], r"data\.path = '/nonexistent/meshpar\.txt': no such file or folder$"),
     (3, ["--parallel.dp_replicate=2"], r"\[parallel\] dp_shard = -1 takes the ranks left over, but .*= 2 does not "
                                        r"divide the world size 3"),
-    # the default dp_shard = -1 on 2 ranks: saying "set parallel.dp_shard = 1" sends the user into the
-    # equation error, which says "set dp_shard = -1"; the message must start from what they wrote
-    # and name the layout that runs (dp_replicate = 2)
-    (2, [], r"dp_shard = -1.*dp_replicate = 2"),
-], ids=["batch-dp", "batch-dp-none", "seq-len", "eval-no-val", "vocab", "data-path", "world-indivisible",
-        "dp-shard-default-2-ranks"])
+], ids=["batch-dp", "batch-dp-none", "seq-len", "eval-no-val", "vocab", "data-path", "world-indivisible"])
 def test_preflight_errors(byte_recipe, world_size, overrides, message):
     with pytest.raises(RecipeError, match=message):
         preflight(byte_recipe(*overrides), world_size)

@@ -62,7 +62,7 @@ NOT_BUILT = {
     "tp": "tensor parallelism",
 }
 
-_DP = frozenset({"dp_replicate"})
+_DP = frozenset({"dp_replicate", "dp_shard"})
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", Transformer, LLAMA_SIZES, parallelize_transformer, _DP),
