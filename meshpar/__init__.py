@@ -2,7 +2,13 @@
 
 Read in this order: ``recipe`` (TOML -> sections) -> ``mesh`` (degrees -> DeviceMesh) ->
 ``models`` (families on meta) -> ``parallelize`` (the fixed composition order) ->
-``train`` (the step loop).
+``train`` (the step loop). The FSDP engine is ``meshpar.fsdp``; its public names are
+re-exported here so that switching from PyTorch's engine is one import.
 """
 
+from meshpar import comm
+from meshpar.clip import clip_grad_norm_
+from meshpar.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
 __version__ = "0.1.0"
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "comm", "fully_shard"]

@@ -128,19 +128,18 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: b
     ``reshard_after_forward``: True frees unsharded parameters after forward and all-gathers
     again in backward; False keeps them until after backward. ``shard_threshold``:
     parameters with fewer elements stay replicated, their gradients all-reduced.
+    ``offload_policy``: keep shards, gradients and so optimizer state on CPU; the optimizer
+    steps there, and shards are copied to the device for each all-gather.
     """
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__bases__[-1].__name__}; "
                          f"apply it once per module")
-    if offload_policy is not None:
-        raise NotImplementedError("CPU offload is not built yet in meshpar's engine; pass offload_policy=None")
+    info = _mesh_info(mesh)
     if not isinstance(reshard_after_forward, bool):
-        n = _mesh_info(mesh).shard_size
+        n = info.shard_size
         if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or n % reshard_after_forward:
             raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: an int must divide the shard group "
                              f"size {n} (e.g. the GPUs per node)")
-        raise NotImplementedError("reshard_after_forward as an int is not built yet; use True or False")
-    info = _mesh_info(mesh)
     places, nested_ids = _managed(module, {id(p) for p in ignored_params or ()})
     params = {pid: pl[0][0]._parameters[pl[0][1]] for pid, pl in places.items()}
     devices = {p.device for p in params.values()}
@@ -162,15 +161,32 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: b
             raise ValueError(f"{name} is a 0-dim parameter; fully_shard needs at least one dim to shard "
                              f"(make it shape [1], or pass it in ignored_params)")
     device = _device(mesh, devices)
-    sharded = [ShardedParam(p, places[pid], info, device, shard=p.numel() >= shard_threshold)
-               for pid, p in params.items()]
+    sharded = [ShardedParam(p, places[pid], info, device, shard=p.numel() >= shard_threshold,
+                            offload=offload_policy) for pid, p in params.items()]
     group = ParamGroup(sharded, info, mp_policy) if sharded else None
+    if group is not None and not isinstance(reshard_after_forward, bool) and reshard_after_forward < info.shard_size:
+        group.post_forward = _post_forward_group(info, reshard_after_forward)
     module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward)
     cls = module.__class__
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     module.__class__ = _CLASSES[cls]
     return module
+
+
+def _post_forward_group(info: MeshInfo, k: int) -> tuple:
+    """The k-rank groups of consecutive shard ranks (a node, typically) that backward gathers in.
+
+    [Note: int reshard_after_forward]
+    After forward each rank keeps 1/k of every unsharded parameter instead of 1/N, so
+    backward's all-gather runs within k neighbouring ranks (intra-node links) at the price of
+    N/k times the sharded memory between forward and backward. Creating the groups is a
+    collective over the whole mesh, so every rank must make the same fully_shard calls.
+    """
+    name = info.shard_dim_name
+    sub = info.mesh._unflatten(info.shard_dim, (info.shard_size // k, k), (f"{name}_outer", f"{name}_inner"))
+    inner = f"{name}_inner"
+    return sub[inner].get_group(), k, inner
 
 
 def _device(mesh: DeviceMesh, devices: set[torch.device]) -> torch.device:

@@ -17,6 +17,7 @@ Flat layouts, for N shard ranks and parameters p_i of padded chunk size n_i = c_
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
@@ -35,7 +36,11 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
         self.divide_factor: float | None = None  # default: the data-parallel world size
-        self._gather: tuple[comm.Work, torch.Tensor] | None = None  # all-gather in flight
+        self._gather: tuple[comm.Work, torch.Tensor, int] | None = None  # all-gather in flight, its world
+        # int reshard_after_forward: (group, k, dim name) of the k-rank group backward gathers in, and
+        # this rank's 1/k of each unsharded parameter between forward and backward
+        self.post_forward: tuple[dist.ProcessGroup, int, str] | None = None
+        self._post_forward_shards: list[torch.Tensor] | None = None
         self._reduce: tuple[comm.Work, torch.Tensor, list[ShardedParam]] | None = None
         self._grads_ready: set[int] = set()
         self._hooked: set[int] = set()
@@ -55,38 +60,47 @@ class ParamGroup:
         if self.state is ParamState.UNSHARDED:
             return
         if self._gather is None and self.params:
-            dtype = self.mp.param_dtype or self.params[0].orig_dtype
-            with record_function("meshpar::fsdp.copy_in"):
-                send = torch.empty(self.per_rank_numel, dtype=dtype, device=self.params[0].local.device)
-                offset = 0
-                for p in self.params:
-                    n = p.local_rows * p.inner
-                    send[offset:offset + n].copy_(p.local.reshape(-1))  # rows past n are padding
-                    offset += p.padded_numel
-            recv = torch.empty(self.world * self.per_rank_numel, dtype=dtype, device=send.device)
-            work = comm.all_gather(recv, send, self.mesh_info.shard_group, async_op=True,
-                                   dim=self.mesh_info.dim_name(self.mesh_info.shard_dim))
-            self._gather = (work, recv)
+            if self._post_forward_shards is not None:  # backward after an int reshard_after_forward
+                group, world, dim = self.post_forward
+                send = torch.cat(self._post_forward_shards)
+            else:
+                group, world, dim = self.mesh_info.shard_group, self.world, self.mesh_info.shard_dim_name
+                send = self._copy_in()
+            recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+            self._gather = (comm.all_gather(recv, send, group, async_op=True, dim=dim), recv, world)
         if not async_op:
             self._finish_unshard()
 
+    def _copy_in(self) -> torch.Tensor:
+        """This rank's chunks of every parameter, cast to param_dtype, in one flat buffer."""
+        dtype = self.mp.param_dtype or self.params[0].orig_dtype
+        with record_function("meshpar::fsdp.copy_in"):
+            send = torch.empty(self.per_rank_numel, dtype=dtype, device=self.params[0].compute_device)
+            offset = 0
+            for p in self.params:
+                n = p.local_rows * p.inner  # rows past n are padding
+                send[offset:offset + n].copy_(p.local.reshape(-1), non_blocking=True)
+                offset += p.padded_numel
+        return send
+
     def _finish_unshard(self) -> None:
         if self._gather is not None:
-            work, recv = self._gather
+            work, recv, world = self._gather
             self._gather = None
+            self._post_forward_shards = None
             with record_function("meshpar::fsdp.all_gather_wait"):
                 work.wait()
-            with record_function("meshpar::fsdp.copy_out"):
-                dtype = recv.dtype
-                outs = [p.alloc_unsharded(dtype, self.world).view(self.world, -1) for p in self.params]
-                with torch.no_grad():
-                    pieces = recv.view(self.world, -1).split([p.padded_numel for p in self.params], dim=1)
-                    for p, out, piece in zip(self.params, outs, pieces, strict=True):
-                        with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
-                            out.copy_(piece)
+            with record_function("meshpar::fsdp.copy_out"), torch.no_grad():
+                # recv[world, sum_i size_i]; parameter i's padded rows, in order, are its column block
+                sizes = [p.padded_numel * self.world // world for p in self.params]
+                pieces = recv.view(world, -1).split(sizes, dim=1)
+                for p, piece in zip(self.params, pieces, strict=True):
+                    out = p.alloc_unsharded(recv.dtype, self.world).view(world, -1)
+                    with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
+                        out.copy_(piece)
         for p in self.replicated:  # the local tensor is the whole parameter
             dtype = self.mp.param_dtype or p.orig_dtype
-            data = p.local if dtype == p.orig_dtype else p.local.to(dtype)
+            data = p.local.to(p.compute_device, dtype, non_blocking=True)  # no copy unless offloaded or cast
             if p.unsharded is None or p.unsharded.data_ptr() != data.data_ptr():
                 p.unsharded = torch.nn.Parameter(data, requires_grad=p.requires_grad)
         for p in self.all_params:
@@ -94,13 +108,19 @@ class ParamGroup:
             self._hook_grad(p)
         self.state = ParamState.UNSHARDED
 
-    def reshard(self) -> None:
-        """Swap the sharded parameters back in and free the unsharded storage."""
+    def reshard(self, after_forward: bool = False) -> None:
+        """Swap the sharded parameters back in and free the unsharded storage. ``after_forward``
+        with an int ``reshard_after_forward`` first keeps this rank's 1/k of each parameter, so
+        backward all-gathers within the k-rank group (see ``post_forward``)."""
         if self._gather is not None:  # a prefetch nobody used: finish it so the buffers are consistent
             self._gather[0].wait()
             self._gather = None
         if self.state is ParamState.SHARDED:
             return
+        if after_forward and self.post_forward is not None and self.params:
+            group, k, _ = self.post_forward
+            rank = dist.get_rank(group)
+            self._post_forward_shards = [p.unsharded_padded.view(k, -1)[rank].clone() for p in self.params]
         for p in self.all_params:
             p.to_sharded()
         for p in self.params:
@@ -147,7 +167,7 @@ class ParamGroup:
         if self.params and any(grads[id(p)] is not None for p in self.params):
             with record_function("meshpar::fsdp.reduce_copy_in"):
                 send = torch.empty(self.world, self.per_rank_numel, dtype=reduce_dtype,
-                                   device=self.params[0].local.device)
+                                   device=self.params[0].compute_device)
                 offset = 0
                 for p in self.params:
                     block = send[:, offset:offset + p.padded_numel]
@@ -162,7 +182,7 @@ class ParamGroup:
                     offset += p.padded_numel
             recv = torch.empty(self.per_rank_numel, dtype=reduce_dtype, device=send.device)
             work = comm.reduce_scatter(recv, send.view(-1), self.mesh_info.shard_group, async_op=True,
-                                       dim=self.mesh_info.dim_name(self.mesh_info.shard_dim))
+                                       dim=self.mesh_info.shard_dim_name)
             self._reduce = (work, recv, self.params)
         replicated = [(p, grads[id(p)]) for p in self.replicated if grads[id(p)] is not None]
         if replicated:  # one all-reduce over the whole dp mesh for all small parameters

@@ -31,6 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from meshpar.fsdp.policies import CPUOffloadPolicy
+
 
 class ParamState(Enum):
     SHARDED = auto()
@@ -69,6 +71,10 @@ class MeshInfo:
         names = self.mesh.mesh_dim_names
         return names[dim] if names else f"dim{dim}"
 
+    @property
+    def shard_dim_name(self) -> str:
+        return self.dim_name(self.shard_dim)
+
     def placements(self, sharded: bool) -> tuple[Placement, ...]:
         shard: Placement = Shard(0) if sharded else Replicate()
         return (shard,) if self.replicate_dim is None else (Replicate(), shard)
@@ -87,22 +93,28 @@ class ShardedParam:
     (more than one for tied weights)."""
 
     def __init__(self, param: nn.Parameter, places: list[tuple[nn.Module, str]], mesh_info: MeshInfo,
-                 device: torch.device, *, shard: bool):
+                 device: torch.device, *, shard: bool, offload: CPUOffloadPolicy | None = None):
+        """``device``: where unsharded parameters and collectives live; the shard lives there too,
+        or on CPU with ``offload`` (pinned when an accelerator exists to copy to)."""
         self.places, self.mesh_info, self.is_sharded = places, mesh_info, shard
+        self.compute_device = device
         self.shape, self.orig_dtype, self.requires_grad = param.shape, param.dtype, param.requires_grad
         n, r = (mesh_info.shard_size, mesh_info.shard_rank) if shard else (1, 0)
         self.rows_per_rank = math.ceil(self.shape[0] / n) if self.shape[0] else 0  # c
         self.inner = math.prod(self.shape[1:])  # elements per row
         self.local_rows = max(0, min(self.rows_per_rank, self.shape[0] - r * self.rows_per_rank))
         start = r * self.rows_per_rank
-        local = torch.empty((self.local_rows, *self.shape[1:]), dtype=param.dtype, device=device)
+        local_device = torch.device("cpu") if offload is not None and device.type != "meta" else device
+        pin = offload is not None and offload.pin_memory and device.type not in ("cpu", "meta")
+        local = torch.empty((self.local_rows, *self.shape[1:]), dtype=param.dtype, device=local_device,
+                            pin_memory=pin)
         if param.device.type != "meta":
             with torch.no_grad():
                 local.copy_(param.detach()[start:start + self.local_rows])
         self.sharded = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
         self.orig_id = id(param)  # to detect a tie that spans two units
         self.unsharded: nn.Parameter | None = None
-        self._unsharded_padded: torch.Tensor | None = None  # [N*c, ...] view of the unsharded storage
+        self.unsharded_padded: torch.Tensor | None = None  # [N*c, ...] view of the unsharded storage
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, across no-sync microbatches
         self.state = ParamState.SHARDED
         self.set_on_modules(self.sharded)
@@ -143,12 +155,13 @@ class ShardedParam:
         """Allocate (or re-allocate) the unsharded storage; returns its padded [N*c, ...] view."""
         nbytes = world * self.padded_numel * dtype.itemsize
         if self.unsharded is None or self.unsharded.dtype != dtype:
-            storage = torch.empty(world * self.rows_per_rank, *self.shape[1:], dtype=dtype, device=self.local.device)
-            self._unsharded_padded = storage
+            storage = torch.empty(world * self.rows_per_rank, *self.shape[1:], dtype=dtype,
+                                  device=self.compute_device)
+            self.unsharded_padded = storage
             self.unsharded = nn.Parameter(storage[:self.shape[0]], requires_grad=self.requires_grad)
         elif self.unsharded.untyped_storage().size() != nbytes:
             self.unsharded.untyped_storage().resize_(nbytes)
-        return self._unsharded_padded
+        return self.unsharded_padded
 
     def free_unsharded(self) -> None:
         if self.unsharded is not None:
@@ -175,7 +188,7 @@ class ShardedParam:
 
     def add_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Accumulate a reduced local gradient into ``sharded.grad`` (a DTensor like the parameter)."""
-        local_grad = local_grad.to(self.orig_dtype)
+        local_grad = local_grad.to(self.local.device, self.orig_dtype)  # to CPU when offloaded
         if self.sharded.grad is None:
             self.sharded.grad = self._to_dtensor(local_grad)
         else:

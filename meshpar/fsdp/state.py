@@ -44,7 +44,7 @@ class Iteration:
 
 class FSDPState:
     def __init__(self, module: nn.Module, group: ParamGroup | None, mp: MixedPrecisionPolicy,
-                 reshard_after_forward: bool):
+                 reshard_after_forward: bool | int):
         self.module, self.group, self.mp = module, group, mp
         self.reshard_after_forward = reshard_after_forward
         self.is_root: bool | None = None
@@ -106,7 +106,7 @@ class FSDPState:
                     self.group.reshard()
             else:
                 if self.group is not None and self.reshard_after_forward and not self.is_root:
-                    self.group.reshard()
+                    self.group.reshard(after_forward=True)
                 self._register_pre_backward(output)
             if self.is_root:
                 self.iteration.order_frozen = True
