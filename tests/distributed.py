@@ -39,16 +39,22 @@ def _rank_main(rank: int, world_size: int, port: int, init_pg: bool, fn: Callabl
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    all_ok = False
     try:
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         # Plain pickle copies tensors into the message; the multiprocessing queue would pass
         # shared-memory handles that die with this process before the parent reads them.
         results.put((rank, True, pickle.dumps(fn(*args))))
+        all_ok = True
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent, readable
         results.put((rank, False, traceback.format_exc()))
     finally:
         if init_pg and dist.is_initialized():
+            # A gloo group destroyed while a peer still uses it occasionally aborts (SIGABRT) at
+            # exit; meeting first avoids it. Skipped after a failure, where peers may be gone.
+            if all_ok:
+                dist.barrier()
             dist.destroy_process_group()
 
 
