@@ -154,9 +154,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: b
         if not p.is_floating_point():
             raise ValueError(f"{name} is {p.dtype}; fully_shard shards floating-point parameters only "
                              f"(register it as a buffer, or pass it in ignored_params)")
-        if isinstance(p, DTensor):
-            raise NotImplementedError(f"{name} is already a DTensor (tensor parallel); composing FSDP with "
-                                      f"TP is not built yet")
+        if isinstance(p, DTensor) and len(p.device_mesh.shape) != 1:
+            raise NotImplementedError(f"{name} is a DTensor on a {p.device_mesh.ndim}-D mesh; fully_shard composes "
+                                      f"with 1-D tensor parallelism (a tp sub-mesh) only")
         if p.ndim == 0:
             raise ValueError(f"{name} is a 0-dim parameter; fully_shard needs at least one dim to shard "
                              f"(make it shape [1], or pass it in ignored_params)")

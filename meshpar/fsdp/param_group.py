@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.profiler import record_function
+from torch.distributed.tensor import DTensor
 
 from meshpar import comm
 from meshpar.fsdp.policies import MixedPrecisionPolicy
@@ -101,8 +102,9 @@ class ParamGroup:
         for p in self.replicated:  # the local tensor is the whole parameter
             dtype = self.mp.param_dtype or p.orig_dtype
             data = p.local.to(p.compute_device, dtype, non_blocking=True)  # no copy unless offloaded or cast
-            if p.unsharded is None or p.unsharded.data_ptr() != data.data_ptr():
-                p.unsharded = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            current = p.unsharded.to_local() if isinstance(p.unsharded, DTensor) else p.unsharded
+            if current is None or current.data_ptr() != data.data_ptr():
+                p.unsharded = p.as_unsharded_param(data)
         for p in self.all_params:
             p.to_unsharded()
             self._hook_grad(p)

@@ -10,6 +10,15 @@ each chunk has ``c = ceil(rows / N)`` rows, rank r owns rows ``[r*c, min((r+1)*c
 so the last ranks may own fewer rows or none. Collectives need equal sizes, so every rank
 sends ``c`` rows ("padded"); the padding rows are never read back.
 
+[Note: FSDP on a tensor-parallel parameter]
+A parameter that is already a DTensor on a ``tp`` mesh is sharded on dim 0 of its TP-local
+tensor; the sharded DTensor lives on the joint mesh ``(dp..., tp)`` (one parent mesh).
+When TP splits dim 0 too (column-wise), rank (d, t) holds rows ``d*c`` of TP shard t: in
+global terms, dp's chunks interleave with tp's, which is ``_StridedShard(0,
+split_factor=tp)`` on the dp dim, the placement PyTorch's fully_shard uses, so the two
+engines' checkpoints stay interchangeable. Unsharding rebuilds the TP-local tensor and
+hands the module the TP DTensor over it.
+
 [Note: the unsharded parameter keeps its identity]
 Autograd saves the unsharded weight (e.g. for ``linear``'s backward). Freeing it by
 dropping our reference would not free memory, since autograd still holds it. So the
@@ -30,6 +39,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshpar.fsdp.policies import CPUOffloadPolicy
 
@@ -80,6 +90,12 @@ class MeshInfo:
         return (shard,) if self.replicate_dim is None else (Replicate(), shard)
 
 
+@dataclass(frozen=True)
+class _TensorParallelSpec:
+    mesh: DeviceMesh  # the tp sub-mesh the parameter was distributed on
+    placements: tuple[Placement, ...]
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):
@@ -98,7 +114,13 @@ class ShardedParam:
         or on CPU with ``offload`` (pinned when an accelerator exists to copy to)."""
         self.places, self.mesh_info, self.is_sharded = places, mesh_info, shard
         self.compute_device = device
-        self.shape, self.orig_dtype, self.requires_grad = param.shape, param.dtype, param.requires_grad
+        self.orig_dtype, self.requires_grad = param.dtype, param.requires_grad
+        self.global_shape = param.shape
+        self.tp: _TensorParallelSpec | None = None
+        if isinstance(param, DTensor):  # sharded further on dim 0 of its tensor-parallel local tensor
+            self.tp = _TensorParallelSpec(param.device_mesh, tuple(param.placements))
+            param = param.to_local()
+        self.shape = param.shape  # the tensor FSDP shards: the parameter, or its TP-local tensor
         n, r = (mesh_info.shard_size, mesh_info.shard_rank) if shard else (1, 0)
         self.rows_per_rank = math.ceil(self.shape[0] / n) if self.shape[0] else 0  # c
         self.inner = math.prod(self.shape[1:])  # elements per row
@@ -111,7 +133,8 @@ class ShardedParam:
         if param.device.type != "meta":
             with torch.no_grad():
                 local.copy_(param.detach()[start:start + self.local_rows])
-        self.sharded = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
+        self._mesh, self._placements = self._sharded_layout()
+        self.sharded = nn.Parameter(self._to_dtensor(local), requires_grad=self.requires_grad)
         self.orig_id = id(param)  # to detect a tie that spans two units
         self.unsharded: nn.Parameter | None = None
         self.unsharded_padded: torch.Tensor | None = None  # [N*c, ...] view of the unsharded storage
@@ -129,9 +152,22 @@ class ShardedParam:
     def local(self) -> torch.Tensor:
         return self.sharded.to_local()
 
+    def _sharded_layout(self) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """Mesh and placements of the sharded DTensor. With tensor parallelism, the joint mesh
+        (data-parallel dims outermost) and, as PyTorch's fully_shard makes them, a strided shard
+        when TP already splits dim 0: [Note: FSDP on a tensor-parallel parameter]."""
+        dp = self.mesh_info.placements(self.is_sharded)
+        if self.tp is None:
+            return self.mesh_info.mesh, dp
+        tp_shards_dim0 = math.prod(self.tp.mesh.size(i) for i, pl in enumerate(self.tp.placements)
+                                   if isinstance(pl, Shard) and pl.dim == 0)
+        if self.is_sharded and tp_shards_dim0 > 1:
+            dp = (*dp[:-1], _StridedShard(0, split_factor=tp_shards_dim0))
+        return DeviceMesh._concatenate([self.mesh_info.mesh, self.tp.mesh]), (*dp, *self.tp.placements)
+
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh_info.mesh, self.mesh_info.placements(self.is_sharded),
-                                  run_check=False, shape=self.shape, stride=_contiguous_stride(self.shape))
+        return DTensor.from_local(local, self._mesh, self._placements, run_check=False, shape=self.global_shape,
+                                  stride=_contiguous_stride(self.global_shape))
 
     # --- module attributes ---------------------------------------------------------------------
     def set_on_modules(self, param: nn.Parameter) -> None:
@@ -158,14 +194,21 @@ class ShardedParam:
             storage = torch.empty(world * self.rows_per_rank, *self.shape[1:], dtype=dtype,
                                   device=self.compute_device)
             self.unsharded_padded = storage
-            self.unsharded = nn.Parameter(storage[:self.shape[0]], requires_grad=self.requires_grad)
-        elif self.unsharded.untyped_storage().size() != nbytes:
-            self.unsharded.untyped_storage().resize_(nbytes)
+            self.unsharded = self.as_unsharded_param(storage[:self.shape[0]])
+        elif self.unsharded_padded.untyped_storage().size() != nbytes:
+            self.unsharded_padded.untyped_storage().resize_(nbytes)
         return self.unsharded_padded
 
+    def as_unsharded_param(self, full: torch.Tensor) -> nn.Parameter:
+        """The parameter the module computes with: ``full`` itself, or the TP DTensor over it."""
+        if self.tp is not None:
+            full = DTensor.from_local(full, self.tp.mesh, self.tp.placements, run_check=False,
+                                      shape=self.global_shape, stride=_contiguous_stride(self.global_shape))
+        return nn.Parameter(full, requires_grad=self.requires_grad)
+
     def free_unsharded(self) -> None:
-        if self.unsharded is not None:
-            self.unsharded.untyped_storage().resize_(0)
+        if self.unsharded_padded is not None:
+            self.unsharded_padded.untyped_storage().resize_(0)
 
     def to_unsharded(self) -> None:
         self.set_on_modules(self.unsharded)
@@ -181,6 +224,8 @@ class ShardedParam:
         grad = self.unsharded.grad if self.unsharded is not None else None
         if self.unsharded is not None:
             self.unsharded.grad = None
+        if isinstance(grad, DTensor):  # TP: reduce the local gradient of this TP shard
+            grad = grad.redistribute(placements=self.tp.placements).to_local()
         if self.accumulated_grad is not None:
             grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)
             self.accumulated_grad = None

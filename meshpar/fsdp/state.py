@@ -83,9 +83,10 @@ class FSDPState:
             if self.group is not None:
                 if not it.order_frozen and torch.is_grad_enabled():
                     it.order.append(self)
-                self.group.unshard()
+                self.group.unshard(async_op=True)  # issue ours, then the prefetch, then wait for ours
                 for target in self._forward_targets():
                     target.group.unshard(async_op=True)
+                self.group.unshard()
             if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
                 args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
         return args, kwargs
@@ -130,9 +131,10 @@ class FSDPState:
         self._in_backward = True
         with record_function("meshpar::fsdp.pre_backward"):
             if self.group is not None:
-                self.group.unshard()
+                self.group.unshard(async_op=True)
                 for target in self._backward_targets():
                     target.group.unshard(async_op=True)
+                self.group.unshard()
         return grad
 
     def _backward_targets(self) -> list[FSDPState]:
