@@ -137,6 +137,23 @@ def test_meta_init_equals_cpu_init(family):
     assert torch.equal(meta(x), cpu(x))
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pipeline_stage_initialized_alone_equals_the_whole_model(family):
+    """Values are keyed by parameter name (meshpar.init), so each stage, built on meta and
+    initialized on its own, starts as the same parameters of the whole model; the last stage's
+    copy of a tied embedding starts equal to the embedding."""
+    whole = dict(build(family, seed=5).named_parameters(remove_duplicate=False))
+    cls, sizes = FAMILIES[family]
+    with torch.device("meta"):
+        model = cls(sizes["debug"])
+    for stage in split_in_two(model):
+        stage.to_empty(device="cpu")
+        torch.manual_seed(5)
+        stage.init_weights()
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            assert torch.equal(param, whole[name]), name
+
+
 def test_llama_init_statistics():
     model = build("llama")
     layer = model.layers["1"]

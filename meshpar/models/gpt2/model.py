@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from meshpar.init import ParamInit
+
 
 @dataclass(frozen=True)
 class GPT2Args:
@@ -106,10 +108,10 @@ class Block(nn.Module):
         h = x + self.attn(self.ln_1(x))
         return h + self.mlp(self.ln_2(h))
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         for linear, s in ((self.attn.c_attn, std), (self.attn.c_proj, out_std),
                           (self.mlp.c_fc, std), (self.mlp.c_proj, out_std)):
-            nn.init.normal_(linear.weight, mean=0.0, std=s)
+            init.normal_(linear.weight, std=s)
             nn.init.zeros_(linear.bias)
         self.ln_1.reset_parameters()
         self.ln_2.reset_parameters()
@@ -120,7 +122,8 @@ class Block(nn.Module):
 # and calling to_empty() unties them (it gives each module a new Parameter), so
 # init_weights() ties them again before initializing; tests/test_models.py checks the
 # tie after meta init and that an optimizer step moves both names together. A pipeline
-# split that puts wte and lm_head in different stages leaves each with its own copy.
+# split that puts wte and lm_head in different stages leaves each with its own copy; the
+# copy in lm_head is initialized under wte's name, so both start as the whole model's.
 
 
 class GPT2(nn.Module):
@@ -131,8 +134,10 @@ class GPT2(nn.Module):
     ``lm_head`` None hidden states are returned.
 
     Init (``init_weights``): normal std 0.02 for embeddings and weights, the residual
-    projections (``c_proj``) 0.02 / sqrt(2 * n_layers), biases zero, LayerNorm ones/zeros;
-    drawn from the global RNG in module order.
+    projections (``c_proj``) 0.02 / sqrt(2 * n_layers), biases zero, LayerNorm ones/zeros.
+    Random values are layout-independent (meshpar.init): a function of one base seed drawn
+    from the global RNG, the parameter's name and the position, so a pipeline stage or any
+    sharding starts equal to the whole single-process model.
     """
 
     def __init__(self, args: GPT2Args) -> None:
@@ -153,16 +158,17 @@ class GPT2(nn.Module):
     def init_weights(self) -> None:
         """Initialize every parameter in place, re-tying lm_head to wte first."""
         self.tie_weights()
+        init = ParamInit(self)  # draws the base seed from the global RNG
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
         for emb in (self.wte, self.wpe):
             if emb is not None:
-                nn.init.normal_(emb.weight, mean=0.0, std=std)
+                init.normal_(emb.weight, std=std)
         for layer in self.layers.values():
-            layer.init_weights(std, out_std)
+            layer.init_weights(init, std, out_std)
         if self.ln_f is not None:
             self.ln_f.reset_parameters()
-        if self.lm_head is not None and self.wte is None:  # the last pipeline stage's own copy
-            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+        if self.lm_head is not None and self.wte is None:  # the last pipeline stage's copy of wte
+            init.normal_(self.lm_head.weight, std=std, key="wte.weight")
 
     def forward(self, tokens: Tensor) -> Tensor:
         seq_len = tokens.shape[1]

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from meshpar.init import ParamInit
 from meshpar.models.llama.args import ModelArgs, RopeScaling
 
 # [Note: RoPE layout]
@@ -59,12 +60,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _trunc_normal(weight: Tensor, std: float) -> None:
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+def _trunc_normal(init: ParamInit, weight: Tensor, std: float) -> None:
+    init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
 
 
-def _init_linear(linear: nn.Linear, std: float) -> None:
-    _trunc_normal(linear.weight, std)
+def _init_linear(init: ParamInit, linear: nn.Linear, std: float) -> None:
+    _trunc_normal(init, linear.weight, std)
     if linear.bias is not None:
         nn.init.zeros_(linear.bias)
 
@@ -96,10 +97,10 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # out[B, H, T, Dh]
         return self.wo(rearrange(out, "b h t d -> b t (h d)"))  # [B, T, H*Dh] @ wo[H*Dh, D] -> [B, T, D]
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            _init_linear(linear, std)
-        _init_linear(self.wo, out_std)
+            _init_linear(init, linear, std)
+        _init_linear(init, self.wo, out_std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
@@ -118,10 +119,10 @@ class FeedForward(nn.Module):
         # x[B, T, D] @ w1, w3[D, F] -> [B, T, F]; [B, T, F] @ w2[F, D] -> [B, T, D]
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        _init_linear(self.w1, std)
-        _init_linear(self.w3, std)
-        _init_linear(self.w2, out_std)
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
+        _init_linear(init, self.w1, std)
+        _init_linear(init, self.w3, std)
+        _init_linear(init, self.w2, out_std)
 
 
 class TransformerBlock(nn.Module):
@@ -138,11 +139,11 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         self.attention_norm.reset_parameters()
-        self.attention.init_weights(std, out_std)
+        self.attention.init_weights(init, std, out_std)
         self.ffn_norm.reset_parameters()
-        self.feed_forward.init_weights(std, out_std)
+        self.feed_forward.init_weights(init, std, out_std)
 
 
 # [Note: initialization]
@@ -153,16 +154,20 @@ class TransformerBlock(nn.Module):
 # untied output (the first RMSNorm rescales) but with tied embeddings the same matrix is
 # the output projection and std 1.0 would start the logits at std ~sqrt(D); 0.02 suits
 # both cases, and small models train stably with it. Norms are ones, biases zero.
-# Everything is drawn from the global RNG in module order, so a model built on meta and
-# initialized after to_empty equals one built on CPU with the same seed. A pipeline stage
-# initialized alone draws different numbers than the same layers of a whole model.
+# Random values come from meshpar.init ([Note: layout-independent init]): init_weights()
+# draws one base seed from the global RNG, and each value is a function of that seed, the
+# parameter's name and the value's position. So after torch.manual_seed(s), a model built
+# on meta equals one built on CPU, a pipeline stage equals the same layers of the whole
+# model, and every sharding (FSDP, HSDP, tensor parallel) equals one process.
 
 # [Note: weight tying and to_empty]
 # With tie_embeddings, output.weight and tok_embeddings.weight are one Parameter. Moving
 # a meta model with to_empty() creates a new Parameter per module and silently unties
 # them, so init_weights() ties them again (tie_weights) before initializing. When a
 # pipeline split puts the embedding and the output in different stages, each keeps its
-# own copy and they are no longer tied.
+# own copy; the output's copy is initialized under the embedding's name, so both start
+# equal to the whole model's tied matrix (keeping them equal in training is the
+# pipeline's job).
 
 
 class Transformer(nn.Module):
@@ -206,15 +211,19 @@ class Transformer(nn.Module):
         """Initialize every parameter and the RoPE tables in place (see [Note: initialization])."""
         self.tie_weights()
         self._init_rope()
+        init = ParamInit(self)  # draws the base seed from the global RNG
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+            init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers.values():
-            layer.init_weights(std, out_std)
+            layer.init_weights(init, std, out_std)
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and self.output.weight is not getattr(self.tok_embeddings, "weight", None):
-            _trunc_normal(self.output.weight, std)  # untied (or its embedding is in another stage)
+            if self.args.tie_embeddings:  # a stage's copy of the tied embedding: [Note: weight tying and to_empty]
+                init.normal_(self.output.weight, std=std, key="tok_embeddings.weight")
+            else:
+                _trunc_normal(init, self.output.weight, std)
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # h[B, T, D]
