@@ -160,7 +160,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: b
         if p.ndim == 0:
             raise ValueError(f"{name} is a 0-dim parameter; fully_shard needs at least one dim to shard "
                              f"(make it shape [1], or pass it in ignored_params)")
-    device = _device(mesh, devices)
+    device = _device(mesh)
     sharded = [ShardedParam(p, places[pid], info, device, shard=p.numel() >= shard_threshold,
                             offload=offload_policy) for pid, p in params.items()]
     group = ParamGroup(sharded, info, mp_policy) if sharded else None
@@ -189,9 +189,8 @@ def _post_forward_group(info: MeshInfo, k: int) -> tuple:
     return sub[inner].get_group(), k, inner
 
 
-def _device(mesh: DeviceMesh, devices: set[torch.device]) -> torch.device:
-    if devices == {torch.device("meta")}:
-        return torch.device("meta")
+def _device(mesh: DeviceMesh) -> torch.device:
+    """Where unsharded parameters and collectives live: the mesh's device (meta models included)."""
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)

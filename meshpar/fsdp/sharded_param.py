@@ -126,8 +126,11 @@ class ShardedParam:
         self.inner = math.prod(self.shape[1:])  # elements per row
         self.local_rows = max(0, min(self.rows_per_rank, self.shape[0] - r * self.rows_per_rank))
         start = r * self.rows_per_rank
-        local_device = torch.device("cpu") if offload is not None and device.type != "meta" else device
-        pin = offload is not None and offload.pin_memory and device.type not in ("cpu", "meta")
+        if param.device.type == "meta":  # meta init: shards materialize with to_empty
+            local_device = param.device
+        else:
+            local_device = torch.device("cpu") if offload is not None else device
+        pin = offload is not None and offload.pin_memory and local_device.type == "cpu" and device.type != "cpu"
         local = torch.empty((self.local_rows, *self.shape[1:]), dtype=param.dtype, device=local_device,
                             pin_memory=pin)
         if param.device.type != "meta":
