@@ -103,13 +103,17 @@ def test_fsdp_matches_single_process(world, layout, tmp_path, data_cache):
         torch.testing.assert_close(state[name], ref, rtol=1e-4, atol=PARAM_ATOL, msg=name)
 
 
-def test_cli_launches_local_ranks(tmp_path, data_cache):
-    """`meshpar train` with a 2-rank recipe starts the ranks itself and matches one process."""
-    args = [*SMALL, "--train.steps=3", "--parallel.dp_replicate=2", f"--train.output_dir={tmp_path}"]
-    proc = subprocess.run([sys.executable, "-m", "meshpar", "train", "recipes/llama_debug.toml", *args],
+@pytest.mark.parametrize(("recipe", "extra", "shown"), [
+    ("llama_debug.toml", ["--parallel.dp_replicate=2"], "2 ranks on cpu | layout dp_replicate 2 |"),
+    ("llama_debug_hsdp.toml", ["--train.micro_batch=1"], "4 ranks on cpu | layout dp_replicate 2 x dp_shard 2 |"),
+], ids=["replicate-2", "hsdp-2x2"])
+def test_cli_launches_local_ranks(recipe, extra, shown, tmp_path, data_cache):
+    """`meshpar train` with a multi-rank recipe starts the ranks itself and matches one process."""
+    args = [*SMALL, "--train.steps=3", *extra, f"--train.output_dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-m", "meshpar", "train", f"recipes/{recipe}", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 ranks" in proc.stdout and "dp_replicate 2" in proc.stdout
+    assert shown in proc.stdout
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     reference = train(_load("llama_debug.toml", tmp_path / "ref", "--train.steps=3")).records
     torch.testing.assert_close([r["loss"] for r in lines], _losses(reference), rtol=1e-5, atol=0)
