@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: nested count() blocks must each remove their own
 class CommCounter:
     """Calls and bytes per (collective, mesh dim), for one ``count()`` block."""
 

@@ -109,7 +109,7 @@ class FSDPState:
                 if self.group is not None and self.reshard_after_forward and not self.is_root:
                     self.group.reshard(after_forward=True)
                 self._register_pre_backward(output)
-            if self.is_root:
+            if self.is_root and torch.is_grad_enabled():  # a no-grad forward records no order
                 self.iteration.order_frozen = True
             if self.mp.output_dtype is not None:
                 output = _cast_floats(output, self.mp.output_dtype)

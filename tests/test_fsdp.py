@@ -1,0 +1,738 @@
+"""meshpar's FSDP engine against a single-process reference, at 1, 2 and 4 gloo ranks.
+
+Parity (STYLE #13): the same model, seed and global batch; each rank trains on its slice
+(mean loss per rank, gradients averaged over the data-parallel world by the engine); after
+five AdamW steps in fp32 the loss of every step and every gathered parameter match the
+reference to 1e-5 (``fsdp_models.assert_parity``). Mixed precision is measured against
+PyTorch's own ``fully_shard`` instead, and checkpoints are moved between the two engines.
+
+Process start-up dominates on two cores, so every case runs inside one spawned job per
+world size (``_job``); each ``test_*`` below reads its case's outcome from that job and
+fails with every rank's traceback. Models and the training loop: tests/fsdp_models.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from meshpar import comm
+from meshpar.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from meshpar.models.gpt2.model import GPT2
+from tests.distributed import run_distributed
+from tests.fsdp_models import (
+    GPT,
+    HIDDEN,
+    NET,
+    TINY_GPT2,
+    Block,
+    Net,
+    assert_parity,
+    chunk_numel,
+    gather_params,
+    shard_units,
+    train,
+    unit_params,
+)
+
+F32 = 4  # bytes per fp32 element
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    mesh: DeviceMesh  # 1-D over every rank, named dp_shard
+    tmp: Path  # shared by the ranks of one job
+
+
+def _expected_local(full: torch.Tensor, index: int, n: int) -> torch.Tensor:
+    """Shard ``index`` of ``n`` as torch.chunk cuts dim 0 (empty past the last chunk)."""
+    chunks = torch.chunk(full, n)
+    return chunks[index] if index < len(chunks) else full[:0]
+
+
+def _assert_layout(model: nn.Module, ref: nn.Module, placements: tuple, index: int, n: int) -> None:
+    """Every parameter is an nn.Parameter(DTensor) with ``placements`` whose local tensor is
+    torch.chunk shard ``index`` of ``n`` of the reference's value."""
+    for name, ref_p in ref.named_parameters():
+        p = model.get_parameter(name)
+        assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), f"{name} is a {type(p).__name__}"
+        _eq(tuple(p.placements), placements, f"{name} placements")
+        _eq((p.shape, p.dtype), (ref_p.shape, ref_p.dtype), f"{name} global shape and dtype")
+        assert_close(p.to_local(), _expected_local(ref_p.detach(), index, n), rtol=0, atol=0, msg=name)
+
+
+def _expected_bytes(model: nn.Module, world: int, units: list[int], times: list[int] | None = None) -> int:
+    """Per-rank bytes of gathering (or reduce-scattering) ``units`` of ``unit_params(model)``
+    ``times`` each: per rank, each parameter's torch.chunk rows, (N-1) peers, fp32."""
+    groups = unit_params(model)
+    times = times or [1] * len(units)
+    return sum(k * sum(chunk_numel(p, world) for p in groups[u]) * (world - 1) * F32
+               for u, k in zip(units, times, strict=True))
+
+
+def _eq(got, want, what: str) -> None:
+    assert got == want, f"{what}: got {got!r}, want {want!r}"
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = 0.0) -> None:
+    assert got.keys() == want.keys(), (what, sorted(got), sorted(want))
+    for key, t in want.items():
+        assert_close(got[key], t, rtol=tol, atol=tol, msg=lambda m, key=key: f"{what}, {key}: {m}")
+
+
+# --- 1. uneven shapes, nested units, root only --------------------------------------------------------
+def _case_units(ctx: Ctx) -> None:
+    for layout in ("nested", "root only", "three levels"):
+        ref = NET.build()
+        model = copy.deepcopy(ref)
+        if layout == "nested":
+            shard_units(model, fully_shard, mesh=ctx.mesh)
+        elif layout == "root only":
+            fully_shard(model, mesh=ctx.mesh)
+        else:
+            for block in model.layers:
+                fully_shard(block.a, mesh=ctx.mesh)
+                fully_shard(block, mesh=ctx.mesh)
+            fully_shard(model, mesh=ctx.mesh)
+        _assert_layout(model, ref, (Shard(0),), ctx.rank, ctx.world)
+        assert_parity(model, ref, train(model, ref, NET))
+
+
+# --- 2. reshard_after_forward ---------------------------------------------------------------------------
+def _case_reshard_after_forward(ctx: Ctx) -> None:
+    for bad in (3, 0):  # 3 divides none of 1, 2, 4
+        with pytest.raises(ValueError, match=rf"reshard_after_forward={bad}\b.*shard group size {ctx.world}"):
+            fully_shard(Block(), mesh=ctx.mesh, reshard_after_forward=bad)
+    # Valid ints are implemented: backward all-gathers within groups of k neighbouring ranks.
+    valid = [k for k in (1, 2, 4) if ctx.world % k == 0]
+    for raf in (True, False, *valid):
+        ref = NET.build()
+        model = copy.deepcopy(ref)
+        units = shard_units(model, fully_shard, mesh=ctx.mesh, reshard_after_forward=raf)
+        run = train(model, ref, NET)
+        assert_parity(model, ref, run)
+        for c in run.steps:
+            if raf is False:
+                assert c.calls == {("all_gather", "dp_shard"): units, ("reduce_scatter", "dp_shard"): units}, c.calls
+            elif raf is True or raf == ctx.world:
+                assert c.calls == {("all_gather", "dp_shard"): 2 * units - 1,
+                                   ("reduce_scatter", "dp_shard"): units}, c.calls
+            else:  # forward gathers over dp_shard; backward (not the root) within k ranks
+                assert c.calls == {("all_gather", "dp_shard"): units, ("all_gather", "dp_shard_inner"): units - 1,
+                                   ("reduce_scatter", "dp_shard"): units}, (raf, c.calls)
+                blocks = sum(chunk_numel(p, ctx.world) for b in unit_params(ref)[:-1] for p in b)
+                _eq(c.bytes[("all_gather", "dp_shard_inner")], blocks * (ctx.world // raf) * (raf - 1) * F32,
+                    f"backward all-gather bytes, reshard_after_forward={raf}")
+
+
+# --- 3. hybrid 2x2 --------------------------------------------------------------------------------------
+def _case_hybrid(ctx: Ctx) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    shard_rank = mesh.get_local_rank("dp_shard")
+    for task, raf in ((NET, True), (NET, False), (GPT, True)):
+        ref = task.build()
+        model = copy.deepcopy(ref)
+        units = shard_units(model, fully_shard, mesh=mesh, reshard_after_forward=raf)
+        _assert_layout(model, ref, (Replicate(), Shard(0)), shard_rank, 2)
+        assert all(p.device_mesh == mesh for p in model.parameters())
+        run = train(model, ref, task)
+        assert_parity(model, ref, run)
+        if task is NET:
+            gathers = [2, 2, 2, 1] if raf else [1] * units
+            for c in run.steps:
+                assert c.calls == {("all_gather", "dp_shard"): sum(gathers), ("reduce_scatter", "dp_shard"): units,
+                                   ("all_reduce", "dp_replicate"): units}, c.calls
+                _eq(c.bytes[("all_gather", "dp_shard")], _expected_bytes(ref, 2, [0, 1, 2, 3], gathers), "gathers")
+                _eq(c.bytes[("reduce_scatter", "dp_shard")], _expected_bytes(ref, 2, [0, 1, 2, 3]), "reductions")
+                # the reduced shard, all-reduced over 2 replicas: 2 * numel * (2-1)/2
+                _eq(c.bytes[("all_reduce", "dp_replicate")], _expected_bytes(ref, 2, [0, 1, 2, 3]), "replicas")
+
+
+# --- 4. gradient accumulation without sync ---------------------------------------------------------------
+def _case_accumulation(ctx: Ctx) -> None:
+    for k, threshold in ((2, 0), (2, 20), *(((4, 0),) if ctx.world <= 2 else ())):
+        ref = NET.build()
+        model = copy.deepcopy(ref)
+        units = shard_units(model, fully_shard, mesh=ctx.mesh, shard_threshold=threshold)
+        run = train(model, ref, NET, accumulate=k)
+        assert_parity(model, ref, run)
+        for step, micro in zip(run.steps, run.micro, strict=True):
+            for c in micro[:-1]:
+                assert c.total_calls("reduce_scatter") == 0 and c.total_calls("all_reduce") == 0, c.calls
+            assert micro[-1].calls[("reduce_scatter", "dp_shard")] == units, micro[-1].calls
+            assert step.calls[("reduce_scatter", "dp_shard")] == units, step.calls
+            # with a threshold every unit also has small replicated parameters: one all-reduce each
+            assert step.total_calls("all_reduce") == (units if threshold else 0), step.calls
+
+
+# --- 5. communication accounting ----------------------------------------------------------------------
+# Per step of Net (3 blocks + root = 4 units): (all_gather calls, all_gather bytes, reduce_scatter bytes).
+# Per rank padded numel: block 130 / root 44 at 2 ranks, block 75 / root 29 at 4 ranks.
+_ACCOUNTING = {
+    True: {1: (7, 0, 0), 2: (7, (2 * 3 * 130 + 44) * 1 * F32, (3 * 130 + 44) * 1 * F32),
+           4: (7, (2 * 3 * 75 + 29) * 3 * F32, (3 * 75 + 29) * 3 * F32)},
+    False: {1: (4, 0, 0), 2: (4, (3 * 130 + 44) * 1 * F32, (3 * 130 + 44) * 1 * F32),
+            4: (4, (3 * 75 + 29) * 3 * F32, (3 * 75 + 29) * 3 * F32)},
+}
+
+
+def _case_comm_accounting(ctx: Ctx) -> None:
+    for raf in (True, False):
+        ref = NET.build()
+        model = copy.deepcopy(ref)
+        units = shard_units(model, fully_shard, mesh=ctx.mesh, reshard_after_forward=raf)
+        calls, gather_bytes, reduce_bytes = _ACCOUNTING[raf][ctx.world]
+        _eq(calls, 2 * units - 1 if raf else units, "the table's all-gather calls")
+        gathers = [2] * (units - 1) + [1] if raf else [1] * units  # the root stays unsharded after forward
+        _eq(gather_bytes, _expected_bytes(ref, ctx.world, list(range(units)), gathers), "the table's gather bytes")
+        _eq(reduce_bytes, _expected_bytes(ref, ctx.world, list(range(units))), "the table's reduce bytes")
+        run = train(model, ref, NET)
+        assert_parity(model, ref, run)
+        for c in run.steps:
+            assert c.calls == {("all_gather", "dp_shard"): calls, ("reduce_scatter", "dp_shard"): units}, c.calls
+            assert c.bytes == {("all_gather", "dp_shard"): gather_bytes,
+                               ("reduce_scatter", "dp_shard"): reduce_bytes}, c.bytes
+
+
+def _case_nested_counts(ctx: Ctx) -> None:
+    """A ``comm.count()`` inside another (a step's around a microbatch's) leaves both counting."""
+    t, group = torch.ones(1), ctx.mesh.get_group()
+    with comm.count() as outer:
+        with comm.count() as inner:
+            comm.all_reduce(t, group, dim="dp_shard")
+        comm.all_reduce(t, group, dim="dp_shard")
+    assert inner.calls == {("all_reduce", "dp_shard"): 1}, inner.calls
+    assert outer.calls == {("all_reduce", "dp_shard"): 2}, outer.calls
+
+
+# --- 6. tied embeddings -----------------------------------------------------------------------------------
+def _case_tied_gpt2(ctx: Ctx) -> None:
+    ref = GPT.build()
+    model = copy.deepcopy(ref)
+    assert model.lm_head.weight is model.wte.weight
+    shard_units(model, fully_shard, mesh=ctx.mesh)
+    assert model.lm_head.weight is model.wte.weight and isinstance(model.wte.weight, DTensor)
+    _assert_layout(model, ref, (Shard(0),), ctx.rank, ctx.world)
+    run = train(model, ref, GPT)
+    assert model.lm_head.weight is model.wte.weight
+    assert_parity(model, ref, run)
+
+
+# --- 7. bf16 mixed precision against PyTorch's fully_shard --------------------------------------------
+def _case_bf16(ctx: Ctx) -> None:
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for task in (NET, GPT):
+        base = task.build()
+        ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+        shard_units(ours, fully_shard, mesh=ctx.mesh, mp_policy=MixedPrecisionPolicy(**bf16))
+        shard_units(theirs, torch_fully_shard, mesh=ctx.mesh, mp_policy=TorchMixedPrecision(**bf16))
+        batch = [t.chunk(ctx.world)[ctx.rank] for t in task.batch(0)]
+        with torch.no_grad():
+            assert ours(batch[0] if task is NET else batch[0][:, :-1]).dtype == torch.bfloat16  # no output_dtype
+        task.loss(ours, batch).backward()
+        for name, p in ours.named_parameters():  # shards and their gradients stay fp32
+            assert isinstance(p, DTensor) and p.dtype == torch.float32 and p.to_local().dtype == torch.float32, name
+            assert isinstance(p.grad, DTensor) and p.grad.to_local().dtype == torch.float32, name
+        ours.zero_grad()
+        run_ours, run_theirs = train(ours, None, task), train(theirs, None, task)
+        # Both engines cast the fp32 shard to bf16, compute in bf16, cast gradients to fp32 and
+        # reduce in fp32: the same operations, so the same bits.
+        assert_close(torch.tensor([loss for loss, _ in run_ours.losses]),
+                     torch.tensor([loss for loss, _ in run_theirs.losses]), rtol=0, atol=0)
+        _assert_same(gather_params(ours), gather_params(theirs), "bf16 parameters")
+    # output_dtype on the root casts the model's output (on a block it would feed fp32 to the root's bf16 layers)
+    x = torch.randn(2, 7)
+    outs = []
+    for engine, policy in ((fully_shard, MixedPrecisionPolicy), (torch_fully_shard, TorchMixedPrecision)):
+        model = NET.build()
+        for block in model.layers:
+            engine(block, mesh=ctx.mesh, mp_policy=policy(**bf16))
+        engine(model, mesh=ctx.mesh, mp_policy=policy(**bf16, output_dtype=torch.float32))
+        outs.append(model(x))
+    assert outs[0].dtype == torch.float32
+    assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+# --- 8. shard_threshold -----------------------------------------------------------------------------------
+def _case_threshold(ctx: Ctx) -> None:
+    for threshold in (20, 10**6):
+        ref = NET.build()
+        model = copy.deepcopy(ref)
+        units = shard_units(model, fully_shard, mesh=ctx.mesh, shard_threshold=threshold)
+        small = [[p for p in u if p.numel() < threshold] for u in unit_params(ref)]
+        for name, ref_p in ref.named_parameters():
+            p = model.get_parameter(name)
+            if ref_p.numel() < threshold:
+                assert tuple(p.placements) == (Replicate(),) and p.to_local().shape == ref_p.shape, name
+                assert_close(p.to_local(), ref_p.detach(), rtol=0, atol=0)
+            else:
+                assert tuple(p.placements) == (Shard(0),), name
+        run = train(model, ref, NET)
+        assert_parity(model, ref, run)
+        sharded_units = sum(len(s) < len(u) for s, u in zip(small, unit_params(ref), strict=True))
+        gathers = 2 * sharded_units - 1 if sharded_units else 0
+        for c in run.steps:
+            assert c.calls[("all_reduce", "dp_shard")] == units, c.calls
+            assert c.calls[("all_gather", "dp_shard")] == gathers, c.calls
+            assert c.total_calls("reduce_scatter") == sharded_units, c.calls
+            # one all-reduce of the unit's small gradients: 2 * numel * (N-1)/N per rank
+            numel = sum(p.numel() for s in small for p in s)
+            _eq(c.bytes[("all_reduce", "dp_shard")], 2 * numel * F32 * (ctx.world - 1) / ctx.world, "all-reduce bytes")
+
+
+# --- 9. meta init: only local shards are ever allocated -----------------------------------------------
+class _Recorder(TorchDispatchMode):
+    """Every op dispatched in the block: the collectives by name and every new (non-meta) storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives: list[str] = []
+        self.storages: dict[int, torch.UntypedStorage] = {}  # held, so no address is reused
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            self.collectives.append(str(func))
+        for t in tree_flatten(out)[0]:
+            t = t._local_tensor if isinstance(t, DTensor) else t
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        return out
+
+    @property
+    def nbytes(self) -> list[int]:
+        return [s.nbytes() for s in self.storages.values()]
+
+
+def _case_meta_init(ctx: Ctx) -> None:
+    built = []
+    for task in (NET, GPT):
+        ref = task.build()
+        with torch.device("meta"):
+            model = Net() if task is NET else GPT2(TINY_GPT2)
+        with _Recorder() as rec:
+            shard_units(model, fully_shard, mesh=ctx.mesh)
+            model.to_empty(device="cpu")
+        for name, ref_p in ref.named_parameters():
+            p = model.get_parameter(name)
+            assert isinstance(p, DTensor) and p.device.type == "cpu" and p.to_local().device.type == "cpu", name
+            assert p.to_local().shape == _expected_local(ref_p, ctx.rank, ctx.world).shape, name
+        full = [p.numel() * F32 for p in ref.parameters()]
+        # exactly the local shards, nothing more; to_empty visits each module, so a tied shard is
+        # allocated once per module holding it (the engine keeps the first and re-ties)
+        local = sum(p.to_local().numel() * F32 for _, p in model.named_parameters(remove_duplicate=False))
+        assert sum(rec.nbytes) == local, (rec.nbytes, local)
+        if ctx.world > 1:
+            assert sum(rec.nbytes) < sum(full) and max(rec.nbytes) < max(full), (rec.nbytes, full)
+        if task is GPT:
+            assert model.lm_head.weight is model.wte.weight
+            # meshpar.init: seeded alike, the sharded init draws the single-process model's values
+            torch.manual_seed(0)
+            model.init_weights()
+            assert model.lm_head.weight is model.wte.weight
+            _assert_same(gather_params(model), {n: p.detach() for n, p in ref.named_parameters()}, "init")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.to_local().copy_(_expected_local(ref.get_parameter(name), ctx.rank, ctx.world))
+        built.append((task, model, ref))
+    for task, model, ref in built:  # trains like a model sharded from real tensors
+        assert_parity(model, ref, train(model, ref, task))
+
+
+# --- 10. state dicts: DTensors, no collective -------------------------------------------------------------
+_DIST_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                     "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+                     "broadcast", "barrier", "gather", "scatter", "reduce", "all_gather_object",
+                     "broadcast_object_list", "gather_object", "scatter_object_list", "monitored_barrier")
+
+
+@contextlib.contextmanager
+def _no_collectives_allowed() -> Iterator[Callable[[], None]]:
+    """Count collectives three ways: meshpar.comm, wrapped torch.distributed functions, and c10d
+    ops seen by a dispatch mode. Yields a function asserting all three saw none."""
+    calls: Counter = Counter()
+
+    def counting(name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for name in _DIST_COLLECTIVES:
+            if hasattr(dist, name):
+                stack.enter_context(mock.patch.object(dist, name, counting(name, getattr(dist, name))))
+        for name in ("_all_gather_single", "_reduce_scatter_single"):  # bound when meshpar.comm was imported
+            stack.enter_context(mock.patch.object(comm, name, counting(name, getattr(comm, name))))
+        counter = stack.enter_context(comm.count())
+        rec = stack.enter_context(_Recorder())
+
+        def check(expect_some: bool = False) -> None:
+            seen = (counter.calls, calls, rec.collectives)
+            assert all(seen) if expect_some else not any(seen), seen
+        yield check
+
+
+def _case_state_dict(ctx: Ctx) -> None:
+    ref = NET.build()
+    model = copy.deepcopy(ref)
+    shard_units(model, fully_shard, mesh=ctx.mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, None, NET, steps=2, optims=(opt, None))
+    if ctx.world > 1:  # the counters do see a training step's collectives
+        with _no_collectives_allowed() as check:
+            NET.loss(model, [t.chunk(ctx.world)[ctx.rank] for t in NET.batch(0)]).backward()
+            opt.step()
+            opt.zero_grad()
+        check(expect_some=True)
+    with _no_collectives_allowed() as check:
+        sd, osd = model.state_dict(), opt.state_dict()
+    check()
+    params = dict(model.named_parameters())
+    _eq(sd.keys(), ref.state_dict().keys(), "state_dict keys")
+    for name, t in sd.items():
+        assert isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),), name
+        assert t.to_local().data_ptr() == params[name].to_local().data_ptr(), f"{name} was copied"
+    ids = {id(p): name for name, p in params.items()}
+    for i, p in enumerate(opt.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = osd["state"][i][key]
+            assert isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),), (ids[id(p)], key)
+            assert t.to_local().shape == p.to_local().shape, (ids[id(p)], key)
+    with _no_collectives_allowed() as check:
+        msd, mosd = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
+    check()
+    _eq(msd.keys(), sd.keys(), "get_model_state_dict keys")
+    for name, t in msd.items():
+        assert isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),), name
+        assert_close(t.to_local(), sd[name].to_local(), rtol=0, atol=0)
+    _eq(mosd["state"].keys(), params.keys(), "get_optimizer_state_dict keys")
+    for name, state in mosd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(state[key], DTensor), (name, key)
+            assert_close(state[key].to_local(), osd["state"][list(ids.values()).index(name)][key].to_local(),
+                         rtol=0, atol=0)
+
+
+# --- 11. checkpoints move between meshpar's engine and PyTorch's ------------------------------------------
+def _sharded(engine: Callable, mesh: DeviceMesh, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Net()
+    shard_units(model, engine, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _full_optim_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    state = get_optimizer_state_dict(model, opt)["state"]
+    return {f"{name}.{key}": t.full_tensor() if isinstance(t, DTensor) else t
+            for name, s in sorted(state.items()) for key, t in sorted(s.items())}
+
+
+def _case_dcp(ctx: Ctx) -> None:
+    for src_engine, dst_engine, tag in ((fully_shard, torch_fully_shard, "meshpar_to_torch"),
+                                        (torch_fully_shard, fully_shard, "torch_to_meshpar")):
+        src, src_opt = _sharded(src_engine, ctx.mesh, seed=0)
+        train(src, None, NET, steps=2, optims=(src_opt, None))
+        path = str(ctx.tmp / f"{tag}_{ctx.world}")
+        dcp.save({"model": get_model_state_dict(src), "optim": get_optimizer_state_dict(src, src_opt)},
+                 checkpoint_id=path)
+        dst, dst_opt = _sharded(dst_engine, ctx.mesh, seed=1)
+        state = {"model": get_model_state_dict(dst), "optim": get_optimizer_state_dict(dst, dst_opt)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(dst, state["model"])
+        set_optimizer_state_dict(dst, dst_opt, state["optim"])
+        _assert_same(gather_params(dst), gather_params(src), f"{tag} parameters")
+        _assert_same(_full_optim_state(dst, dst_opt), _full_optim_state(src, src_opt), f"{tag} optimizer state")
+        # and both continue alike: the optimizer state was really restored
+        train(src, None, NET, steps=2, optims=(src_opt, None))
+        train(dst, None, NET, steps=2, optims=(dst_opt, None))
+        _assert_same(gather_params(dst), gather_params(src), f"{tag} after 2 more steps", tol=1e-5)
+
+
+# --- 12. bad input ----------------------------------------------------------------------------------------
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 6)
+        self.block = nn.Sequential(nn.Linear(6, 5))
+        self.block[0].weight = self.emb.weight
+
+
+def _case_bad_input(ctx: Ctx) -> None:
+    def rejects(module: nn.Module, match: str, **kwargs) -> None:
+        before = {name: p for name, p in module.named_parameters()}
+        with pytest.raises(ValueError, match=match):
+            fully_shard(module, **{"mesh": ctx.mesh, **kwargs})
+        assert not isinstance(module, FSDPModule), "a rejected module was changed"
+        assert all(module.get_parameter(name) is p for name, p in before.items()), "a rejected module was changed"
+
+    twice = fully_shard(Block(), mesh=ctx.mesh)
+    with pytest.raises(ValueError, match="already applied to this Block"):
+        fully_shard(twice, mesh=ctx.mesh)
+    rejects(Block(), r"3-D", mesh=init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c")))
+    rejects(Block(), r"2-D mesh needs named dims", mesh=init_device_mesh("cpu", (1, 1)))
+    mixed = Block()
+    with torch.device("meta"):
+        mixed.b = nn.Linear(HIDDEN, 6)
+    rejects(mixed, r"several devices \(\['cpu', 'meta'\]\)")
+    ints = Block()
+    ints.register_parameter("count", nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False))
+    rejects(ints, r"Block\.count is torch\.int64")
+    scalar = Block()
+    scalar.scale = nn.Parameter(torch.tensor(1.0))
+    rejects(scalar, r"Block\.scale is a 0-dim parameter")
+    rejects(Block(), r"reshard_after_forward=3\b", reshard_after_forward=3)
+    tied = _Tied()
+    fully_shard(tied.block, mesh=ctx.mesh)
+    rejects(tied, r"Embedding\.weight is shared with a module fully_shard-ed earlier")
+    net = Net()
+    shard_units(net, fully_shard, mesh=ctx.mesh)
+    with pytest.raises(ValueError, match="Linear is not fully sharded"):
+        net.layers[0].set_modules_to_forward_prefetch([net.layers[1].a])
+
+
+# --- 13. explicit prefetch lists ----------------------------------------------------------------------------
+def _gathers_before_blocks(ctx: Ctx, model: nn.Module) -> list[int]:
+    """All-gathers issued by the time each block's forward runs, in one forward + backward of Net
+    (gradients dropped). Prefetching shows as the next unit's gather issued before this one runs."""
+    seen: list[int] = []
+    with comm.count() as c:
+        hooks = [b.register_forward_pre_hook(lambda *_: seen.append(c.total_calls("all_gather")))
+                 for b in model.layers]  # after the engine's own pre-hook, which is prepended
+        try:
+            NET.loss(model, [t.chunk(ctx.world)[ctx.rank] for t in NET.batch(0)]).backward()
+        finally:
+            for hook in hooks:
+                hook.remove()
+    model.zero_grad()
+    return seen
+
+
+# Root, then blocks 0-2: the root's gather (1) and the prefetched block 0's (2) come before block 0 runs.
+_IMPLICIT_PREFETCH = [3, 4, 4]  # each unit prefetches the next in forward order
+
+
+def _case_prefetch(ctx: Ctx) -> None:
+    for ahead, raf in ((1, True), (2, True), (1, False)):
+        ref = NET.build()
+        model = copy.deepcopy(ref)
+        units = shard_units(model, fully_shard, mesh=ctx.mesh, reshard_after_forward=raf)
+        blocks = list(model.layers)
+        model.set_modules_to_forward_prefetch(blocks[:ahead])
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + ahead])
+            block.set_modules_to_backward_prefetch(blocks[max(i - ahead, 0):i][::-1])
+        run = train(model, ref, NET)
+        assert_parity(model, ref, run)
+        for c in run.steps:  # a prefetched unit is gathered once, not twice
+            assert c.calls == {("all_gather", "dp_shard"): 2 * units - 1 if raf else units,
+                               ("reduce_scatter", "dp_shard"): units}, (ahead, raf, c.calls)
+        # and the lists take effect: two ahead, blocks 0 and 1 are in flight before block 0 runs
+        _eq(_gathers_before_blocks(ctx, model), [4, 4, 4] if ahead == 2 else _IMPLICIT_PREFETCH,
+            f"all-gathers issued before each block runs, prefetching {ahead} ahead")
+
+
+# --- 14. eval / no_grad forward ------------------------------------------------------------------------------
+def _case_eval(ctx: Ctx) -> None:
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(7))
+    for first in ("train", "eval"):  # a no_grad forward after training steps, or before any
+        ref = NET.build()
+        model = copy.deepcopy(ref)
+        units = shard_units(model, fully_shard, mesh=ctx.mesh)
+        opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        if first == "train":
+            assert_parity(model, ref, train(model, ref, NET, steps=2, optims=(opt, ref_opt)))
+        for mode in (torch.no_grad, torch.inference_mode):
+            model.eval()
+            with mode(), comm.count() as c:
+                out = model(x)
+            plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+            assert not plain, f"still unsharded after a {mode.__name__} forward: {plain}"
+            assert c.calls == {("all_gather", "dp_shard"): units}, c.calls
+            with torch.no_grad():
+                assert_close(out, ref(x), rtol=1e-5, atol=1e-5)
+            model.train()
+        assert_parity(model, ref, train(model, ref, NET, steps=5, optims=(opt, ref_opt)))
+        # a no_grad forward records no forward order; training afterwards still prefetches
+        _eq(_gathers_before_blocks(ctx, model), _IMPLICIT_PREFETCH,
+            f"all-gathers issued before each block runs (implicit prefetch), first forward in {first} mode")
+
+
+# --- 15. one rank is plain training ------------------------------------------------------------------------
+def _case_one_rank_exact(ctx: Ctx) -> None:
+    for task in (NET, GPT):
+        ref = task.build()
+        model = copy.deepcopy(ref)
+        shard_units(model, fully_shard, mesh=ctx.mesh)
+        assert_parity(model, ref, train(model, ref, task), rtol=0, atol=0)
+
+
+# --- the jobs ----------------------------------------------------------------------------------------------
+CASES: dict[str, tuple[Callable[[Ctx], None], tuple[int, ...]]] = {
+    "units": (_case_units, (1, 2, 4)),
+    "reshard_after_forward": (_case_reshard_after_forward, (1, 2, 4)),
+    "hybrid": (_case_hybrid, (4,)),
+    "accumulation": (_case_accumulation, (1, 2, 4)),
+    "comm_accounting": (_case_comm_accounting, (1, 2, 4)),
+    "tied_gpt2": (_case_tied_gpt2, (1, 2, 4)),
+    "bf16": (_case_bf16, (1, 2, 4)),
+    "threshold": (_case_threshold, (1, 2, 4)),
+    "meta_init": (_case_meta_init, (1, 2, 4)),
+    "state_dict": (_case_state_dict, (1, 2, 4)),
+    "dcp": (_case_dcp, (2, 4)),
+    "bad_input": (_case_bad_input, (1,)),
+    "prefetch": (_case_prefetch, (1, 2, 4)),
+    "eval": (_case_eval, (1, 2, 4)),
+    "one_rank_exact": (_case_one_rank_exact, (1,)),
+    "nested_counts": (_case_nested_counts, (1,)),  # last: when it fails it leaves a stale counter behind
+}
+
+
+def _job(tmp: str) -> dict[str, str | None]:
+    """Run this world size's cases on every rank; each case's traceback, or None when it passed."""
+    world = dist.get_world_size()
+    ctx = Ctx(dist.get_rank(), world, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)), Path(tmp))
+    outcomes: dict[str, str | None] = {}
+    for name, (case, worlds) in CASES.items():
+        if world in worlds:
+            try:
+                case(ctx)
+                outcomes[name] = None
+            except Exception:  # noqa: BLE001 - reported by the test that owns the case
+                outcomes[name] = traceback.format_exc()
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Callable[[int], list[dict[str, str | None]]]:
+    """One spawned job per world size, run on first use; a failed job fails each of its tests."""
+    done: dict[int, list | Exception] = {}
+
+    def results(world: int) -> list[dict[str, str | None]]:
+        if world not in done:
+            try:
+                done[world] = run_distributed(_job, world, str(tmp_path_factory.mktemp(f"fsdp{world}")), timeout=240)
+            except AssertionError as e:
+                done[world] = e
+        if isinstance(done[world], Exception):
+            raise done[world]
+        return done[world]
+
+    return results
+
+
+def _check(jobs: Callable, world: int, case: str) -> None:
+    failures = [f"--- rank {r}:\n{out[case]}" for r, out in enumerate(jobs(world)) if out[case] is not None]
+    if failures:
+        pytest.fail(f"{case} at {world} ranks:\n" + "\n".join(failures), pytrace=False)
+
+
+def _worlds(case: str) -> pytest.MarkDecorator:
+    return pytest.mark.parametrize("world", CASES[case][1])
+
+
+@_worlds("units")
+def test_uneven_shapes_nested_units_and_root_only(jobs, world):
+    _check(jobs, world, "units")
+
+
+@_worlds("reshard_after_forward")
+def test_reshard_after_forward(jobs, world):
+    _check(jobs, world, "reshard_after_forward")
+
+
+@_worlds("hybrid")
+def test_hybrid_2x2(jobs, world):
+    _check(jobs, world, "hybrid")
+
+
+@_worlds("accumulation")
+def test_gradient_accumulation_reduces_once_per_step(jobs, world):
+    _check(jobs, world, "accumulation")
+
+
+@_worlds("comm_accounting")
+def test_comm_accounting_per_step(jobs, world):
+    _check(jobs, world, "comm_accounting")
+
+
+@_worlds("nested_counts")
+def test_comm_count_blocks_nest(jobs, world):
+    _check(jobs, world, "nested_counts")
+
+
+@_worlds("tied_gpt2")
+def test_tied_embeddings_gpt2(jobs, world):
+    _check(jobs, world, "tied_gpt2")
+
+
+@_worlds("bf16")
+def test_bf16_matches_pytorch_fully_shard(jobs, world):
+    _check(jobs, world, "bf16")
+
+
+@_worlds("threshold")
+def test_shard_threshold_replicates_small_parameters(jobs, world):
+    _check(jobs, world, "threshold")
+
+
+@_worlds("meta_init")
+def test_meta_init_allocates_only_local_shards(jobs, world):
+    _check(jobs, world, "meta_init")
+
+
+@_worlds("state_dict")
+def test_state_dict_is_dtensors_without_collectives(jobs, world):
+    _check(jobs, world, "state_dict")
+
+
+@_worlds("dcp")
+def test_dcp_checkpoints_move_between_engines(jobs, world):
+    _check(jobs, world, "dcp")
+
+
+@_worlds("bad_input")
+def test_bad_input_is_rejected(jobs, world):
+    _check(jobs, world, "bad_input")
+
+
+@_worlds("prefetch")
+def test_explicit_prefetch_lists(jobs, world):
+    _check(jobs, world, "prefetch")
+
+
+@_worlds("eval")
+def test_no_grad_forward_reshards_every_unit(jobs, world):
+    _check(jobs, world, "eval")
+
+
+@_worlds("one_rank_exact")
+def test_one_rank_matches_plain_training_exactly(jobs, world):
+    _check(jobs, world, "one_rank_exact")
