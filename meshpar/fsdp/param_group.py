@@ -16,6 +16,8 @@ Flat layouts, for N shard ranks and parameters p_i of padded chunk size n_i = c_
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,6 +27,34 @@ from torch.distributed.tensor import DTensor
 from meshpar import comm
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
+
+# [Note: one reduction in flight]
+# A unit's reduce-scatter holds two buffers of the unit's full gradient size until it is
+# awaited (the flat input and, on gloo, the all-to-all's receive buffer). Awaiting each
+# unit's reduction only at the end of backward kept every unit's buffers alive at once:
+# debug Llama at 4 ranks peaked at 56.3 MiB against 48.8 MiB for PyTorch's engine. So the
+# units of one root share a ReduceQueue, and a unit starting its reduction first finishes
+# the one before it (which ran under this unit's backward compute), as PyTorch's engine
+# does: at most one reduction's buffers beside the current one's. Measured (debug Llama,
+# 4 gloo ranks, bench_fsdp): peak 56.3 -> 52.1 MiB; step time unchanged within noise
+# (0.79 x PyTorch's engine after, 0.70 before, run beside two other jobs).
+
+
+class ReduceQueue:
+    """The reductions in flight across the units of one root, oldest first."""
+
+    def __init__(self, depth: int = 1):
+        self.depth = depth
+        self.pending: deque[ParamGroup] = deque()
+
+    def admit(self, group: ParamGroup) -> None:
+        """Make room for ``group``'s reduction: finish the oldest ones beyond ``depth - 1``."""
+        while len(self.pending) >= self.depth:
+            self.pending.popleft().wait_for_reduce()
+        self.pending.append(group)
+
+    def clear(self) -> None:
+        self.pending.clear()
 
 
 class ParamGroup:
@@ -43,6 +73,7 @@ class ParamGroup:
         self.post_forward: tuple[dist.ProcessGroup, int, str] | None = None
         self._post_forward_shards: list[torch.Tensor] | None = None
         self._reduce: tuple[comm.Work, torch.Tensor, list[ShardedParam]] | None = None
+        self.reduce_queue: ReduceQueue | None = None  # shared by the units of one root (set at lazy init)
         self._grads_ready: set[int] = set()
         self._hooked: set[int] = set()
 
@@ -149,6 +180,8 @@ class ParamGroup:
         with record_function("meshpar::fsdp.post_backward"):
             if self.requires_gradient_sync:
                 self.wait_for_reduce()  # at most one reduction in flight per group
+                if self.reduce_queue is not None:  # and across groups: [Note: one reduction in flight]
+                    self.reduce_queue.admit(self)
                 self._start_reduce()
             else:
                 for p in self.all_params:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map
 
-from meshpar.fsdp.param_group import ParamGroup
+from meshpar.fsdp.param_group import ParamGroup, ReduceQueue
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 
 
@@ -40,6 +40,7 @@ class Iteration:
         self.order_frozen = False
         self.callback_queued = False
         self.states: list[FSDPState] = []
+        self.reduce_queue = ReduceQueue()
 
 
 class FSDPState:
@@ -71,6 +72,7 @@ class FSDPState:
             state.iteration = self.iteration
             self.iteration.states.append(state)
             if state.group is not None:
+                state.group.reduce_queue = self.iteration.reduce_queue
                 for p in state.group.all_params:
                     p.refresh_after_apply()
 
@@ -152,6 +154,7 @@ class FSDPState:
                 if state.group is not None:
                     state.group.finish_backward()
                 state._in_backward = False
+            self.iteration.reduce_queue.clear()
             self.iteration.callback_queued = False
 
 
