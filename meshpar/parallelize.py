@@ -1,22 +1,31 @@
 """Apply parallelism to a model from outside, in one fixed order.
 
 The order (shared/DESIGN.md) is: pipeline split -> tensor parallel -> activation
-checkpointing -> torch.compile per block -> fully_shard per block, then the root ->
-optimizer. It runs on the model as built on the meta device, before ``to_empty`` and
-``init_weights``, so only local shards are ever allocated. Model files hold no parallel
-code; this module and each family's plan tables do. Today data parallelism is built
-(replicated, sharded and hybrid); recipes asking for the other dims are refused at
-validation (``Family.check_degrees``) before any process starts.
+checkpointing -> torch.compile per block -> fully_shard per block, then the stage root ->
+to_empty + init_weights -> optimizer. It runs on the model as built on the meta device, so
+only local shards are ever allocated. Model files hold no parallel code; this module, the
+pipeline package and each family's plan table (``models/<family>/parallelize.py``) do.
+
+    stages = build(family, args, mesh, recipe.parallel, device, seed)   # [(stage index, module)]
+
+With ``pp = 1`` there is one stage: the whole model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from meshpar.activation_checkpoint import apply_activation_checkpointing
 from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
 from meshpar.mesh import Mesh
+from meshpar.pipeline import SCHEDULES, split
 from meshpar.recipe import ParallelConfig
+from meshpar.tensor_parallel import TPPlan, apply_tp
+
+TPPlanFn = Callable[[bool], TPPlan]  # loss_parallel -> the family's plan
 
 
 def mixed_precision(cfg: ParallelConfig, *, root: bool) -> MixedPrecisionPolicy:
@@ -27,16 +36,64 @@ def mixed_precision(cfg: ParallelConfig, *, root: bool) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=torch.float32 if root else None)
 
 
-def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> nn.Module:
-    """Shard a transformer built on meta: each block in ``model.layers`` is one FSDP unit, the root
-    owns the rest (embeddings, final norm, output). With ``dp_shard = 1`` the model stays whole and
-    the training step averages gradients over ``dp_replicate`` (meshpar.replicate)."""
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block's forward (inductor). The forward is replaced on the instance, so
+    names are unchanged and FSDP's hooks, which wrap ``__call__``, stay outside the graph."""
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward)
+
+
+def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
+    """One FSDP unit per block, then the stage root (embeddings, final norm, output), on the
+    ``dp_shard`` mesh (``dp_replicate x dp_shard`` when hybrid) of the same parent mesh as ``tp``.
+    Under pipelining units keep their parameters through backward: the schedule runs every
+    microbatch's forward before the backwards finish, so resharding would all-gather per microbatch."""
     layout = mesh.layout
+    dp_mesh = mesh.world["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    reshard = cfg.reshard_after_forward and layout.pp == 1
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mixed_precision(cfg, root=False),
+                    shard_threshold=cfg.shard_threshold)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mixed_precision(cfg, root=True),
+                shard_threshold=cfg.shard_threshold)
+
+
+def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, tp_plan: TPPlanFn) -> nn.Module:
+    """Tensor parallel -> activation checkpointing -> compile -> FSDP on one stage (or the whole
+    model) built on meta. ``tp_plan`` is the family's plan table. With ``dp_shard = 1`` no FSDP
+    unit is made and the training step averages gradients over ``dp_replicate`` (meshpar.replicate)."""
+    layout = mesh.layout
+    if layout.tp > 1:
+        apply_tp(model, mesh["tp"], tp_plan(cfg.loss_parallel))
+    apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every)
+    if cfg.compile:
+        apply_compile(model)
     if layout.dp_shard > 1:
-        dp_mesh = mesh.world["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
-        for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=cfg.reshard_after_forward,
-                        mp_policy=mixed_precision(cfg, root=False), shard_threshold=cfg.shard_threshold)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=cfg.reshard_after_forward,
-                    mp_policy=mixed_precision(cfg, root=True), shard_threshold=cfg.shard_threshold)
+        apply_fsdp(model, mesh, cfg)
     return model
+
+
+def build(model_cls: type[nn.Module], args, parallelize: Callable[..., nn.Module], mesh: Mesh, cfg: ParallelConfig,
+          device: torch.device, seed: int) -> list[tuple[int, nn.Module]]:
+    """This rank's stages of the model, parallelized and initialized: ``[(stage index, module)]``.
+
+    Every stage is initialized from the same base seed, so by meshpar.init's layout-independent
+    initialization each holds exactly the values of the same layers of the whole model.
+    """
+    with torch.device("meta"):
+        whole = model_cls(args)
+    layout = mesh.layout
+    if layout.pp > 1:
+        style = SCHEDULES[cfg.pp_schedule].style
+        stages = split(whole, mesh["pp"].get_local_rank(), layout.pp, virtual=cfg.pp_virtual_stages, style=style,
+                       boundaries=cfg.pp_boundaries)
+    else:
+        stages = [(0, whole)]
+    built = []
+    for index, stage in stages:
+        stage = parallelize(stage, mesh, cfg)  # still on meta: shards only from here on
+        stage.to_empty(device=device)
+        torch.manual_seed(seed)
+        stage.init_weights()
+        built.append((index, stage))
+    return built

@@ -76,13 +76,34 @@ class ParallelConfig:
     tp: int = option(1, "Tensor-parallel degree (innermost mesh dim, fastest links).", ge=1)
     reshard_after_forward: bool = option(True, "FSDP: free unsharded parameters after forward and all-gather "
                                                "again in backward (ZeRO-3); false keeps them until after "
-                                               "backward (ZeRO-2: less communication, more memory).")
+                                               "backward (ZeRO-2: less communication, more memory). Under "
+                                               "pipeline parallelism (pp > 1) units always keep them: one "
+                                               "all-gather per step, not one per microbatch.")
     param_dtype: str = option("float32", "FSDP compute and all-gather dtype; sharded parameters and optimizer "
                                          "state stay float32.", choices=("float32", "bfloat16", "float16"))
     reduce_dtype: str = option("float32", "FSDP gradient reduce-scatter dtype.",
                                choices=("float32", "bfloat16", "float16"))
     shard_threshold: int = option(0, "FSDP: parameters with fewer elements stay replicated (one all-reduce "
                                      "for all of them instead of tiny shards).", ge=0)
+    loss_parallel: bool = option(True, "Tensor parallel: keep the logits sharded over the vocabulary and "
+                                       "compute the loss on the shards (no all-gather of [B, T, V] logits).")
+    pp_schedule: str = option("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble "
+                                      "(interleaved, backward split into input and weight passes) or zbv "
+                                      "(zero bubble, V placement, 2 stages per rank). Microbatches per step are "
+                                      "train.global_batch / (dp x train.micro_batch).",
+                              choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"))
+    pp_virtual_stages: int = option(1, "Pipeline stages per rank: 1 for gpipe / 1f1b, >= 2 for the "
+                                       "interleaved schedules, 2 for zbv.", ge=1)
+    pp_boundaries: tuple[int, ...] = option((), "Pipeline split: the first layer of each stage after the first "
+                                                "(pp x pp_virtual_stages - 1 increasing indices); empty splits "
+                                                "the layers evenly.", valid=(lambda b: all(x >= 1 for x in b),
+                                                                             "layer indices >= 1"))
+    activation_checkpoint: str = option("none", "Recompute activations in backward: none, full (keep only each "
+                                                "block's input) or selective (keep matmul and attention outputs, "
+                                                "recompute the elementwise work).",
+                                        choices=("none", "full", "selective"))
+    ac_every: int = option(1, "Checkpoint every this many blocks (blocks whose index is a multiple of it).", ge=1)
+    compile: bool = option(False, "torch.compile each transformer block (inductor; the first step compiles).")
 
 
 @dataclass(frozen=True)
@@ -94,7 +115,8 @@ class TrainConfig:
     global_batch: int = option(16, "Sequences per optimizer step across all data-parallel ranks. Global, so "
                                     "tokens per step and the losses do not depend on the layout.", ge=1)
     micro_batch: int = option(4, "Sequences per forward/backward on one data-parallel rank; gradient "
-                                  "accumulation covers the rest of global_batch.", ge=1)
+                                  "accumulation (or, with pp > 1, the pipeline's microbatches) covers the "
+                                  "rest of global_batch.", ge=1)
     seq_len: int = option(256, "Tokens per sequence.", ge=2)
     eval_every: int = option(50, "Validation loss every this many steps (and after the last); 0 turns it off.", ge=0)
     eval_batches: int = option(4, "Global batches of held-out data per validation.", ge=1)

@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from meshpar import comm
 
@@ -31,8 +32,9 @@ def all_reduce_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for p in module.parameters():
-        if p.grad is not None:
-            by_dtype[p.grad.dtype].append(p.grad)
+        if p.grad is not None:  # tensor-parallel gradients: their local shards, the same on every replica
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_dtype[grad.dtype].append(grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         flat.div_(mesh.size())  # divide first: the sum of pre-scaled values cannot overflow

@@ -4,9 +4,10 @@ This is what ``torchrun ... -m meshpar.train`` runs on a cluster and what ``mesh
 starts on each local rank. The data flow (shared/DESIGN.md):
 
     recipe -> layout (checked before any process group) -> data (cached tokens)
-      -> process group + mesh -> model on meta -> parallelize (FSDP) -> to_empty + init_weights
-      -> optimizer + LR schedule -> loop: batch -> forward/backward per microbatch
-      -> gradient sync -> clip -> step -> metrics
+      -> process group + mesh -> model on meta -> pipeline split -> parallelize (TP, activation
+      checkpointing, compile, FSDP) -> to_empty + init_weights -> optimizer + LR schedule
+      -> loop: batch -> forward/backward per microbatch (or the pipeline schedule)
+      -> gradient sync -> clip across every mesh dim -> step -> metrics
 
 [Note: losses do not depend on the layout]
 Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
@@ -40,14 +41,23 @@ from meshpar.hardware import HardwareProfile, load_profile
 from meshpar.metrics import MetricsLogger, Progress, peak_memory_gb
 from meshpar.models import Family, get_family
 from meshpar.optim import build_lr_schedule, build_optimizer
+from meshpar.parallelize import build
+from meshpar.pipeline import Pipeline, build_schedule, check_microbatches, stage_layers
 from meshpar.recipe import Recipe, RecipeError
 from meshpar.replicate import all_reduce_gradients
 from meshpar.runtime import RankInfo, init_process_group, rank_info, select_device
+from meshpar.tensor_parallel import check_seq_len, loss_parallel_context, reduce_partial_grads
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # logits[B, T, V] targets[B, T] -> mean over B*T tokens, computed in fp32
+    # logits[B, T, V] targets[B, T] -> mean over B*T tokens, computed in fp32; with loss parallel
+    # logits are a DTensor sharded on V and the loss is computed on the shards
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under loss parallel it is a replicated DTensor scalar)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def _check_batch(recipe: Recipe, layout: meshlib.Layout) -> int:
@@ -63,20 +73,30 @@ def _check_batch(recipe: Recipe, layout: meshlib.Layout) -> int:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: torch.device) -> float:
+def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: torch.device) -> float:
     """Mean loss over the first ``eval_batches`` global batches of held-out data."""
     t = recipe.train
     loader = BatchLoader(tokens, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
                          dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed, shuffle=False)
-    model.eval()
+    model.modules.eval()
     total = torch.zeros((), device=device)
     n = 0
-    for _ in range(t.eval_batches):
-        for inputs, targets in loader.next_step():
-            total += cross_entropy(model(inputs.to(device)), targets.to(device))
-            n += 1
-    model.train()
+    with loss_parallel_context(model.loss_parallel):
+        for _ in range(t.eval_batches):
+            microbatches = list(loader.next_step())
+            if model.pipeline is not None:
+                inputs, targets = (torch.cat(x).to(device) for x in zip(*microbatches, strict=True))
+                loss = model.pipeline.eval(inputs, targets)
+                total += 0.0 if loss is None else _plain(loss)
+                n += 1
+                continue
+            for inputs, targets in microbatches:
+                total += _plain(cross_entropy(model.stages[0](inputs.to(device)), targets.to(device)))
+                n += 1
+    model.modules.train()
     total /= n
+    if mesh.layout.pp > 1:  # the loss lives on the last stage's rank
+        dist.all_reduce(total, group=mesh["pp"].get_group())
     dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
     return total.item()
 
@@ -103,6 +123,13 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
     family.check_degrees(dataclasses.asdict(layout))
     accum = _check_batch(recipe, layout)
     args = family.model_args(recipe.model)
+    family.check_layout(args, layout)
+    check_seq_len(t.seq_len, layout.tp)
+    if layout.pp > 1:
+        p = recipe.parallel
+        stage_layers(args.n_layers, layout.pp * p.pp_virtual_stages, p.pp_boundaries)  # raises naming the key
+        check_microbatches(p.pp_schedule, accum, layout.pp, p.pp_virtual_stages,
+                           local_batch=t.global_batch // layout.dp, key="train.micro_batch")
     if t.seq_len > args.max_seq_len:
         raise RecipeError(f"train.seq_len ({t.seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}) "
                           f"for {family.name} {recipe.model.size}")
@@ -114,6 +141,26 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
         raise RecipeError(f"the data has {corpus.vocab_size} token ids but model.vocab_size is {args.vocab_size}; "
                           f"set model.vocab_size = {corpus.vocab_size} (or a smaller data.vocab_size)")
     return Preflight(layout, accum, family, args, corpus)
+
+
+@dataclass
+class Model:
+    """This rank's part of the model: its pipeline stages (one, the whole model, when pp = 1)."""
+
+    stages: list[torch.nn.Module]
+    pipeline: Pipeline | None  # the schedule when pp > 1
+    loss_parallel: bool  # logits are vocab-sharded DTensors: the loss runs under loss_parallel
+
+    @property
+    def modules(self) -> torch.nn.ModuleList:
+        return torch.nn.ModuleList(self.stages)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameter names of the whole model: stages hold disjoint blocks under their global names."""
+        out: dict[str, Any] = {}
+        for stage in self.stages:
+            out.update(stage.state_dict())
+        return out
 
 
 @dataclass
@@ -133,7 +180,7 @@ def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
         mesh = meshlib.build(checked.layout, device.type)
         model, records = _train_loop(recipe, checked, mesh, device, profile, info)
         state = None
-        if return_state:  # gathered: a collective per DTensor, for tests only
+        if return_state:  # gathered: a collective per DTensor, for tests only; this rank's stages
             state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
                      for k, v in model.state_dict().items()}
         dist.barrier()  # gloo groups torn down while a peer still talks can abort at exit
@@ -155,15 +202,18 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
               f"data {corpus.name} | {accum} microbatches/step\n--- resolved recipe "
               f"({output_dir / 'recipe.toml'}) ---\n{resolved}---", flush=True)
 
-    torch.manual_seed(t.seed)
-    with torch.device("meta"):
-        model = family.model_cls(args)
-    model = family.parallelize(model, mesh, recipe.parallel)  # still on meta: shards only from here on
-    model.to_empty(device=device)
-    model.init_weights()  # layout-independent values (meshpar.init): every layout starts from the same model
-    n_params = sum(p.numel() for p in model.parameters())  # DTensors count their global size
-    sharded = isinstance(model, FSDPModule)
-    optimizer = build_optimizer(model, recipe.optim)
+    # layout-independent values (meshpar.init): every layout starts from the same model
+    stages = build(family.model_cls, args, family.parallelize, mesh, recipe.parallel, device, t.seed)
+    p = recipe.parallel
+    loss_parallel = mesh.layout.tp > 1 and p.loss_parallel
+    pipeline = None
+    if mesh.layout.pp > 1:
+        pipeline = build_schedule(stages, mesh.layout.pp * p.pp_virtual_stages, mesh["pp"], device, p.pp_schedule,
+                                  accum, cross_entropy)
+    model = Model([m for _, m in stages], pipeline, loss_parallel)
+    n_params = _count_params(model, mesh)
+    sharded = isinstance(model.stages[0], FSDPModule)
+    optimizer = build_optimizer(model.modules, recipe.optim)
     scheduler = build_lr_schedule(optimizer, recipe.optim, t.steps)
     loader = BatchLoader(corpus.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
                          dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed)
@@ -178,22 +228,19 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     n_devices = info.world_size if device.type == "cuda" else info.world_size // info.local_world_size
     peak = profile.peak_flops(getattr(torch, recipe.parallel.param_dtype)) * n_devices
     tokens_per_step = t.global_batch * t.seq_len
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [q for q in model.modules.parameters() if q.requires_grad]
+    pp_groups = [mesh["pp"].get_group()] if mesh.layout.pp > 1 else []
     records: list[dict[str, Any]] = []
     last_time, last_step = time.perf_counter(), 0
 
     for step in range(1, t.steps + 1):
-        loss_sum = torch.zeros((), device=device)
-        for i, (inputs, targets) in enumerate(loader.next_step()):
-            if sharded:  # reduce-scatter once per step, after the last microbatch
-                model.set_requires_gradient_sync(i == accum - 1)
-            loss = cross_entropy(model(inputs.to(device)), targets.to(device)) / accum
-            loss.backward()
-            loss_sum += loss.detach()
+        loss_sum = _forward_backward(model, loader, accum, device, sharded)
         if not sharded:
-            all_reduce_gradients(model, mesh["dp_replicate"])
+            all_reduce_gradients(model.modules, mesh["dp_replicate"])
+            if mesh.layout.tp > 1:
+                reduce_partial_grads(model.modules)
         max_norm = recipe.optim.grad_clip if recipe.optim.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm_(params, max_norm)
+        grad_norm = clip_grad_norm_(params, max_norm, extra_groups=pp_groups)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -201,6 +248,8 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
         progress.update(step)
 
         if step % t.log_every == 0 or step == t.steps:
+            if pp_groups:  # the loss lives on the last stage's rank
+                dist.all_reduce(loss_sum, group=pp_groups[0])
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -219,6 +268,34 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
             last_time = time.perf_counter()  # validation time is not training throughput
     progress.close()
     return model, records
+
+
+def _forward_backward(model: Model, loader: BatchLoader, accum: int, device: torch.device,
+                      sharded: bool) -> torch.Tensor:
+    """One step's forward and backward over this rank's microbatches; returns this rank's loss
+    (zero on pipeline ranks without the last stage). See [Note: losses do not depend on the layout]."""
+    loss_sum = torch.zeros((), device=device)
+    with loss_parallel_context(model.loss_parallel):
+        if model.pipeline is not None:  # the schedule splits the batch into the same microbatches
+            inputs, targets = (torch.cat(x).to(device) for x in zip(*loader.next_step(), strict=True))
+            loss = model.pipeline.step(inputs, targets)
+            return loss_sum if loss is None else loss_sum + _plain(loss)
+        stage = model.stages[0]
+        for i, (inputs, targets) in enumerate(loader.next_step()):
+            if sharded:  # reduce-scatter once per step, after the last microbatch
+                stage.set_requires_gradient_sync(i == accum - 1)
+            loss = cross_entropy(stage(inputs.to(device)), targets.to(device)) / accum
+            loss.backward()
+            loss_sum += _plain(loss.detach())
+    return loss_sum
+
+
+def _count_params(model: Model, mesh: meshlib.Mesh) -> int:
+    """Parameters of the whole model (DTensors count their global size; stages are summed over pp)."""
+    n = torch.tensor(sum(q.numel() for q in model.modules.parameters()), dtype=torch.int64)
+    if mesh.layout.pp > 1:
+        dist.all_reduce(n, group=mesh["pp"].get_group())
+    return int(n.item())
 
 
 def main(argv: list[str] | None = None) -> None:

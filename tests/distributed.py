@@ -97,3 +97,21 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             f"{[procs[r].exitcode for r in missing]})" if missing else "")]
         raise AssertionError("\n".join(lines + errors))
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+def once_per_world(run: Callable[[int], Any]) -> Callable[[int], Any]:
+    """``run(world)`` at most once per world size: later calls return the first result, or
+    raise its failure again, so one spawned job serves (or fails) every test that reads it."""
+    done: dict[int, Any] = {}
+
+    def results(world: int) -> Any:
+        if world not in done:
+            try:
+                done[world] = run(world)
+            except AssertionError as e:
+                done[world] = e
+        if isinstance(done[world], AssertionError):
+            raise done[world]
+        return done[world]
+
+    return results

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 from meshpar import comm
 from meshpar.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from meshpar.models.gpt2.model import GPT2
-from tests.distributed import run_distributed
+from tests.distributed import once_per_world, run_distributed
 from tests.fsdp_models import (
     GPT,
     HIDDEN,
@@ -633,19 +633,8 @@ def _job(tmp: str) -> dict[str, str | None]:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> Callable[[int], list[dict[str, str | None]]]:
     """One spawned job per world size, run on first use; a failed job fails each of its tests."""
-    done: dict[int, list | Exception] = {}
-
-    def results(world: int) -> list[dict[str, str | None]]:
-        if world not in done:
-            try:
-                done[world] = run_distributed(_job, world, str(tmp_path_factory.mktemp(f"fsdp{world}")), timeout=240)
-            except AssertionError as e:
-                done[world] = e
-        if isinstance(done[world], Exception):
-            raise done[world]
-        return done[world]
-
-    return results
+    return once_per_world(lambda world: run_distributed(_job, world, str(tmp_path_factory.mktemp(f"fsdp{world}")),
+                                                        timeout=240))
 
 
 def _check(jobs: Callable, world: int, case: str) -> None:

@@ -197,8 +197,14 @@ BAD_OVERRIDES = [
     ("[parallel]\npp = 1\n", ["--parallel.dp_shard=0"], "--parallel.dp_shard=0", r".*dp_shard = 0: must be -1"),
     ("[optim]\nlr = 1e-3\n", ["--optim.betas=[0.9,1.0]"], "--optim.betas=[0.9,1.0]",
      r".*betas = \[0\.9, 1\.0\]: must be two numbers in \[0, 1\)$"),
-    ("[model]\nsize = \"debug\"\n", ["--parallel.tp=2"], "--parallel.tp=2",
-     r".*parallel\.tp = 2: tensor parallelism is not built yet"),
+    ("[model]\nsize = \"debug\"\n", ["--parallel.cp=2"], "--parallel.cp=2",
+     r".*parallel\.cp = 2: context parallelism is not built yet"),
+    ("[parallel]\npp = 2\n", ["--parallel.pp_schedule=2f2b"], "--parallel.pp_schedule=2f2b",
+     r'.*parallel\.pp_schedule = "2f2b": must be one of "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"$'),
+    ("", ["--parallel.activation_checkpoint=all"], "--parallel.activation_checkpoint=all",
+     r'.*activation_checkpoint = "all": must be one of "none", "full", "selective"$'),
+    ("", ["--parallel.pp_boundaries=[0, 2]"], "--parallel.pp_boundaries=[0, 2]",
+     r".*pp_boundaries = \[0, 2\]: must be layer indices >= 1$"),
 ]
 
 

@@ -52,6 +52,21 @@ class FSDPModule:
             if state.group is not None:
                 state.group.requires_gradient_sync = requires_gradient_sync
 
+    def reduce_grads(self) -> None:
+        """Reduce now the gradients this unit holds unsharded (accumulated over no-sync
+        microbatches, or written outside its hooks, e.g. by ``torch.autograd.grad`` in a
+        zero-bubble weight pass), wait, add them to the sharded ``.grad`` and reshard if
+        ``reshard_after_backward``. A no-op with nothing pending. Call with gradient sync on."""
+        group = self._fsdp_state.group
+        if group is None:
+            return
+        if any(p.accumulated_grad is not None or (p.unsharded is not None and p.unsharded.grad is not None)
+               for p in group.all_params):
+            group.post_backward()
+        group.wait_for_reduce()
+        if group.reshard_after_backward:
+            group.reshard()
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for state in self._states(recurse):
             if state.group is not None:

@@ -2,8 +2,9 @@
 
 A family is a pure-PyTorch model (no parallel code, constructible on the meta device,
 ``init_weights()``, layers in a ``ModuleDict`` keyed by index) plus the one function that
-applies parallelism to it from outside. ``mesh_dims`` lists the parallel dimensions this
-family can run with today; a recipe asking for any other is refused before launch.
+applies parallelism to it from outside (``models/<family>/parallelize.py``) and the check of
+its dimensions against a tensor-parallel degree. ``mesh_dims`` lists the parallel dimensions
+this family can run with today; a recipe asking for any other is refused before launch.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from meshpar.models.gpt2 import GPT2, GPT2_SIZES
+from meshpar.models.gpt2.parallelize import check_gpt2_layout, parallelize_gpt2
 from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, Transformer
-from meshpar.parallelize import parallelize_transformer
+from meshpar.models.llama.parallelize import check_llama_layout, parallelize_llama
 from meshpar.recipe import RecipeError
 
 if TYPE_CHECKING:
@@ -29,7 +31,8 @@ class Family:
     name: str
     model_cls: type[nn.Module]
     sizes: Mapping[str, Any]  # size name -> the family's frozen args dataclass
-    parallelize: Callable[..., nn.Module]
+    parallelize: Callable[..., nn.Module]  # (model or stage on meta, Mesh, ParallelConfig) -> module
+    check_layout: Callable[[Any, Any], None]  # (args, Layout) -> RecipeError: tp must divide the dims it shards
     mesh_dims: frozenset[str]  # parallel dims that may be > 1
 
     def model_args(self, cfg: ModelConfig) -> Any:
@@ -62,13 +65,13 @@ NOT_BUILT = {
     "tp": "tensor parallelism",
 }
 
-_DP = frozenset({"dp_replicate", "dp_shard"})
+_ND = frozenset({"pp", "dp_replicate", "dp_shard", "tp"})
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llama", Transformer, LLAMA_SIZES, parallelize_transformer, _DP),
-    Family("qwen2", Transformer, QWEN2_SIZES, parallelize_transformer, _DP),
-    Family("qwen3", Transformer, QWEN3_SIZES, parallelize_transformer, _DP),
-    Family("gpt2", GPT2, GPT2_SIZES, parallelize_transformer, _DP),
+    Family("llama", Transformer, LLAMA_SIZES, parallelize_llama, check_llama_layout, _ND),
+    Family("qwen2", Transformer, QWEN2_SIZES, parallelize_llama, check_llama_layout, _ND),
+    Family("qwen3", Transformer, QWEN3_SIZES, parallelize_llama, check_llama_layout, _ND),
+    Family("gpt2", GPT2, GPT2_SIZES, parallelize_gpt2, check_gpt2_layout, _ND),
 )}
 
 

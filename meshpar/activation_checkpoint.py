@@ -1,0 +1,88 @@
+"""Activation checkpointing per transformer block: none, full, every k-th block, or selective.
+
+    apply_activation_checkpointing(model, mode="full", every=2)   # blocks 0, 2, 4, ... recompute
+
+``full`` keeps only a block's inputs and recomputes its whole forward in backward.
+``selective`` keeps the outputs of matrix multiplies, attention and tensor-parallel
+reduce-scatters and recomputes the cheap elementwise work around them (norms, RoPE,
+SiLU/GELU, residual adds): most of the memory saving for a fraction of the recompute.
+
+The block's ``forward`` is replaced on the instance, so parameter names do not change
+(no ``_checkpoint_wrapped_module`` in checkpoint keys). It runs after tensor parallelism
+and before ``fully_shard`` (shared/DESIGN.md): FSDP's hooks wrap ``__call__``, so a block's
+parameters are unsharded around the checkpointed forward and, in backward, before the
+recomputation starts.
+
+Limits: non-reentrant checkpointing only (``use_reentrant=False``); recomputation repeats
+a block's forward collectives (tensor-parallel all-gathers) in backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+
+# [Note: what selective checkpointing keeps]
+# Matmuls and attention are the FLOPs; everything else in a block is memory-bound
+# elementwise work whose recomputation costs little. Saving the outputs of the ops below
+# and recomputing the rest keeps per block about 2 x (q, k, v, o, w1, w3, w2 outputs)
+# instead of every intermediate (norm outputs, RoPE halves, SiLU, products). A
+# tensor-parallel reduce-scatter is kept too, so recomputation issues no collective
+# for it (torchtitan's selective policy keeps it for the same reason).
+_aten = torch.ops.aten
+_SAVE = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _checkpointed(forward: Callable, context_fn: Callable | None) -> Callable:
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+            return forward(*args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+
+    return run
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) -> nn.Module:
+    """Checkpoint the blocks of ``model.layers`` whose global index is a multiple of ``every``.
+
+    ``mode``: ``none`` (no change), ``full`` or ``selective``. Blocks are chosen by their key in
+    ``model.layers`` (the index in the whole model), so a pipeline stage checkpoints the same
+    blocks the whole model would.
+    """
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode '{mode}': choose one of {', '.join(MODES)}")
+    if every < 1:
+        raise ValueError(f"activation checkpointing every = {every}: must be >= 1")
+    if mode == "none":
+        return model
+    context_fn = _selective_contexts if mode == "selective" else None
+    for key, block in model.layers.items():
+        if int(key) % every == 0:
+            # no dropout in meshpar's models, so the RNG state need not be replayed
+            block.forward = _checkpointed(block.forward, context_fn)
+    return model

@@ -1,0 +1,118 @@
+"""Tensor-parallel plan for GPT-2, as a table.
+
+The same scheme as the Llama plan (meshpar/models/llama/parallelize.py): column-wise
+attention input and MLP c_fc, row-wise output projections, sequence-parallel LayerNorms,
+vocabulary-parallel embedding and output. Two things differ:
+
+- ``attn.c_attn`` is one fused projection laid out [q | k | v]; ``FusedColwiseParallel(3)``
+  gives rank r heads r*H/tp .. (r+1)*H/tp of each of q, k and v (see [Note: fused
+  projections] in meshpar/tensor_parallel.py), and its global view is the unsharded weight.
+- learned positions ``wpe`` and the tie of ``lm_head`` to ``wte``, see the notes below.
+
+Limits: n_heads and vocab_size must be divisible by tp (the published GPT-2 vocabulary,
+50257, is not: pad it with ``model.vocab_size``), and so must the training sequence length.
+tp > 1 does not compose with dp_shard > 1 yet ([Note: GPT-2 fused c_attn under FSDP]).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from meshpar.mesh import Layout, Mesh
+from meshpar.models.gpt2.model import GPT2Args
+from meshpar.parallelize import parallelize_transformer
+from meshpar.recipe import ParallelConfig, RecipeError
+from meshpar.tensor_parallel import (
+    FusedColwiseParallel,
+    ReplicateParallel,
+    TPPlan,
+    VocabParallelEmbedding,
+    check_tp_degree,
+    vocab_parallel_output,
+)
+
+SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the residual stream is a DTensor]
+
+# [Note: GPT-2 positions under sequence parallelism]
+# GPT2.forward computes wte(tokens) + wpe(arange(T)). The token embedding is vocab-parallel
+# and its output is reduce-scattered to the sequence shard, a DTensor [B, T, D] placed
+# Shard(1) (local [B, T/tp, D]). A plain wpe would return a plain [T, D] tensor that cannot
+# be added to it. So wpe is replicated (``ReplicateParallel``) and its input, the positions
+# [T] (the same on every rank), is taken as Shard(0): each rank slices its own T/tp
+# positions (no communication) and looks them up, giving a DTensor [T, D] placed Shard(0)
+# (local [T/tp, D]), which broadcasts against Shard(1) of [B, T, D] onto the same rows. The
+# table's gradient is a partial sum over tp (each rank saw its own positions), reduced as
+# any replicated parameter's ([Note: gradients of replicated parameters]). A vocab-style
+# row-wise wpe would work too but costs a reduce-scatter of [T, D] in every forward.
+
+# [Note: GPT-2 tied embedding under tensor parallelism]
+# lm_head.weight is wte.weight, [V, D]. The vocabulary-parallel embedding (row-wise) shards
+# it Shard(0) and the column-wise output projection shards it Shard(0) too: the same rows
+# V/tp on each rank for both uses. So the tie survives: apply_tp keeps them one Parameter
+# (one DTensor, one gradient summing both uses, one optimizer state).
+
+# [Note: GPT-2 fused c_attn under FSDP]
+# FSDP shards dim 0 of a parameter's TP-local tensor: for c_attn, rows [d*c, (d+1)*c) of
+# [q_r | k_r | v_r]. For a plain column-wise shard that is _StridedShard(0, tp) on the dp
+# dim, but under the fused _StridedShard(0, 3) on tp no DTensor placement describes it, so
+# the sharded parameter's global view (init, checkpoints, full_tensor) would be wrong and
+# training silently diverges from one process (tests/test_tensor_parallel.py saw a 3e-3
+# relative loss error). Until FSDP shards each of a fused parameter's pieces separately,
+# parallelize_gpt2 refuses tp with dp_shard; dp_replicate (no sharding) composes.
+
+
+def gpt2_tp_plan(loss_parallel: bool = True) -> TPPlan:
+    """The plan table. ``loss_parallel``: logits stay vocab-sharded, a DTensor [B, T, V/tp]
+    (run the loss under ``loss_parallel_context(True)``); otherwise plain [B, T, V] on every rank."""
+    rowwise = RowwiseParallel(output_layouts=SEQ, use_local_output=False)  # partial -> reduce-scatter -> [B, T/tp, D]
+    root = {
+        # tokens[B, T] replicated -> embedding rows V/tp -> partial [B, T, D] -> reduce-scatter -> [B, T/tp, D]
+        "wte": VocabParallelEmbedding(output_layout=SEQ),
+        # positions[T] -> this rank's [T/tp] -> [T/tp, D]: [Note: GPT-2 positions under sequence parallelism]
+        "wpe": ReplicateParallel(input_layout=Replicate(), desired_input_layout=Shard(0)),
+        "ln_f": SequenceParallel(),
+        # [B, T/tp, D] -> all-gather -> [B, T, D] @ lm_head[D, V/tp] -> logits [B, T, V/tp] (tied to wte)
+        "lm_head": vocab_parallel_output(loss_parallel),
+    }
+    block = {
+        "ln_1": SequenceParallel(),
+        # [B, T/tp, D] -> all-gather -> [B, T, D]
+        "attn": PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=True),
+        "attn.c_attn": FusedColwiseParallel(3),  # [B, T, D] @ c_attn[D, 3D] -> local [B, T, q_r | k_r | v_r]
+        "attn.c_proj": rowwise,
+        "ln_2": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=True),
+        "mlp.c_fc": ColwiseParallel(),  # [B, T, D] @ c_fc[D, 4D/tp] -> [B, T, 4D/tp]
+        "mlp.c_proj": rowwise,
+    }
+    return TPPlan(root=root, block=block, embedding="wte", output="lm_head", loss_parallel=loss_parallel)
+
+
+def check_gpt2_tp(args: GPT2Args, tp: int) -> None:
+    """RecipeError unless ``tp`` divides every dimension the plan shards (the sequence: ``check_seq_len``)."""
+    check_tp_degree(tp, {"n_heads": args.n_heads, "vocab_size": args.vocab_size},
+                    fixes={"vocab_size": "model.vocab_size can pad the vocabulary to a multiple of the tp degree "
+                                         "(GPT-2's 50257 -> 50304)"})
+
+
+def _refuse_fsdp_over_tp(layout: Layout) -> None:
+    if layout.tp > 1 and layout.dp_shard > 1:  # [Note: GPT-2 fused c_attn under FSDP]
+        raise RecipeError(f"parallel.tp = {layout.tp} with parallel.dp_shard = {layout.dp_shard}: GPT-2's fused "
+                          "c_attn cannot be FSDP-sharded over a tensor-parallel shard yet; use dp_replicate "
+                          "instead of dp_shard (and set dp_shard = 1), or tp = 1", key="parallel.dp_shard")
+
+
+def check_gpt2_layout(args: GPT2Args, layout: Layout) -> None:
+    """Before launch: the tp divisibility checks and the layouts GPT-2 cannot run yet."""
+    if layout.tp > 1:
+        check_gpt2_tp(args, layout.tp)
+    _refuse_fsdp_over_tp(layout)
+
+
+def parallelize_gpt2(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> nn.Module:
+    """The family's parallelize: tensor parallel with ``gpt2_tp_plan`` (when tp > 1), then the
+    common order of meshpar.parallelize (activation checkpointing, compile, FSDP)."""
+    _refuse_fsdp_over_tp(mesh.layout)
+    return parallelize_transformer(model, mesh, cfg, gpt2_tp_plan)

@@ -1,0 +1,97 @@
+"""Tensor-parallel plan for the Llama family (Llama 3.x, Qwen2, Qwen3), as a table.
+
+Megatron-style tensor parallelism with sequence parallelism: in each block, q/k/v and the
+SwiGLU's w1/w3 are column-wise (each rank owns H/tp query heads, Hkv/tp kv heads, F/tp
+hidden units), wo and w2 row-wise; the norms run on sequence shards; the embedding and
+the output are sharded on the vocabulary. Apply with ``meshpar.tensor_parallel.apply_tp``.
+
+Per block, with x[B, T/tp, D] (Shard(1)) on each rank:
+
+    attention_norm(x)                     -> [B, T/tp, D]
+    attention input: all-gather sequence  -> [B, T, D]
+    wq, wk, wv (+ Qwen2 biases)           -> q[B, T, H/tp*Dh], k, v[B, T, Hkv/tp*Dh]
+    (Qwen3 q_norm, k_norm on local heads; RoPE; attention on local heads)
+    wo: [B, T, H/tp*Dh] @ wo[H/tp*Dh, D]  -> partial [B, T, D] -> reduce-scatter -> [B, T/tp, D]
+    the feed-forward likewise (w1, w3 column-wise, w2 row-wise)
+
+Limits: n_heads, n_kv_heads, ffn_dim and vocab_size must be divisible by tp, and so must the
+training sequence length (``check_llama_tp``, ``check_seq_len``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from meshpar.mesh import Layout, Mesh
+from meshpar.models.llama.args import ModelArgs
+from meshpar.parallelize import parallelize_transformer
+from meshpar.recipe import ParallelConfig
+from meshpar.tensor_parallel import (
+    ReplicateParallel,
+    TPPlan,
+    VocabParallelEmbedding,
+    check_tp_degree,
+    vocab_parallel_output,
+)
+
+SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the residual stream is a DTensor]
+
+
+def _gather_sequence(n_extra_inputs: int) -> PrepareModuleInput:
+    """A block's sub-layer input: [B, T/tp, D] -> all-gather -> [B, T, D] (local); the extra
+    inputs (RoPE's cos, sin: plain tensors) pass untouched."""
+    return PrepareModuleInput(input_layouts=(SEQ, *[None] * n_extra_inputs),
+                              desired_input_layouts=(Replicate(), *[None] * n_extra_inputs), use_local_output=True)
+
+
+def llama_tp_plan(loss_parallel: bool = True) -> TPPlan:
+    """The plan table. ``loss_parallel``: logits stay vocab-sharded, a DTensor [B, T, V/tp]
+    (run the loss under ``loss_parallel_context(True)``); otherwise they are all-gathered to
+    a plain [B, T, V] tensor on every rank."""
+    colwise = ColwiseParallel()  # [B, T, D] replicated @ w[D, N/tp] -> local [B, T, N/tp]
+    rowwise = RowwiseParallel(output_layouts=SEQ, use_local_output=False)  # partial -> reduce-scatter -> [B, T/tp, D]
+    head_norm = ReplicateParallel(input_layout=Shard(1), use_local_output=True)  # q[B, H/tp, T, Dh]: per head
+    root = {
+        # tokens[B, T] replicated -> embedding rows V/tp -> partial [B, T, D] -> reduce-scatter -> [B, T/tp, D]
+        "tok_embeddings": VocabParallelEmbedding(output_layout=SEQ),
+        "norm": SequenceParallel(),
+        # [B, T/tp, D] -> all-gather -> [B, T, D] @ output[D, V/tp] -> logits [B, T, V/tp]
+        "output": vocab_parallel_output(loss_parallel),
+    }
+    block = {
+        "attention_norm": SequenceParallel(),
+        "attention": _gather_sequence(n_extra_inputs=2),  # (x, cos, sin)
+        "attention.wq": colwise,
+        "attention.wk": colwise,
+        "attention.wv": colwise,
+        "attention.q_norm": head_norm,  # Qwen3 only; skipped where absent
+        "attention.k_norm": head_norm,
+        "attention.wo": rowwise,
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": _gather_sequence(n_extra_inputs=0),
+        "feed_forward.w1": colwise,
+        "feed_forward.w3": colwise,
+        "feed_forward.w2": rowwise,
+    }
+    return TPPlan(root=root, block=block, embedding="tok_embeddings", output="output", loss_parallel=loss_parallel)
+
+
+def check_llama_tp(args: ModelArgs, tp: int) -> None:
+    """RecipeError unless ``tp`` divides every dimension the plan shards (the sequence: ``check_seq_len``)."""
+    check_tp_degree(tp, {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "ffn_dim": args.ffn_dim,
+                         "vocab_size": args.vocab_size},
+                    fixes={"vocab_size": "model.vocab_size can pad the vocabulary to a multiple of the tp degree"})
+
+
+def check_llama_layout(args: ModelArgs, layout: Layout) -> None:
+    """Before launch: every dimension the plan shards divides by the tp degree."""
+    if layout.tp > 1:
+        check_llama_tp(args, layout.tp)
+
+
+def parallelize_llama(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> nn.Module:
+    """The family's parallelize: tensor parallel with ``llama_tp_plan`` (when tp > 1), then the
+    common order of meshpar.parallelize (activation checkpointing, compile, FSDP)."""
+    return parallelize_transformer(model, mesh, cfg, llama_tp_plan)

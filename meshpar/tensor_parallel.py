@@ -1,0 +1,360 @@
+"""Tensor and sequence parallelism: apply a model family's plan table on the ``tp`` mesh.
+
+    plan = llama_tp_plan(loss_parallel=True)        # meshpar/models/llama/parallelize.py
+    apply_tp(model, mesh["tp"], plan)                # on the meta model, before fully_shard
+    ...
+    with loss_parallel_context(plan.loss_parallel):  # logits are vocab-sharded DTensors
+        loss = cross_entropy(model(tokens), targets)
+        loss.backward()
+    reduce_partial_grads(model)                      # pure TP: before clipping and the step
+
+A plan (``TPPlan``) is two tables of PyTorch ``ParallelStyle``s (torch.distributed.tensor.parallel):
+``root`` for the modules outside the blocks (embedding, final norm, output) and ``block``,
+applied to every block in ``model.layers``. Entries naming a module the model lacks are
+skipped (a pipeline stage has no embedding, or no norm and output). This module adds the
+machinery the tables need beyond PyTorch's styles: ``VocabParallelEmbedding``,
+``FusedColwiseParallel`` (GPT-2's fused q/k/v projection), ``ReplicateParallel``
+(replicated parameters over sharded activations),
+tied-weight preservation, stage boundaries, the divisibility checks, and the gradient
+reduction for replicated parameters.
+
+Limits: 1-D ``tp`` mesh; the residual stream between blocks is sharded on the sequence
+(``Shard(1)``), so the sequence length must be divisible by the tp degree
+(``check_seq_len``); sharded dims must divide evenly (``check_tp_degree``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from meshpar import comm
+from meshpar.recipe import RecipeError
+
+# [Note: the residual stream is a DTensor]
+# Between blocks the hidden states h[B, T, D] are a DTensor placed Shard(1) on tp: each rank
+# holds h[B, T/tp, D], and the global shape stays [B, T, D]. Keeping a DTensor (rather than
+# its local tensor, PyTorch's default ``use_local_output=True``) matters because the models
+# read the sequence length from ``h.shape[1]`` to slice RoPE tables or check max_seq_len; a
+# local tensor would report T/tp. Inside attention and the feed-forward the styles hand
+# plain local tensors to the model code (heads or hidden units are sharded, the sequence is
+# whole), so the model's rearranges run on local heads unchanged.
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """A family's tensor-parallel plan: module path -> ParallelStyle, read at a glance.
+
+    ``root`` paths are relative to the model, ``block`` paths to each block of
+    ``model.layers``. ``embedding`` and ``output`` name the modules whose absence marks a
+    pipeline stage boundary: a stage without ``embedding`` receives hidden states
+    ``[B, T/tp, D]`` (local, sequence-sharded) and one without ``output`` returns them.
+    ``loss_parallel``: the output's logits are a DTensor sharded on the vocabulary, so the
+    loss must run under ``loss_parallel_context(True)``.
+    """
+
+    root: Mapping[str, ParallelStyle]
+    block: Mapping[str, ParallelStyle]
+    embedding: str
+    output: str
+    loss_parallel: bool
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated over tp (a DTensor ``Replicate``), input converted from
+    ``input_layout`` to ``desired_input_layout`` (first positional input only).
+
+    For modules that compute on sharded activations with whole weights: Qwen3's per-head
+    q/k norms (``Shard(1)`` on the heads of q[B, H/tp, T, Dh]), GPT-2's position embedding
+    (positions sharded on the sequence). The weight's gradient is then a partial sum over tp
+    ranks (``Partial``); see ``reduce_partial_grads``.
+    """
+
+    def __init__(self, *, input_layout: Placement, desired_input_layout: Placement | None = None,
+                 use_local_output: bool = False) -> None:
+        super().__init__()
+        self.input_layout = input_layout
+        self.desired_input_layout = desired_input_layout or input_layout
+        self.use_local_output = use_local_output
+
+    def _replicate(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param, mesh, [Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(p_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x, *rest = inputs
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
+        if x.placements != (self.desired_input_layout,):
+            x = x.redistribute(placements=(self.desired_input_layout,))
+        return (x, *rest)
+
+    def _prepare_output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh):
+        return output.to_local() if self.use_local_output else output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate, self._prepare_input, self._prepare_output)
+
+
+# [Note: fused projections]
+# GPT-2's c_attn is one Linear whose output rows are laid out [q | k | v], each H heads of
+# Dh. A plain column-wise shard (Shard(0) of the weight) would give rank 0 all of q and half
+# of k. Rank r must instead hold heads r*H/tp .. (r+1)*H/tp of each third: its local weight
+# is [q_r | k_r | v_r] (3*D/tp rows), and the model's rearrange "(three h d)" then yields
+# its own H/tp heads of q, k and v. As a DTensor this is _StridedShard(0, split_factor=3):
+# split the rows into 3 chunks, shard each chunk over tp, concatenate a rank's pieces. The
+# global view (full_tensor(), checkpoints, meshpar.init) is the unsharded weight itself,
+# so layouts stay interchangeable. DTensor's linear propagates the placement to the output
+# (_StridedShard(-1, 3)), whose local tensor is exactly [q_r | k_r | v_r] per token.
+
+
+class FusedColwiseParallel(ParallelStyle):
+    """Column-wise parallel for an ``nn.Linear`` whose output concatenates ``n_fused`` equal
+    projections (see [Note: fused projections]). Input: a replicated (whole-sequence) tensor;
+    output: the local tensor [..., n_fused * out / (n_fused * tp)], each projection's shard in turn.
+    """
+
+    def __init__(self, n_fused: int) -> None:
+        super().__init__()
+        self.placement = _StridedShard(0, split_factor=n_fused)
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if not isinstance(module, nn.Linear):
+            raise NotImplementedError(f"FusedColwiseParallel shards nn.Linear, not {type(module).__name__}")
+        for p_name, param in list(module.named_parameters(recurse=False)):  # weight[out, in], bias[out]
+            sharded = distribute_tensor(param, mesh, [self.placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(p_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        return (x.redistribute(placements=(Replicate(),)), *inputs[1:])
+
+    @staticmethod
+    def _prepare_output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local()  # [..., q_r | k_r | v_r]
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition, self._prepare_input, self._prepare_output)
+
+
+# [Note: vocab-parallel embedding]
+# PyTorch's RowwiseParallel on an nn.Embedding shards the table on the vocabulary, but
+# DTensor's embedding backward (torch 2.13) all-gathers the output gradient and returns a
+# Replicate weight gradient: the whole [V, D] table's gradient on every rank (2 GiB in fp32
+# for Llama 3 8B), sliced back only by the optimizer or FSDP. VocabParallelEmbedding
+# computes on the local shard as Megatron-LM does: tokens outside this rank's rows
+# [start, start + V/tp) are looked up as row 0 and their outputs zeroed, the partial sums
+# are reduce-scattered (or all-reduced) to ``output_layout``, and the gradient flows back
+# through ``to_local()`` into a Shard(0) gradient [V/tp, D].
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """``nn.Embedding`` sharded on the vocabulary (weight Shard(0)); tokens replicated; the
+    output a DTensor placed ``output_layout`` (see [Note: vocab-parallel embedding])."""
+
+    def __init__(self, *, output_layout: Placement) -> None:
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        sharded = distribute_tensor(module.weight, mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+        module.register_parameter("weight", nn.Parameter(sharded, requires_grad=module.weight.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
+            raise NotImplementedError("VocabParallelEmbedding shards a plain nn.Embedding (no padding_idx, max_norm)")
+        distribute_module(module, device_mesh, self._partition)
+        output_layout = self.output_layout
+
+        def forward(tokens: torch.Tensor) -> DTensor:  # replaces the instance's forward
+            weight = module.weight  # under FSDP, the unsharded TP DTensor of this step
+            local = weight.to_local()  # [V/tp, D]
+            start = device_mesh.get_local_rank() * -(-weight.shape[0] // device_mesh.size())  # torch.chunk rows
+            tokens = tokens.to_local() if isinstance(tokens, DTensor) else tokens  # [B, T], same on every rank
+            outside = (tokens < start) | (tokens >= start + local.shape[0])
+            rows = (tokens - start).masked_fill(outside, 0)
+            out = F.embedding(rows, local).masked_fill(outside.unsqueeze(-1), 0.0)  # partial [B, T, D]
+            out = DTensor.from_local(out, device_mesh, (Partial(),), run_check=False)
+            return out.redistribute(placements=(output_layout,))  # Shard(1): reduce-scatter -> [B, T/tp, D]
+
+        module.forward = forward
+        return module
+
+
+# --- applying a plan -----------------------------------------------------------------------
+
+def _find(root: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at ``path``, or None where any part of it is missing (None in a pipeline stage)."""
+    module: nn.Module | None = root
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if not isinstance(module, nn.Module):
+            return None
+    return module
+
+
+def _apply_table(root: nn.Module, tp_mesh: DeviceMesh, table: Mapping[str, ParallelStyle]) -> None:
+    for path, style in table.items():
+        module = _find(root, path)
+        if module is not None:
+            parallelize_module(module, tp_mesh, style)
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str, str]]]:
+    """Parameters held by more than one (module, attribute): [(module, attr, name), ...] per parameter."""
+    places: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, attr, f"{mod_name}.{attr}".lstrip(".")))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _retie(groups: list[list[tuple[nn.Module, str, str]]]) -> None:
+    """Make every place of a tied parameter hold one Parameter again after each was distributed
+    separately; their placements must agree (e.g. a vocab-parallel embedding, Shard(0), and a
+    column-wise output projection, Shard(0))."""
+    for group in groups:
+        first_module, first_attr, first_name = group[0]
+        param = first_module._parameters[first_attr]
+        for module, attr, name in group[1:]:
+            other = module._parameters[attr]
+            if other is param:
+                continue
+            layout = lambda p: tuple(p.placements) if isinstance(p, DTensor) else "not a DTensor"  # noqa: E731
+            if layout(other) != layout(param):
+                raise ValueError(f"tied parameters {first_name} and {name} are placed differently by the tensor-"
+                                 f"parallel plan ({layout(param)} vs {layout(other)}); give both uses the same "
+                                 f"placement, or untie them")
+            module._parameters[attr] = param
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
+    """Apply ``plan`` to ``model`` (a whole model or a pipeline stage) on the 1-D ``tp_mesh``, in place.
+
+    Call it on the model as built on meta, before ``fully_shard``, ``to_empty`` and
+    ``init_weights`` (only local shards are allocated; meshpar.init fills them with the
+    values one process would have). Tied parameters stay one Parameter. At a stage boundary
+    (``plan.embedding`` or ``plan.output`` missing), the stage takes and returns local
+    sequence-sharded hidden states [B, T/tp, D]; see [Note: the residual stream is a DTensor].
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp takes the 1-D tp mesh (mesh['tp']), got a {tp_mesh.ndim}-D mesh")
+    tied = _tied_groups(model)
+    _apply_table(model, tp_mesh, plan.root)
+    for block in model.layers.values():
+        _apply_table(block, tp_mesh, plan.block)
+    _retie(tied)
+    seq = (Shard(1),)  # h[B, T/tp, D] on each rank
+    if _find(model, plan.embedding) is None:  # local [B, T/tp, D] in -> DTensor [B, T, D]
+        parallelize_module(model, tp_mesh, PrepareModuleInput(input_layouts=seq, desired_input_layouts=seq))
+    if _find(model, plan.output) is None:  # DTensor [B, T, D] out -> local [B, T/tp, D]
+        parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=seq, desired_output_layouts=seq,
+                                                               use_local_output=True))
+    return model
+
+
+def vocab_parallel_output(loss_parallel: bool) -> ParallelStyle:
+    """The output projection of a plan: [B, T/tp, D] -> all-gather -> [B, T, D] @ w[D, V/tp] ->
+    logits [B, T, V/tp], kept as a vocab-sharded DTensor with ``loss_parallel``, else
+    all-gathered to a plain [B, T, V] on every rank."""
+    if loss_parallel:
+        return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    return ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+
+
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Wrap forward, loss and backward when the logits are vocab-sharded (``plan.loss_parallel``).
+
+    Under it, ``F.cross_entropy`` on logits[B*T, V/tp] (a DTensor) computes the loss without
+    gathering the logits, and returns a replicated DTensor scalar; backward must run inside
+    it too. Off, it is a no-op context.
+    """
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+# [Note: gradients of replicated parameters]
+# A parameter replicated over tp but used on sharded activations (sequence-parallel norms,
+# a row-wise layer's bias, Qwen3's per-head norms, GPT-2's positions) gets from each rank
+# the gradient of its own tokens or heads only: DTensor marks it Partial(sum). Under
+# meshpar.fully_shard the engine redistributes it to the parameter's placement before its
+# reduce-scatter. Without FSDP the training step calls reduce_partial_grads once per
+# optimizer step, after the last microbatch: accumulation sums partial gradients locally
+# (summing partial sums is exact), then one flat all-reduce per mesh makes them Replicate,
+# before gradient clipping (which reads local tensors) and the optimizer.
+
+
+def _partial_grads(module: nn.Module) -> Iterator[tuple[nn.Parameter, DTensor]]:
+    for param in module.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(isinstance(pl, Partial) for pl in grad.placements):
+            yield param, grad
+
+
+@torch.no_grad()
+def reduce_partial_grads(module: nn.Module) -> None:
+    """All-reduce the Partial gradients of replicated tp parameters so each equals its
+    parameter's placement ([Note: gradients of replicated parameters]); a no-op when none."""
+    by_mesh: dict[tuple, list[tuple[nn.Parameter, DTensor]]] = {}
+    for param, grad in _partial_grads(module):
+        if grad.device_mesh.ndim != 1 or grad.placements[0] != Partial("sum"):
+            raise NotImplementedError(f"gradient placed {grad.placements} on a {grad.device_mesh.ndim}-D mesh; "
+                                      f"reduce_partial_grads handles Partial(sum) on the 1-D tp mesh")
+        by_mesh.setdefault((grad.device_mesh, grad.dtype), []).append((param, grad))
+    for (mesh, _), pairs in by_mesh.items():
+        locals_ = [grad.to_local() for _, grad in pairs]
+        flat = torch.cat([g.reshape(-1) for g in locals_])
+        name = mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "tp"
+        comm.all_reduce(flat, mesh.get_group(), dim=name)
+        for (param, grad), reduced in zip(pairs, flat.split([g.numel() for g in locals_]), strict=True):
+            param.grad = DTensor.from_local(reduced.view_as(grad.to_local()), mesh, param.placements,
+                                            run_check=False, shape=grad.shape, stride=grad.stride())
+
+
+# --- checks, before any process starts ------------------------------------------------------
+
+def check_tp_degree(tp: int, sizes: Mapping[str, int], fixes: Mapping[str, str] | None = None) -> None:
+    """Raise RecipeError (key ``parallel.tp``) unless ``tp`` divides every size in ``sizes``
+    (name -> length of a dimension the plan shards), listing the degrees that would work.
+    ``fixes`` adds a remedy for a dimension by name (e.g. padding the vocabulary)."""
+    if tp < 1:
+        raise RecipeError(f"parallel.tp = {tp}: the degree must be >= 1", key="parallel.tp")
+    bad = [name for name, size in sizes.items() if size % tp]
+    if not bad:
+        return
+    common = math.gcd(*sizes.values())
+    working = [d for d in range(1, common + 1) if common % d == 0]
+    name = bad[0]
+    fix = f"; {fixes[name]}" if fixes and name in fixes else ""
+    raise RecipeError(f"parallel.tp = {tp}: {name} ({sizes[name]}) is not divisible by {tp}; tp degrees that "
+                      f"divide every sharded dimension: {', '.join(map(str, working))}{fix}", key="parallel.tp")
+
+
+def check_seq_len(seq_len: int, tp: int) -> None:
+    """Sequence parallelism splits every sequence across the tp ranks: ``seq_len`` must divide."""
+    if tp > 1 and seq_len % tp:
+        fits = seq_len - seq_len % tp
+        raise RecipeError(f"parallel.tp = {tp}: train.seq_len ({seq_len}) is not divisible by {tp} (sequence "
+                          f"parallelism splits each sequence over the tp ranks); use a multiple of {tp}, "
+                          f"e.g. {fits or tp}", key="parallel.tp")

@@ -1,0 +1,251 @@
+"""Tensor (and sequence) parallelism against one process: Llama, Qwen2, Qwen3 and GPT-2 plans.
+
+Each case builds the model on meta with a seed, applies the family's plan (and, on 4 ranks,
+meshpar.fully_shard per block then the root on dp_shard), materializes it with to_empty +
+init_weights, and trains 5 AdamW steps next to a single-process reference built on CPU
+with the same seed (meshpar.init makes the starting values equal). Compared: the loss at
+every step and every gathered parameter at the end, which also checks that the gradients
+of replicated parameters (sequence-parallel norms, row-wise biases, per-head norms,
+positions) are summed over the tp ranks; gradients are also compared at every step.
+
+Everything runs in float64: TP changes the order of float sums, and AdamW's first steps move
+each element by about lr whatever its gradient's size, so in float32 elements whose gradient
+is rounding noise differ by ~lr after 5 steps (seen: 7e-5 at lr 1e-3) although the gradients
+agree to 1e-6 of their scale. In float64 that noise is ~1e-13, so the tolerance (1e-9) can
+be tight and still tell a wrong gradient from rounding. Sub-cases loop inside one spawned
+job per world size.
+"""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from meshpar.clip import total_norm
+from meshpar.models.gpt2 import GPT2, GPT2_SIZES
+from meshpar.models.gpt2.parallelize import check_gpt2_tp, gpt2_tp_plan
+from meshpar.models.llama import LLAMA_SIZES, Transformer
+from meshpar.models.llama.parallelize import check_llama_tp, llama_tp_plan
+from meshpar.recipe import RecipeError
+from meshpar.tensor_parallel import apply_tp, check_seq_len, loss_parallel_context, reduce_partial_grads
+from tests.distributed import run_distributed
+
+STEPS, BATCH, SEQ_LEN, LR, TOL, GRAD_TOL = 5, 4, 32, 1e-3, 1e-9, 1e-9
+
+LLAMA = dataclasses.replace(LLAMA_SIZES["debug"], n_layers=2)
+QWEN3 = dataclasses.replace(LLAMA, head_dim=64, qk_norm=True, norm_eps=1e-6)  # as QWEN3_SIZES["debug"], 2 layers
+QWEN2 = dataclasses.replace(LLAMA, n_kv_heads=2, qkv_bias=True, tie_embeddings=True)  # as QWEN2_SIZES["debug"]
+GPT2_ARGS = dataclasses.replace(GPT2_SIZES["debug"], n_layers=2)
+
+CASES = {  # name -> (model class, args, plan builder)
+    "llama": (Transformer, LLAMA, llama_tp_plan),
+    "qwen3": (Transformer, QWEN3, llama_tp_plan),
+    "qwen2": (Transformer, QWEN2, llama_tp_plan),
+    "gpt2": (GPT2, GPT2_ARGS, gpt2_tp_plan),
+}
+
+
+def _value(loss: torch.Tensor) -> float:
+    return (loss.to_local() if isinstance(loss, DTensor) else loss).item()  # loss parallel: a Replicate DTensor
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor, loss_parallel: bool) -> torch.Tensor:
+    """Next-token cross-entropy, forward and backward (under loss parallel when the logits are vocab-sharded)."""
+    with loss_parallel_context(loss_parallel):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+    return loss
+
+
+def _build(case: str, mesh, loss_parallel: bool, fsdp: bool) -> tuple[nn.Module, nn.Module]:
+    cls, args, plan = CASES[case]
+    ref = cls(args)
+    torch.manual_seed(0)  # init_weights draws its base seed here, as the TP model's does below
+    ref.init_weights()
+    with torch.device("meta"):
+        model = cls(args)
+    apply_tp(model, mesh["tp"], plan(loss_parallel))
+    assert all(p.is_meta and isinstance(p, DTensor) for p in model.parameters()), case  # nothing allocated yet
+    if fsdp:
+        from meshpar.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    return model, ref
+
+
+def _train_case(case: str, mesh, loss_parallel: bool, fsdp: bool) -> dict:
+    model, ref = _build(case, mesh, loss_parallel, fsdp)
+    init_diff = max((_full(p) - ref.get_parameter(n)).abs().max().item() for n, p in model.named_parameters())
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR) for m in (model, ref))
+    dp_rank, dp_size = (mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()) if fsdp else (0, 1)
+    data = torch.Generator().manual_seed(1)
+    per_rank = BATCH // dp_size
+    losses, grad_norms, grad_errs = [], [], {}
+    for _ in range(STEPS):
+        tokens = torch.randint(0, ref.args.vocab_size, (BATCH, SEQ_LEN + 1), generator=data)
+        loss = _loss(model, tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank], loss_parallel)
+        reduce_partial_grads(model)  # pure TP: replicated parameters' grads are partial sums
+        ref_loss = _loss(ref, tokens, False)
+        grad_norms.append((total_norm([p.grad for p in model.parameters()]).item(),
+                           total_norm([p.grad for p in ref.parameters()]).item()))
+        for name, p in model.named_parameters():  # relative to the gradient's scale
+            assert p.grad.placements == p.placements, name  # no Partial gradient is left
+            ref_grad = ref.get_parameter(name).grad
+            err = (_full(p.grad) - ref_grad).abs().max().item() / ref_grad.abs().max().item()
+            grad_errs[name] = max(grad_errs.get(name, 0.0), err)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        total = torch.tensor(_value(loss))
+        dist.all_reduce(total)  # every tp rank of a dp rank saw the same batch: the mean is the dp mean
+        losses.append((total.item() / dist.get_world_size(), ref_loss.item()))
+    ref_params = dict(ref.named_parameters())
+    params = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    return {"losses": losses, "grad_norms": grad_norms, "grad_errs": grad_errs, "init_diff": init_diff,
+            "tied": _is_tied(model), "ref_tied": _is_tied(ref),
+            "diffs": {n: (p - ref_params[n]).abs().max().item() for n, p in params.items()},
+            "names": (sorted(params), sorted(ref_params))}
+
+
+def _is_tied(model: nn.Module) -> bool:
+    if isinstance(model, GPT2):
+        return model.lm_head.weight is model.wte.weight
+    return model.output.weight is model.tok_embeddings.weight
+
+
+def _stage_case(mesh) -> float:
+    """Two pipeline-stage slices of one Llama under TP: hidden states cross the boundary as
+    local sequence shards, and the composition matches the whole single-process model."""
+    ref = Transformer(LLAMA)
+    torch.manual_seed(0)
+    ref.init_weights()
+    stages = []
+    for keep in ("0", "1"):
+        with torch.device("meta"):
+            stage = Transformer(LLAMA)
+        stage.layers = nn.ModuleDict({keep: stage.layers[keep]})
+        if keep == "0":
+            stage.norm = stage.output = None
+        else:
+            stage.tok_embeddings = None
+        apply_tp(stage, mesh["tp"], llama_tp_plan(loss_parallel=False))
+        stage.to_empty(device="cpu")
+        torch.manual_seed(0)
+        stage.init_weights()
+        stages.append(stage)
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(2))
+    hidden = stages[0](tokens)
+    assert type(hidden) is torch.Tensor and hidden.shape == (2, SEQ_LEN // mesh["tp"].size(), LLAMA.dim)
+    with torch.no_grad():
+        return (stages[1](hidden) - ref(tokens)).abs().max().item()
+
+
+def _tp_only_job() -> dict:
+    torch.set_default_dtype(torch.float64)  # see the module docstring
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    out = {}
+    for case, loss_parallel in (("llama", True), ("llama", False), ("qwen3", True), ("qwen2", False),
+                                ("gpt2", True), ("gpt2", False)):
+        out[case, loss_parallel] = _train_case(case, mesh, loss_parallel, fsdp=False)
+    out["stages"] = _stage_case(mesh)
+    return out
+
+
+def _tp_fsdp_job() -> dict:
+    torch.set_default_dtype(torch.float64)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    return {(case, lp): _train_case(case, mesh, lp, fsdp=True) for case, lp in (("llama", True), ("qwen2", False))}
+
+
+def _assert_parity(results: dict) -> None:
+    for key, r in results.items():
+        names, ref_names = r["names"]
+        assert names == ref_names, key  # parameter names unchanged by TP / FSDP
+        assert r["tied"] == r["ref_tied"], key  # a tied embedding stays one Parameter
+        assert r["init_diff"] == 0.0, key  # layout-independent init: bit-identical start
+        for step, (loss, ref_loss) in enumerate(r["losses"]):
+            assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (key, step, loss, ref_loss)
+        worst = max(r["grad_errs"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= GRAD_TOL, (key, "gradient", worst)
+        worst = max(r["diffs"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= TOL, (key, "parameter", worst)
+
+
+@functools.cache
+def _results(world_size: int) -> dict:
+    """One spawned job per world size, shared by the tests below."""
+    return run_distributed(_tp_only_job if world_size == 2 else _tp_fsdp_job, world_size, timeout=240)[0]
+
+
+def test_tensor_parallel_matches_one_process():
+    results = dict(_results(2))
+    stage_diff = results.pop("stages")
+    _assert_parity(results)
+    assert stage_diff <= TOL
+
+
+def test_tensor_parallel_with_fsdp_matches_one_process():
+    _assert_parity(_results(4))
+
+
+def test_gradient_norm_over_tensor_parallel_gradients():
+    for world_size in (2, 4):
+        for key, r in _results(world_size).items():
+            for step, (norm, ref_norm) in enumerate(r["grad_norms"] if key != "stages" else ()):
+                assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (key, step, norm, ref_norm)  # summed in fp32
+
+
+# --- divisibility checks: no processes -------------------------------------------------------
+
+def test_check_tp_degree_names_the_dimension_and_the_degrees_that_work():
+    args = dataclasses.replace(LLAMA, n_heads=8, n_kv_heads=2)
+    check_llama_tp(args, 2)
+    with pytest.raises(RecipeError) as err:
+        check_llama_tp(args, 4)
+    assert str(err.value) == ("parallel.tp = 4: n_kv_heads (2) is not divisible by 4; tp degrees that divide "
+                              "every sharded dimension: 1, 2")
+    assert err.value.key == "parallel.tp"
+    with pytest.raises(RecipeError, match=r"ffn_dim \(102\) is not divisible by 4; .*: 1, 2$"):
+        check_llama_tp(dataclasses.replace(LLAMA, ffn_dim=102), 4)
+
+
+def test_check_gpt2_tp_points_at_padding_the_vocabulary():
+    with pytest.raises(RecipeError, match=r"vocab_size \(50257\) is not divisible by 2; .*: 1; model.vocab_size"):
+        check_gpt2_tp(GPT2_SIZES["124m"], 2)
+    check_gpt2_tp(dataclasses.replace(GPT2_SIZES["124m"], vocab_size=50304), 4)
+    with pytest.raises(RecipeError, match=r"n_heads \(25\) is not divisible by 2"):
+        check_gpt2_tp(dataclasses.replace(GPT2_SIZES["1.5b"], vocab_size=50304), 2)
+
+
+def test_check_seq_len():
+    check_seq_len(256, 4)
+    check_seq_len(7, 1)
+    with pytest.raises(RecipeError, match=r"train.seq_len \(10\) is not divisible by 4 .*e.g. 8"):
+        check_seq_len(10, 4)
+
+
+def test_gpt2_refuses_tensor_parallel_with_fsdp():
+    from meshpar.mesh import Layout, Mesh
+    from meshpar.models.gpt2.parallelize import parallelize_gpt2
+    from meshpar.recipe import ParallelConfig
+
+    mesh = Mesh(Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2), world=None, dp=None)
+    with pytest.raises(RecipeError, match="fused c_attn cannot be FSDP-sharded") as err:
+        parallelize_gpt2(nn.Module(), mesh, ParallelConfig(tp=2, dp_shard=2))
+    assert err.value.key == "parallel.dp_shard"
