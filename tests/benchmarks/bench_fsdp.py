@@ -4,8 +4,8 @@
                                           [--warmup N] [--engines a,b] [--json runs/bench_fsdp.json]
 
 For each model and rank count, one spawned job (1 thread per rank) trains every engine in
-turn from the same initial values on the same global batch (each rank its slice): AdamW,
-loss = cross-entropy on random tokens. Per engine it reports
+turn from the same initial values on the same global batch (each rank its slice): fused AdamW
+(meshpar's optimizer), loss = cross-entropy on random tokens. Per engine it reports
 
 - step time: median over the timed steps of the slowest rank's forward + backward + step,
   after warmup steps (ranks start each step together at a barrier);
@@ -114,7 +114,8 @@ class _Trainer:
         model = Transformer(w.args)
         model.init_weights()  # the same values on every rank and for every engine
         self.model = _wrap(engine, model, mesh)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
+        # fused, as meshpar's training uses it (meshpar/optim.py), for every engine alike
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         self.inputs, self.targets = _batch(w, rank, world)
         self.losses: list[float] = []
         self.times: list[float] = []
