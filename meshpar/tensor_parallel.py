@@ -77,6 +77,13 @@ class TPPlan:
     loss_parallel: bool
 
 
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None) -> None:
+    """Make each of ``module``'s own parameters a DTensor placed ``placement`` on the 1-D ``mesh``."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        dtensor = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+
+
 class ReplicateParallel(ParallelStyle):
     """Parameters replicated over tp (a DTensor ``Replicate``), input converted from
     ``input_layout`` to ``desired_input_layout`` (first positional input only).
@@ -95,9 +102,7 @@ class ReplicateParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _replicate(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for p_name, param in list(module.named_parameters(recurse=False)):
-            replicated = distribute_tensor(param, mesh, [Replicate()], src_data_rank=self.src_data_rank)
-            module.register_parameter(p_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        _distribute_params(module, mesh, Replicate(), self.src_data_rank)
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, *rest = inputs
@@ -139,9 +144,7 @@ class FusedColwiseParallel(ParallelStyle):
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if not isinstance(module, nn.Linear):
             raise NotImplementedError(f"FusedColwiseParallel shards nn.Linear, not {type(module).__name__}")
-        for p_name, param in list(module.named_parameters(recurse=False)):  # weight[out, in], bias[out]
-            sharded = distribute_tensor(param, mesh, [self.placement], src_data_rank=self.src_data_rank)
-            module.register_parameter(p_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        _distribute_params(module, mesh, self.placement, self.src_data_rank)  # weight[out, in], bias[out]
 
     @staticmethod
     def _prepare_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -178,8 +181,7 @@ class VocabParallelEmbedding(ParallelStyle):
         self.output_layout = output_layout
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        sharded = distribute_tensor(module.weight, mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-        module.register_parameter("weight", nn.Parameter(sharded, requires_grad=module.weight.requires_grad))
+        _distribute_params(module, mesh, Shard(0), self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:

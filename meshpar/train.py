@@ -78,7 +78,7 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
     t = recipe.train
     loader = BatchLoader(tokens, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
                          dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed, shuffle=False)
-    model.modules.eval()
+    model.stages.eval()
     total = torch.zeros((), device=device)
     n = 0
     with loss_parallel_context(model.loss_parallel):
@@ -93,7 +93,7 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
             for inputs, targets in microbatches:
                 total += _plain(cross_entropy(model.stages[0](inputs.to(device)), targets.to(device)))
                 n += 1
-    model.modules.train()
+    model.stages.train()
     total /= n
     if mesh.layout.pp > 1:  # the loss lives on the last stage's rank
         dist.all_reduce(total, group=mesh["pp"].get_group())
@@ -147,13 +147,9 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
 class Model:
     """This rank's part of the model: its pipeline stages (one, the whole model, when pp = 1)."""
 
-    stages: list[torch.nn.Module]
+    stages: torch.nn.ModuleList
     pipeline: Pipeline | None  # the schedule when pp > 1
     loss_parallel: bool  # logits are vocab-sharded DTensors: the loss runs under loss_parallel
-
-    @property
-    def modules(self) -> torch.nn.ModuleList:
-        return torch.nn.ModuleList(self.stages)
 
     def state_dict(self) -> dict[str, Any]:
         """Parameter names of the whole model: stages hold disjoint blocks under their global names."""
@@ -210,10 +206,10 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     if mesh.layout.pp > 1:
         pipeline = build_schedule(stages, mesh.layout.pp * p.pp_virtual_stages, mesh["pp"], device, p.pp_schedule,
                                   accum, cross_entropy)
-    model = Model([m for _, m in stages], pipeline, loss_parallel)
+    model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, loss_parallel)
     n_params = _count_params(model, mesh)
     sharded = isinstance(model.stages[0], FSDPModule)
-    optimizer = build_optimizer(model.modules, recipe.optim)
+    optimizer = build_optimizer(model.stages, recipe.optim)
     scheduler = build_lr_schedule(optimizer, recipe.optim, t.steps)
     loader = BatchLoader(corpus.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
                          dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed)
@@ -228,7 +224,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     n_devices = info.world_size if device.type == "cuda" else info.world_size // info.local_world_size
     peak = profile.peak_flops(getattr(torch, recipe.parallel.param_dtype)) * n_devices
     tokens_per_step = t.global_batch * t.seq_len
-    params = [q for q in model.modules.parameters() if q.requires_grad]
+    params = [q for q in model.stages.parameters() if q.requires_grad]
     pp_groups = [mesh["pp"].get_group()] if mesh.layout.pp > 1 else []
     records: list[dict[str, Any]] = []
     last_time, last_step = time.perf_counter(), 0
@@ -236,9 +232,9 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     for step in range(1, t.steps + 1):
         loss_sum = _forward_backward(model, loader, accum, device, sharded)
         if not sharded:
-            all_reduce_gradients(model.modules, mesh["dp_replicate"])
+            all_reduce_gradients(model.stages, mesh["dp_replicate"])
             if mesh.layout.tp > 1:
-                reduce_partial_grads(model.modules)
+                reduce_partial_grads(model.stages)
         max_norm = recipe.optim.grad_clip if recipe.optim.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(params, max_norm, extra_groups=pp_groups)
         lr = scheduler.get_last_lr()[0]
@@ -292,7 +288,7 @@ def _forward_backward(model: Model, loader: BatchLoader, accum: int, device: tor
 
 def _count_params(model: Model, mesh: meshlib.Mesh) -> int:
     """Parameters of the whole model (DTensors count their global size; stages are summed over pp)."""
-    n = torch.tensor(sum(q.numel() for q in model.modules.parameters()), dtype=torch.int64)
+    n = torch.tensor(sum(q.numel() for q in model.stages.parameters()), dtype=torch.int64)
     if mesh.layout.pp > 1:
         dist.all_reduce(n, group=mesh["pp"].get_group())
     return int(n.item())

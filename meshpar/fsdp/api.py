@@ -57,15 +57,8 @@ class FSDPModule:
         microbatches, or written outside its hooks, e.g. by ``torch.autograd.grad`` in a
         zero-bubble weight pass), wait, add them to the sharded ``.grad`` and reshard if
         ``reshard_after_backward``. A no-op with nothing pending. Call with gradient sync on."""
-        group = self._fsdp_state.group
-        if group is None:
-            return
-        if any(p.accumulated_grad is not None or (p.unsharded is not None and p.unsharded.grad is not None)
-               for p in group.all_params):
-            group.post_backward()
-        group.wait_for_reduce()
-        if group.reshard_after_backward:
-            group.reshard()
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.finish_backward()
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for state in self._states(recurse):

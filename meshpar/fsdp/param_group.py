@@ -108,22 +108,20 @@ class ParamGroup:
         if self.state is ParamState.UNSHARDED:
             return
         if self._gather is None and self.params and not self.alias:
-            # in place: this rank's input is its own slot of the output, so no separate send buffer
-            # (one shard fewer at the peak; PyTorch's engine does the same)
             if self._post_forward_shards is not None:  # backward after an int reshard_after_forward
                 group, world, dim = self.post_forward
-                pieces = self._post_forward_shards
-                n, dtype, device = sum(t.numel() for t in pieces), pieces[0].dtype, pieces[0].device
-                recv = torch.empty(world * n, dtype=dtype, device=device)
-                send = recv[dist.get_rank(group) * n:(dist.get_rank(group) + 1) * n]
-                torch.cat(pieces, out=send)
+                rank, pieces = dist.get_rank(group), self._post_forward_shards
+                n, dtype = sum(t.numel() for t in pieces), pieces[0].dtype
+                fill = lambda send: torch.cat(pieces, out=send)
             else:
                 group, world, dim = self.mesh_info.shard_group, self.world, self.mesh_info.shard_dim_name
-                n = self.per_rank_numel
-                recv = torch.empty(world * n, dtype=self.mp.param_dtype or self.params[0].orig_dtype,
-                                   device=self.params[0].compute_device)
-                send = recv[self.mesh_info.shard_rank * n:(self.mesh_info.shard_rank + 1) * n]
-                self._copy_in(send)
+                rank, n, dtype = self.mesh_info.shard_rank, self.per_rank_numel, self.mp.param_dtype
+                dtype, fill = dtype or self.params[0].orig_dtype, self._copy_in
+            # in place: this rank's input is its own slot of the output, so no separate send buffer
+            # (one shard fewer at the peak; PyTorch's engine does the same)
+            recv = torch.empty(world * n, dtype=dtype, device=self.params[0].compute_device)
+            send = recv[rank * n:(rank + 1) * n]
+            fill(send)
             self._gather = (comm.all_gather(recv, send, group, async_op=True, dim=dim), recv, world)
         if not async_op:
             self._finish_unshard()
@@ -201,20 +199,18 @@ class ParamGroup:
         """After this unit's backward: reduce (or keep, without sync) its gradients; reshard."""
         self._grads_ready.clear()
         with record_function("meshpar::fsdp.post_backward"):
+            if self.reshard_after_backward:  # first: the gradients outlive the parameters, and the
+                self.reshard()  # reduction's buffers then take the unsharded parameters' place
             if self.requires_gradient_sync:
                 self.wait_for_reduce()  # at most one reduction in flight per group
                 if self.reduce_queue is not None:  # and across groups: [Note: one reduction in flight]
                     self.reduce_queue.admit(self)
-                if self.reshard_after_backward:  # free the unsharded parameters before the reduction's buffers
-                    self.reshard()
                 self._start_reduce()
             else:
                 for p in self.all_params:
                     grad = p.take_unsharded_grad()
                     if grad is not None:
                         p.accumulated_grad = grad
-            if self.reshard_after_backward:
-                self.reshard()
 
     def _divide_factor(self) -> float:
         if self.divide_factor is not None:
@@ -279,8 +275,10 @@ class ParamGroup:
             offset += p.padded_numel
 
     def finish_backward(self) -> None:
-        """End of the whole backward: reduce what no hook reduced (unused parameters), wait, reshard."""
-        if self._grads_ready or any(p.unsharded is not None and p.unsharded.grad is not None
+        """End of a backward, or ``FSDPModule.reduce_grads``: reduce what no hook reduced (unused
+        parameters, gradients accumulated without sync or written outside the hooks), wait, reshard."""
+        if self._grads_ready or any(p.accumulated_grad is not None or (p.unsharded is not None
+                                                                      and p.unsharded.grad is not None)
                                     for p in self.all_params):
             self.post_backward()
         self.wait_for_reduce()
