@@ -122,7 +122,11 @@ def _merged(results) -> dict[str, torch.Tensor]:
     ("llama_debug.toml", 2, ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--model.n_layers=4",
                              "--parallel.pp_virtual_stages=2", "--train.micro_batch=2"]),
     ("gpt2_debug.toml", 4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--parallel.tp=2"]),
-], ids=["fsdp2-x-tp2", "replicate2-x-tp2-selective-ac", "pp2-x-fsdp2-full-ac", "pp2-interleaved", "gpt2-rep2-x-tp2"])
+    ("llama_debug.toml", 4, ["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.tp=2"]),
+    ("llama_debug.toml", 8, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2", "--model.n_layers=4",
+                             "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2"]),
+], ids=["fsdp2-x-tp2", "replicate2-x-tp2-selective-ac", "pp2-x-fsdp2-full-ac", "pp2-interleaved", "gpt2-rep2-x-tp2",
+        "pp2-x-tp2", "3d-interleaved"])
 def test_nd_layouts_match_single_process(recipe, world, layout, tmp_path, data_cache):
     """Tensor, pipeline and data parallelism composed by `meshpar train`: the loss at every step, the
     gradient norm (clipped across every mesh dim) and every parameter equal one process's.
