@@ -54,7 +54,9 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mixed_precision(cfg, root=False),
                     shard_threshold=cfg.shard_threshold)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mixed_precision(cfg, root=True),
+    # the root keeps its parameters after forward (None), backward needs them first
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False,
+                mp_policy=mixed_precision(cfg, root=True),
                 shard_threshold=cfg.shard_threshold)
 
 

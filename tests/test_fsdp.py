@@ -145,7 +145,8 @@ def _case_reshard_after_forward(ctx: Ctx) -> None:
             fully_shard(Block(), mesh=ctx.mesh, reshard_after_forward=bad)
     # Valid ints are implemented: backward all-gathers within groups of k neighbouring ranks.
     valid = [k for k in (1, 2, 4) if ctx.world % k == 0]
-    for raf in (True, False, *valid):
+    # None (the default) reshards every unit but the root; an explicit value applies to the root too.
+    for raf in (None, True, False, *valid):
         ref = NET.build()
         model = copy.deepcopy(ref)
         units = shard_units(model, fully_shard, mesh=ctx.mesh, reshard_after_forward=raf)
@@ -155,14 +156,17 @@ def _case_reshard_after_forward(ctx: Ctx) -> None:
             if raf is False:
                 assert c.calls == _comm(ctx, {("all_gather", "dp_shard"): units,
                                               ("reduce_scatter", "dp_shard"): units}), c.calls
-            elif raf is True or raf == ctx.world:
+            elif raf is None:
                 assert c.calls == _comm(ctx, {("all_gather", "dp_shard"): 2 * units - 1,
                                               ("reduce_scatter", "dp_shard"): units}), c.calls
-            else:  # forward gathers over dp_shard; backward (not the root) within k ranks
-                assert c.calls == {("all_gather", "dp_shard"): units, ("all_gather", "dp_shard_inner"): units - 1,
+            elif raf is True or raf == ctx.world:
+                assert c.calls == _comm(ctx, {("all_gather", "dp_shard"): 2 * units,
+                                              ("reduce_scatter", "dp_shard"): units}), c.calls
+            else:  # forward gathers over dp_shard; backward within k ranks
+                assert c.calls == {("all_gather", "dp_shard"): units, ("all_gather", "dp_shard_inner"): units,
                                    ("reduce_scatter", "dp_shard"): units}, (raf, c.calls)
-                blocks = sum(chunk_numel(p, ctx.world) for b in unit_params(ref)[:-1] for p in b)
-                _eq(c.bytes[("all_gather", "dp_shard_inner")], blocks * (ctx.world // raf) * (raf - 1) * F32,
+                every = sum(chunk_numel(p, ctx.world) for b in unit_params(ref) for p in b)
+                _eq(c.bytes[("all_gather", "dp_shard_inner")], every * (ctx.world // raf) * (raf - 1) * F32,
                     f"backward all-gather bytes, reshard_after_forward={raf}")
 
 
@@ -179,7 +183,7 @@ def _case_hybrid(ctx: Ctx) -> None:
         run = train(model, ref, task)
         assert_parity(model, ref, run)
         if task is NET:
-            gathers = [2, 2, 2, 1] if raf else [1] * units
+            gathers = [2] * units if raf else [1] * units
             for c in run.steps:
                 assert c.calls == {("all_gather", "dp_shard"): sum(gathers), ("reduce_scatter", "dp_shard"): units,
                                    ("all_reduce", "dp_replicate"): units}, c.calls
@@ -210,8 +214,8 @@ def _case_accumulation(ctx: Ctx) -> None:
 # Per step of Net (3 blocks + root = 4 units): (all_gather calls, all_gather bytes, reduce_scatter bytes).
 # Per rank padded numel: block 130 / root 44 at 2 ranks, block 75 / root 29 at 4 ranks.
 _ACCOUNTING = {
-    True: {1: (7, 0, 0), 2: (7, (2 * 3 * 130 + 44) * 1 * F32, (3 * 130 + 44) * 1 * F32),
-           4: (7, (2 * 3 * 75 + 29) * 3 * F32, (3 * 75 + 29) * 3 * F32)},
+    True: {1: (8, 0, 0), 2: (8, 2 * (3 * 130 + 44) * 1 * F32, (3 * 130 + 44) * 1 * F32),
+           4: (8, 2 * (3 * 75 + 29) * 3 * F32, (3 * 75 + 29) * 3 * F32)},
     False: {1: (4, 0, 0), 2: (4, (3 * 130 + 44) * 1 * F32, (3 * 130 + 44) * 1 * F32),
             4: (4, (3 * 75 + 29) * 3 * F32, (3 * 75 + 29) * 3 * F32)},
 }
@@ -223,8 +227,8 @@ def _case_comm_accounting(ctx: Ctx) -> None:
         model = copy.deepcopy(ref)
         units = shard_units(model, fully_shard, mesh=ctx.mesh, reshard_after_forward=raf)
         calls, gather_bytes, reduce_bytes = _ACCOUNTING[raf][ctx.world]
-        _eq(calls, 2 * units - 1 if raf else units, "the table's all-gather calls")
-        gathers = [2] * (units - 1) + [1] if raf else [1] * units  # the root stays unsharded after forward
+        _eq(calls, 2 * units if raf else units, "the table's all-gather calls")
+        gathers = [2 if raf else 1] * units  # the root too, given reshard_after_forward=True explicitly
         _eq(gather_bytes, _expected_bytes(ref, ctx.world, list(range(units)), gathers), "the table's gather bytes")
         _eq(reduce_bytes, _expected_bytes(ref, ctx.world, list(range(units))), "the table's reduce bytes")
         run = train(model, ref, NET)
@@ -567,7 +571,7 @@ def _case_prefetch(ctx: Ctx) -> None:
         run = train(model, ref, NET)
         assert_parity(model, ref, run)
         for c in run.steps:  # a prefetched unit is gathered once, not twice
-            assert c.calls == _comm(ctx, {("all_gather", "dp_shard"): 2 * units - 1 if raf else units,
+            assert c.calls == _comm(ctx, {("all_gather", "dp_shard"): 2 * units if raf else units,
                                           ("reduce_scatter", "dp_shard"): units}), (ahead, raf, c.calls)
         # and the lists take effect: two ahead, blocks 0 and 1 are in flight before block 0 runs
         expected = [4, 4, 4] if ahead == 2 else _IMPLICIT_PREFETCH

@@ -128,13 +128,15 @@ def _managed(module: nn.Module, ignored: set[int]) -> tuple[dict[int, list[tuple
 _FULL_PRECISION = MixedPrecisionPolicy()
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool | int = True,
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = _FULL_PRECISION, offload_policy: CPUOffloadPolicy | None = None,
                 shard_threshold: int = 0, ignored_params: Iterable[nn.Parameter] | None = None) -> nn.Module:
     """Shard ``module``'s parameters (those no nested ``fully_shard`` took) over ``mesh``.
 
     ``reshard_after_forward``: True frees unsharded parameters after forward and all-gathers
-    again in backward; False keeps them until after backward. ``shard_threshold``:
+    again in backward; False keeps them until after backward; an int ``k`` keeps 1/k of them
+    ([Note: int reshard_after_forward]); None (the default) is True, except for the root,
+    which backward needs first and so keeps them (as PyTorch's ``fully_shard`` does). ``shard_threshold``:
     parameters with fewer elements stay replicated, their gradients all-reduced.
     ``offload_policy``: keep shards, gradients and so optimizer state on CPU; the optimizer
     steps there, and shards are copied to the device for each all-gather.
@@ -143,7 +145,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: b
         raise ValueError(f"fully_shard was already applied to this {type(module).__bases__[-1].__name__}; "
                          f"apply it once per module")
     info = _mesh_info(mesh)
-    if not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         n = info.shard_size
         if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or n % reshard_after_forward:
             raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: an int must divide the shard group "
@@ -172,7 +174,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: b
     sharded = [ShardedParam(p, places[pid], info, device, shard=p.numel() >= shard_threshold,
                             offload=offload_policy) for pid, p in params.items()]
     group = ParamGroup(sharded, info, mp_policy) if sharded else None
-    if group is not None and not isinstance(reshard_after_forward, bool) and reshard_after_forward < info.shard_size:
+    if group is not None and reshard_after_forward is not None and not isinstance(reshard_after_forward, bool) \
+            and reshard_after_forward < info.shard_size:
         group.post_forward = _post_forward_group(info, reshard_after_forward)
     module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward)
     cls = module.__class__

@@ -29,8 +29,8 @@ from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
 
 # [Note: one reduction in flight]
-# A unit's reduce-scatter holds two buffers of the unit's full gradient size until it is
-# awaited (the flat input and, on gloo, the all-to-all's receive buffer). Awaiting each
+# A unit's reduce-scatter holds up to two buffers of the unit's full gradient size until it
+# is awaited (the flat input and, on gloo, the all-to-all's receive buffer). Awaiting each
 # unit's reduction only at the end of backward kept every unit's buffers alive at once:
 # debug Llama at 4 ranks peaked at 56.3 MiB against 48.8 MiB for PyTorch's engine. So the
 # units of one root share a ReduceQueue, and a unit starting its reduction first finishes
@@ -39,7 +39,9 @@ from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
 # 4 gloo ranks, bench_fsdp): peak 56.3 -> 52.1 MiB; step time unchanged within noise
 # (0.79 x PyTorch's engine after, 0.70 before, run beside two other jobs). Resharding before
 # the reduction starts (the unsharded parameters are not needed for it) and gathering in
-# place (the input is this rank's slot of the output) took it to 50.8 MiB (PyTorch: 48.8).
+# place (the input is this rank's slot of the output) took it to 50.8 MiB (PyTorch: 48.8);
+# buffering N - 1 rows, not N ([Note: reduce-scatter on gloo]), to 49.6; completing our own
+# unshard before prefetching ([Note: prefetch after our own unshard]) to 48.8.
 
 
 class ReduceQueue:
@@ -229,23 +231,22 @@ class ParamGroup:
                     p.add_sharded_grad(grad.div_(factor) if factor != 1 else grad)
         elif self.params and any(grads[id(p)] is not None for p in self.params):
             with record_function("meshpar::fsdp.reduce_copy_in"):
-                send = torch.empty(self.world, self.per_rank_numel, dtype=reduce_dtype,
-                                   device=self.params[0].compute_device)
+                buffer = comm.ReduceScatterInput(self.per_rank_numel, self.mesh_info.shard_group,
+                                                 dtype=reduce_dtype, device=self.params[0].compute_device)
                 offset = 0
                 for p in self.params:
-                    block = send[:, offset:offset + p.padded_numel]
                     grad = grads[id(p)]
                     if grad is None:
-                        block.zero_()
+                        buffer.zero_rows(offset, p.padded_numel)
                     else:
                         padding = self.world * p.rows_per_rank - p.shape[0]
                         rows = grad.reshape(p.shape[0], p.inner)
-                        block.copy_(F.pad(rows, (0, 0, 0, padding)).view(self.world, -1) if padding else
-                                    rows.view(self.world, -1))
+                        buffer.copy_rows(offset, F.pad(rows, (0, 0, 0, padding)).view(self.world, -1) if padding
+                                         else rows.view(self.world, -1))
                     offset += p.padded_numel
-            recv = torch.empty(self.per_rank_numel, dtype=reduce_dtype, device=send.device)
-            work = comm.reduce_scatter(recv, send.view(-1), self.mesh_info.shard_group, async_op=True,
-                                       dim=self.mesh_info.shard_dim_name)
+            work = comm.reduce_scatter_rows(buffer, self.mesh_info.shard_group, async_op=True,
+                                            dim=self.mesh_info.shard_dim_name)
+            recv = buffer.output
             self._reduce = (work, recv, self.params)
         replicated = [(p, grads[id(p)]) for p in self.replicated if grads[id(p)] is not None]
         if replicated:  # one all-reduce over the whole dp mesh for all small parameters
