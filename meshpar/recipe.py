@@ -153,11 +153,15 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str = option("", "Checkpoint folder; empty means <train.output_dir>/checkpoints.")
+    dir: str = option("", "Checkpoint folder (holds step_<N>/ folders); empty means <train.output_dir>/checkpoints. "
+                          "A run whose dir holds a complete checkpoint resumes from the newest.")
     every: int = option(0, "Save every this many steps; 0 turns saving off.", ge=0)
     keep: int = option(3, "Keep the newest this many checkpoints.", ge=1)
     async_save: bool = option(False, "Write in the background while training continues.", key="async")
-    load_from: str = option("", "Start from this checkpoint folder instead of the newest in dir.")
+    load_from: str = option("", "Start from this checkpoint (a step_<N> folder, or a checkpoint dir: its newest) "
+                                "instead of the newest in dir.")
+    hf_weights: str = option("", "Start from the weights in this Hugging Face folder (config.json + safetensors) "
+                                 "instead of random initialization; a checkpoint to resume from takes precedence.")
     exclude: tuple[str, ...] = option((), "State to leave out when loading: optimizer, lr_schedule, data, rng.",
                                       choices=("optimizer", "lr_schedule", "data", "rng"))
 
@@ -361,10 +365,6 @@ def check(recipe: Recipe) -> None:
     family.model_args(recipe.model)  # raises RecipeError naming the sizes
     family.check_degrees({dim: getattr(recipe.parallel, dim) for dim in ("pp", "dp_replicate", "dp_shard",
                                                                         "cp", "tp")})
-    if recipe.checkpoint.every > 0 or recipe.checkpoint.load_from:
-        raise RecipeError("[checkpoint]: sharded checkpoints are not built yet; set checkpoint.every = 0 and "
-                          "leave checkpoint.load_from empty",
-                          "checkpoint.every" if recipe.checkpoint.every else "checkpoint.load_from")
     if recipe.profile.enable:
         raise RecipeError("profile.enable = true: profiling is not built yet; set profile.enable = false",
                           "profile.enable")

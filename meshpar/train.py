@@ -7,7 +7,9 @@ starts on each local rank. The data flow (shared/DESIGN.md):
       -> process group + mesh -> model on meta -> pipeline split -> parallelize (TP, activation
       checkpointing, compile, FSDP) -> to_empty + init_weights -> optimizer + LR schedule
       -> loop: batch -> forward/backward per microbatch (or the pipeline schedule)
-      -> gradient sync -> clip across every mesh dim -> step -> metrics
+      -> gradient sync -> clip across every mesh dim -> step -> metrics -> maybe save
+    (a complete checkpoint in checkpoint.dir, or checkpoint.load_from, is loaded before the
+    first step, resharded to this layout: meshpar/checkpoint.py)
 
 [Note: losses do not depend on the layout]
 Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -34,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
+from meshpar.checkpoint import Checkpointer, RunState, optimizer_state, param_names
 from meshpar.clip import clip_grad_norm_
 from meshpar.data import BatchLoader, Corpus, prepare
 from meshpar.fsdp import FSDPModule
@@ -163,10 +167,12 @@ class Model:
 class RunResult:
     records: list[dict[str, Any]]  # the metrics records, the same on every rank
     state_dict: dict[str, torch.Tensor] | None  # final full parameters on CPU, when asked for
+    optim_state: dict[str, torch.Tensor] | None = None  # and AdamW's: "<param name>.<exp_avg|exp_avg_sq|step>"
 
 
 def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
-    """Run ``recipe`` on this rank. ``return_state`` also returns the final parameters (for tests)."""
+    """Run ``recipe`` on this rank. ``return_state`` also returns the final parameters and
+    optimizer state, gathered to full tensors (for tests)."""
     info = rank_info()
     checked = preflight(recipe, info.world_size)
     device = select_device(recipe.train.device, info)
@@ -174,19 +180,25 @@ def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
     init_process_group(device, info)
     try:
         mesh = meshlib.build(checked.layout, device.type)
-        model, records = _train_loop(recipe, checked, mesh, device, profile, info)
-        state = None
+        model, optimizer, records = _train_loop(recipe, checked, mesh, device, profile, info)
+        result = RunResult(records, None)
         if return_state:  # gathered: a collective per DTensor, for tests only; this rank's stages
-            state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
-                     for k, v in model.state_dict().items()}
+            result.state_dict = {k: _full(v) for k, v in model.state_dict().items()}
+            result.optim_state = {f"{name}.{k}": _full(v) for name, state in
+                                  optimizer_state(optimizer, param_names(model.stages)).items()
+                                  for k, v in state.items()}
         dist.barrier()  # gloo groups torn down while a peer still talks can abort at exit
-        return RunResult(records, state)
+        return result
     finally:
         dist.destroy_process_group()
 
 
-def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: torch.device,
-                profile: HardwareProfile, info: RankInfo) -> tuple[torch.nn.Module, list[dict[str, Any]]]:
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: torch.device, profile: HardwareProfile,
+                info: RankInfo) -> tuple[Model, torch.optim.Optimizer, list[dict[str, Any]]]:
     t, family, args, corpus, accum = recipe.train, checked.family, checked.args, checked.corpus, checked.accum
     output_dir = Path(t.output_dir)
     if info.is_rank0:
@@ -213,9 +225,13 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     scheduler = build_lr_schedule(optimizer, recipe.optim, t.steps)
     loader = BatchLoader(corpus.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
                          dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed)
+    run = RunState(model.stages, model.state_dict, optimizer, scheduler, loader)
+    ckpt = _checkpointer(recipe, checked, mesh, info, output_dir)
+    start_step = _restore(recipe, checked, ckpt, run, info)
 
     progress_on = {"on": True, "off": False, "auto": sys.stderr.isatty()}[recipe.metrics.progress]
     progress = Progress(t.steps, enabled=progress_on and info.is_rank0)
+    progress.update(start_step)
     metrics = MetricsLogger(output_dir, enabled=info.is_rank0, progress=progress)
     if info.is_rank0:
         print(f"meshpar: {n_params:,} parameters, {args.flops_per_token(t.seq_len) / 1e6:,.1f} MFLOP/token, "
@@ -227,9 +243,9 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     params = [q for q in model.stages.parameters() if q.requires_grad]
     pp_groups = [mesh["pp"].get_group()] if mesh.layout.pp > 1 else []
     records: list[dict[str, Any]] = []
-    last_time, last_step = time.perf_counter(), 0
+    last_time, last_step = time.perf_counter(), start_step
 
-    for step in range(1, t.steps + 1):
+    for step in range(start_step + 1, t.steps + 1):
         loss_sum = _forward_backward(model, loader, accum, device, sharded)
         if not sharded:
             all_reduce_gradients(model.stages, mesh["dp_replicate"])
@@ -262,8 +278,47 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
             records.append(record)
             metrics.log(record)
             last_time = time.perf_counter()  # validation time is not training throughput
+        if ckpt is not None and recipe.checkpoint.every and (step % recipe.checkpoint.every == 0 or step == t.steps):
+            ckpt.save(run, step)
+            last_time = time.perf_counter()  # nor is saving
+    if ckpt is not None:
+        ckpt.wait()  # the last save is complete before the run reports success
     progress.close()
-    return model, records
+    return model, optimizer, records
+
+
+def _checkpointer(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, info: RankInfo,
+                  output_dir: Path) -> Checkpointer | None:
+    """The run's checkpointer, or None when it neither saves nor could resume."""
+    c = recipe.checkpoint
+    root = Path(c.dir) if c.dir else output_dir / "checkpoints"
+    if not (c.every or c.load_from or root.is_dir()):
+        return None
+    # meshpar.json's record of the model: JSON types (tuples are lists) so it compares with a loaded one
+    record = json.loads(json.dumps({"family": recipe.model.family, "size": recipe.model.size,
+                                    "model_args": dataclasses.asdict(checked.args),
+                                    "layout": dataclasses.asdict(mesh.layout)}))
+    return Checkpointer(c, root, rank=info.rank, world_size=info.world_size, info=record,
+                        recipe_toml=recipelib.dumps(recipe), log=lambda line: print(f"meshpar: {line}", flush=True))
+
+
+def _restore(recipe: Recipe, checked: Preflight, ckpt: Checkpointer | None, run: RunState, info: RankInfo) -> int:
+    """Load the checkpoint to resume from, or Hugging Face weights to start from; the step reached."""
+    path = ckpt.resume_path() if ckpt is not None else None
+    if ckpt is not None:
+        ckpt.remove_partial()
+    if path is not None:
+        step = ckpt.load(path, run)
+        if step >= recipe.train.steps and info.is_rank0:
+            print(f"meshpar: the checkpoint is at step {step}, train.steps = {recipe.train.steps}: nothing left to "
+                  f"train (raise train.steps to continue)", flush=True)
+        return step
+    if recipe.checkpoint.hf_weights:
+        from meshpar.convert import load_hf_weights
+        load_hf_weights(run.model_state(), recipe.checkpoint.hf_weights, recipe.model.family, checked.args)
+        if info.is_rank0:
+            print(f"meshpar: initialized from Hugging Face weights in {recipe.checkpoint.hf_weights}", flush=True)
+    return 0
 
 
 def _forward_backward(model: Model, loader: BatchLoader, accum: int, device: torch.device,

@@ -1,0 +1,220 @@
+"""Sharded checkpoints: exact resume, reshard on load across layouts, atomic saves, checked files.
+
+Every run is ``meshpar train`` on the small byte-level debug Llama (tests/test_train.py's SMALL),
+with the checkpoint section set from the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshpar import checkpoint as ckpt
+from meshpar import recipe as recipelib
+from meshpar.checkpoint import CheckpointError
+from meshpar.train import train
+from tests.distributed import run_distributed
+from tests.test_train import _load, _losses, _merged
+
+LAYOUTS = {
+    "1 rank": (1, []),
+    "dp4": (4, ["--parallel.dp_shard=4"]),
+    "dp2xtp2": (4, ["--parallel.dp_shard=2", "--parallel.tp=2"]),
+    "hybrid2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]),
+    "pp2xdp2xtp2": (8, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2", "--train.micro_batch=1"]),
+    "dp2": (2, ["--parallel.dp_shard=2"]),
+}
+
+
+def _on_rank(recipe: recipelib.Recipe):
+    result = train(recipe, return_state=True)
+    return result.records, {**result.state_dict, **{f"optim.{k}": v for k, v in result.optim_state.items()}}
+
+
+def _run(layout: str, out: Path, *extra: str, timeout: float = 300, recipe: str = "llama_debug.toml"):
+    """Train ``layout`` with ``extra`` overrides: (records of rank 0, the whole gathered state)."""
+    world, args = LAYOUTS[layout]
+    recipe = _load(recipe, out, *args, *extra)
+    if world == 1:
+        return _on_rank(recipe)
+    results = run_distributed(_on_rank, world, recipe, timeout=timeout, init_process_group=False)
+    return results[0][0], _merged(results)
+
+
+def _assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{name} differs after the round trip"
+
+
+# --- 1. exact resume --------------------------------------------------------------------------------
+def test_resume_is_bit_identical_to_a_straight_run(tmp_path, data_cache):
+    """2 ranks, FSDP: 6 straight steps (saving asynchronously at 3 and 6, keeping the last 1) vs
+    resuming the step-3 checkpoint for steps 4-6: identical losses, parameters and AdamW state."""
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    records, state = _run("dp2", straight_dir, "--train.steps=6", "--checkpoint.every=3", "--checkpoint.async=true",
+                          "--checkpoint.keep=2")
+    saved = ckpt.list_checkpoints(straight_dir / "checkpoints")
+    assert [(step, done) for step, _, done in saved] == [(3, True), (6, True)]
+    info = json.loads((straight_dir / "checkpoints" / "step_3" / "meshpar.json").read_text())
+    assert (info["step"], info["world_size"], info["layout"]["dp_shard"], info["family"]) == (3, 2, 2, "llama")
+    assert recipelib.load(straight_dir / "checkpoints" / "step_3" / "recipe.toml").checkpoint.every == 3
+
+    resumed, resumed_state = _run("dp2", resumed_dir, "--train.steps=6",
+                                  f"--checkpoint.load_from={straight_dir / 'checkpoints' / 'step_3'}")
+    assert [r["step"] for r in resumed if "loss" in r] == [4, 5, 6]
+    assert _losses(resumed) == _losses(records)[3:]  # bit for bit
+    assert [r["lr"] for r in resumed if "lr" in r] == [r["lr"] for r in records if "lr" in r][3:]
+    _assert_same_state(resumed_state, state)
+
+
+def test_keep_and_automatic_resume(tmp_path, data_cache, capfd):
+    out = tmp_path / "run"
+    first, _ = _run("1 rank", out, "--train.steps=4", "--checkpoint.every=1", "--checkpoint.keep=2")
+    assert [s for s, _, done in ckpt.list_checkpoints(out / "checkpoints") if done] == [3, 4]
+    # the same run again with more steps: resumes from the newest and says so
+    again, _ = _run("1 rank", out, "--train.steps=6", "--checkpoint.every=1", "--checkpoint.keep=2")
+    assert f"checkpoint: resumed from {out / 'checkpoints' / 'step_4'} at step 4" in capfd.readouterr().out
+    assert [r["step"] for r in again if "loss" in r] == [5, 6]
+    assert [s for s, _, done in ckpt.list_checkpoints(out / "checkpoints") if done] == [5, 6]
+
+
+# --- 2. reshard on load -------------------------------------------------------------------------------
+@pytest.mark.parametrize(("source", "target", "recipe"), [
+    ("dp4", "dp2xtp2", "llama_debug.toml"),
+    ("pp2xdp2xtp2", "1 rank", "llama_debug.toml"),
+    ("hybrid2x2", "pp2xdp2xtp2", "llama_debug.toml"),
+    ("1 rank", "hybrid2x2", "llama_debug.toml"),
+    ("dp2", "1 rank", "gpt2_debug.toml"),  # tied wte / lm_head: one tensor under two names
+], ids=["dp4-to-dp2xtp2", "3d-to-1rank", "hybrid-to-3d", "1rank-to-hybrid", "gpt2-dp2-to-1rank"])
+def test_reshard_on_load(source, target, recipe, tmp_path, data_cache):
+    """A checkpoint saved on ``source`` loads on ``target``: every parameter and every AdamW
+    tensor, gathered to full size, is bit-identical to what ``source`` held when it saved."""
+    _, saved = _run(source, tmp_path / "src", "--train.steps=2", "--checkpoint.every=2", recipe=recipe)
+    path = tmp_path / "src" / "checkpoints" / "step_2"
+    records, loaded = _run(target, tmp_path / "dst", "--train.steps=2", f"--checkpoint.load_from={path}",
+                           recipe=recipe)
+    assert _losses(records) == []  # loaded at step 2 of 2: nothing left to train
+    _assert_same_state(loaded, saved)
+
+
+def test_data_position_reshards_from_dp4_to_dp2(tmp_path, data_cache):
+    """Steps 3-4 resumed on 2 ranks from a 4-rank checkpoint see the same samples as the 4-rank run
+    did: the same losses (to the cross-layout parity tolerance), so none skipped or repeated."""
+    straight, _ = _run("dp4", tmp_path / "dp4", "--train.steps=4", "--checkpoint.every=2")
+    path = tmp_path / "dp4" / "checkpoints" / "step_2"
+    resumed, _ = _run("dp2", tmp_path / "dp2", "--train.steps=4", f"--checkpoint.load_from={path}")
+    assert [r["step"] for r in resumed if "loss" in r] == [3, 4]
+    torch.testing.assert_close(_losses(resumed), _losses(straight)[2:], rtol=1e-5, atol=0)
+    # and a different data order would not be close: the first two losses of a fresh run differ
+    assert abs(_losses(straight)[0] - _losses(resumed)[0]) > 1e-3
+
+
+# --- 3. a crash mid-save leaves the previous checkpoint --------------------------------------------------
+def _crash_rank1_while_writing_step_4(recipe: recipelib.Recipe):
+    original = ckpt._Writer.write_data
+
+    def write_data(self, plan, planner):
+        if dist.get_rank() == 1 and ".step_4." in str(self.path):
+            Path(self.path, "__1_0.distcp").write_bytes(b"half a file")  # some bytes reach the disk...
+            os._exit(9)  # ...and the process is killed
+        return original(self, plan, planner)
+
+    ckpt._Writer.write_data = write_data
+    return train(recipe).records
+
+
+def test_kill_during_async_save_resumes_from_the_previous_checkpoint(tmp_path, data_cache):
+    out = tmp_path / "run"
+    recipe = _load("llama_debug.toml", out, *LAYOUTS["dp2"][1], "--train.steps=6", "--checkpoint.every=2",
+                   "--checkpoint.async=true")
+    with pytest.raises(AssertionError, match="ranks failed|never reported"):
+        run_distributed(_crash_rank1_while_writing_step_4, 2, recipe, timeout=120, init_process_group=False)
+    root = out / "checkpoints"
+    assert [(s, done) for s, _, done in ckpt.list_checkpoints(root)] == [(2, True)]
+    assert ckpt.latest(root) == root / "step_2"
+    crashed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    resumed = run_distributed(_on_rank, 2, recipe, timeout=300, init_process_group=False)[0][0]
+    assert [r["step"] for r in resumed if "loss" in r] == [3, 4, 5, 6]
+    logged = {r["step"]: r["loss"] for r in crashed if "loss" in r}
+    assert [r["loss"] for r in resumed if r["step"] in (3, 4)] == [logged[3], logged[4]]
+    assert not list(root.glob(".step_*.partial"))  # the crashed save's folder was cleared
+    assert [s for s, _, done in ckpt.list_checkpoints(root) if done] == [2, 4, 6]
+
+
+# --- 4. damaged and mismatched checkpoints ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_one_rank(tmp_path_factory, data_cache) -> Path:
+    out = tmp_path_factory.mktemp("one-rank")
+    _run("1 rank", out, "--train.steps=2", "--checkpoint.every=2")
+    return out / "checkpoints" / "step_2"
+
+
+def _copy(path: Path, dest: Path) -> Path:
+    shutil.copytree(path, dest)
+    return dest
+
+
+def _load_into(path: Path, out: Path, *extra: str):
+    return _run("1 rank", out, "--train.steps=2", f"--checkpoint.load_from={path}", *extra)
+
+
+def _first_tensor_chunk(path: Path) -> tuple[str, int, int]:
+    """(fqn, offset, length) of the first tensor chunk in the rank-0 file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(path).read_metadata()
+    for index, info in md.storage_data.items():
+        if index.fqn.startswith("model.layers.0.attention.wq"):
+            return index.fqn, info.offset, info.length
+    raise AssertionError("no wq chunk")
+
+
+def test_corrupted_byte_names_file_and_tensor(saved_one_rank, tmp_path):
+    path = _copy(saved_one_rank, tmp_path / "step_2")
+    fqn, offset, length = _first_tensor_chunk(path)
+    data = bytearray((path / "__0_0.distcp").read_bytes())
+    data[offset + length // 2] ^= 0x40
+    (path / "__0_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"file __0_0\.distcp \(tensor {fqn}\) is corrupted"):
+        _load_into(path, tmp_path / "out")
+
+
+def test_truncated_file_names_file(saved_one_rank, tmp_path):
+    path = _copy(saved_one_rank, tmp_path / "step_2")
+    file = path / "__0_0.distcp"
+    size = file.stat().st_size
+    with open(file, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(CheckpointError, match=r"file __0_0\.distcp \(tensor .*\) is truncated: it has "
+                                              rf"{size // 2} bytes"):
+        _load_into(path, tmp_path / "out")
+
+
+def test_another_model_is_refused(saved_one_rank, tmp_path):
+    with pytest.raises(CheckpointError, match=r"is of another model \(model_args: n_layers = 2 there, 3 here\)"):
+        _load_into(saved_one_rank, tmp_path / "out", "--model.n_layers=3")
+    # a record that claims the new shape: the tensor check still names what is missing
+    path = _copy(saved_one_rank, tmp_path / "step_2")
+    info = json.loads((path / "meshpar.json").read_text())
+    info["model_args"]["n_layers"] = 3
+    (path / "meshpar.json").write_text(json.dumps(info))
+    with pytest.raises(CheckpointError, match=r"has no tensor model\.layers\.2\.\S+; it is from another model"):
+        _load_into(path, tmp_path / "out2", "--model.n_layers=3")
+
+
+def test_incomplete_checkpoint_is_never_picked(saved_one_rank, tmp_path):
+    root = tmp_path / "checkpoints"
+    _copy(saved_one_rank, root / "step_2")
+    partial = _copy(saved_one_rank, root / "step_4")
+    (partial / "meshpar.json").unlink()  # its save never finished
+    assert ckpt.latest(root) == root / "step_2"
+    with pytest.raises(CheckpointError, match=r"step_4 is incomplete \(no meshpar\.json\)"):
+        ckpt.read_info(partial)
