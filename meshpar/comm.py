@@ -115,7 +115,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     """``output[N * n] <- concat over ranks of input[n]`` along dim 0."""
     n = dist.get_world_size(group)
     _record("all_gather", dim, output.numel() * output.element_size() * (n - 1) / n)
-    with record_function("meshpar::comm.all_gather"):
+    with record_function(f"meshpar::comm.all_gather[{dim}]"):
         if n == 1:
             output.copy_(input)
             return Work(None)
@@ -171,7 +171,7 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
     """``input.output <- sum over ranks of row (this rank)``; see [Note: reduce-scatter on gloo]."""
     n = input.n
     _record("reduce_scatter", dim, input.nbytes * (n - 1) / n)
-    with record_function("meshpar::comm.reduce_scatter"):
+    with record_function(f"meshpar::comm.reduce_scatter[{dim}]"):
         if n == 1:
             return Work(None)
         if not input.exchange:
@@ -204,7 +204,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: str, asyn
     """Reduce ``tensor`` over ``group`` in place (a sum unless ``op`` says otherwise)."""
     n = dist.get_world_size(group)
     _record("all_reduce", dim, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
-    with record_function("meshpar::comm.all_reduce"):
+    with record_function(f"meshpar::comm.all_reduce[{dim}]"):
         if n == 1:
             return Work(None)
         return Work(dist.all_reduce(tensor, op=op, group=group, async_op=async_op))

@@ -173,6 +173,13 @@ class ProfileConfig:
     warmup: int = option(1, "Profiler schedule: steps traced but discarded.", ge=0)
     active: int = option(2, "Profiler schedule: steps recorded.", ge=1)
     repeat: int = option(1, "Profiler schedule: cycles of wait/warmup/active.", ge=1)
+    ranks: str = option("all", "Ranks to trace: all, rank0, stages (the first rank of each pipeline stage) or a "
+                               "list such as \"0,3\".")
+    record_shapes: bool = option(False, "Record operator input shapes.")
+    profile_memory: bool = option(False, "Record tensor allocations and frees.")
+    with_stack: bool = option(False, "Record Python stacks (large traces).")
+    max_trace_mb: float = option(200.0, "Cap on each trace file (uncompressed JSON): the shortest events are "
+                                        "dropped first.", gt=0)
 
 
 @dataclass(frozen=True)
@@ -365,9 +372,6 @@ def check(recipe: Recipe) -> None:
     family.model_args(recipe.model)  # raises RecipeError naming the sizes
     family.check_degrees({dim: getattr(recipe.parallel, dim) for dim in ("pp", "dp_replicate", "dp_shard",
                                                                         "cp", "tp")})
-    if recipe.profile.enable:
-        raise RecipeError("profile.enable = true: profiling is not built yet; set profile.enable = false",
-                          "profile.enable")
     if recipe.metrics.tensorboard:
         raise RecipeError("metrics.tensorboard = true: the TensorBoard sink is not built yet; metrics.jsonl is "
                           "always written; set metrics.tensorboard = false", "metrics.tensorboard")

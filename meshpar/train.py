@@ -47,6 +47,8 @@ from meshpar.models import Family, get_family
 from meshpar.optim import build_lr_schedule, build_optimizer
 from meshpar.parallelize import build
 from meshpar.pipeline import Pipeline, build_schedule, check_microbatches, stage_layers
+from meshpar.profiling import StepProfiler, label
+from meshpar.profiling import check as check_profile
 from meshpar.recipe import Recipe, RecipeError
 from meshpar.replicate import all_reduce_gradients
 from meshpar.runtime import RankInfo, init_process_group, rank_info, select_device
@@ -129,6 +131,7 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
     args = family.model_args(recipe.model)
     family.check_layout(args, layout)
     check_seq_len(t.seq_len, layout.tp)
+    check_profile(recipe.profile, world_size)
     if layout.pp > 1:
         p = recipe.parallel
         stage_layers(args.n_layers, layout.pp * p.pp_virtual_stages, p.pp_boundaries)  # raises naming the key
@@ -245,42 +248,49 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     records: list[dict[str, Any]] = []
     last_time, last_step = time.perf_counter(), start_step
 
-    for step in range(start_step + 1, t.steps + 1):
-        loss_sum = _forward_backward(model, loader, accum, device, sharded)
-        if not sharded:
-            all_reduce_gradients(model.stages, mesh["dp_replicate"])
-            if mesh.layout.tp > 1:
-                reduce_partial_grads(model.stages)
-        max_norm = recipe.optim.grad_clip if recipe.optim.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm_(params, max_norm, extra_groups=pp_groups)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        progress.update(step)
+    profiler = StepProfiler(recipe.profile, output_dir, mesh, first_step=start_step + 1)
+    with profiler:
+        for step in range(start_step + 1, t.steps + 1):
+            with label("step"):
+                loss_sum = _forward_backward(model, loader, accum, device, sharded)
+                with label("optimizer"):
+                    if not sharded:
+                        all_reduce_gradients(model.stages, mesh["dp_replicate"])
+                        if mesh.layout.tp > 1:
+                            reduce_partial_grads(model.stages)
+                    max_norm = recipe.optim.grad_clip if recipe.optim.grad_clip > 0 else math.inf
+                    grad_norm = clip_grad_norm_(params, max_norm, extra_groups=pp_groups)
+                    lr = scheduler.get_last_lr()[0]
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+            progress.update(step)
 
-        if step % t.log_every == 0 or step == t.steps:
-            if pp_groups:  # the loss lives on the last stage's rank
-                dist.all_reduce(loss_sum, group=pp_groups[0])
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            now = time.perf_counter()
-            tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
-            last_time, last_step = now, step
-            record = {"step": step, "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
-                      "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak,
-                      "mem_gb": peak_memory_gb(device)}
-            records.append(record)
-            metrics.log(record)
-        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            record = {"step": step, "val_loss": evaluate(model, corpus.val, recipe, mesh, device)}
-            records.append(record)
-            metrics.log(record)
-            last_time = time.perf_counter()  # validation time is not training throughput
-        if ckpt is not None and recipe.checkpoint.every and (step % recipe.checkpoint.every == 0 or step == t.steps):
-            ckpt.save(run, step)
-            last_time = time.perf_counter()  # nor is saving
+            if step % t.log_every == 0 or step == t.steps:
+                if pp_groups:  # the loss lives on the last stage's rank
+                    dist.all_reduce(loss_sum, group=pp_groups[0])
+                dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                now = time.perf_counter()
+                tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
+                last_time, last_step = now, step
+                record = {"step": step, "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
+                          "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak,
+                          "mem_gb": peak_memory_gb(device)}
+                records.append(record)
+                metrics.log(record)
+            if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                record = {"step": step, "val_loss": evaluate(model, corpus.val, recipe, mesh, device)}
+                records.append(record)
+                metrics.log(record)
+                last_time = time.perf_counter()  # validation time is not training throughput
+            if ckpt is not None and recipe.checkpoint.every and (step % recipe.checkpoint.every == 0
+                                                                 or step == t.steps):
+                with label("checkpoint.save"):
+                    ckpt.save(run, step)
+                last_time = time.perf_counter()  # nor is saving
+            profiler.step()
     if ckpt is not None:
         ckpt.wait()  # the last save is complete before the run reports success
     progress.close()
@@ -327,16 +337,23 @@ def _forward_backward(model: Model, loader: BatchLoader, accum: int, device: tor
     (zero on pipeline ranks without the last stage). See [Note: losses do not depend on the layout]."""
     loss_sum = torch.zeros((), device=device)
     with loss_parallel_context(model.loss_parallel):
+        with label("data"):
+            microbatches = loader.next_step()
         if model.pipeline is not None:  # the schedule splits the batch into the same microbatches
-            inputs, targets = (torch.cat(x).to(device) for x in zip(*loader.next_step(), strict=True))
+            with label("data"):
+                inputs, targets = (torch.cat(x).to(device) for x in zip(*microbatches, strict=True))
             loss = model.pipeline.step(inputs, targets)
             return loss_sum if loss is None else loss_sum + _plain(loss)
         stage = model.stages[0]
-        for i, (inputs, targets) in enumerate(loader.next_step()):
+        for i, (inputs, targets) in enumerate(microbatches):
             if sharded:  # reduce-scatter once per step, after the last microbatch
                 stage.set_requires_gradient_sync(i == accum - 1)
-            loss = cross_entropy(stage(inputs.to(device)), targets.to(device)) / accum
-            loss.backward()
+            with label("data"):
+                inputs, targets = inputs.to(device), targets.to(device)
+            with label("forward"):
+                loss = cross_entropy(stage(inputs), targets) / accum
+            with label("backward"):
+                loss.backward()
             loss_sum += _plain(loss.detach())
     return loss_sum
 

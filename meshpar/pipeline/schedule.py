@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -166,6 +167,14 @@ class Stage(PipelineStage):
         for unit in self.units:
             unit.set_requires_gradient_sync(sync, recurse=False)
             unit.set_reshard_after_backward(sync, recurse=False)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        with record_function(f"meshpar::pp.forward[{self.stage_index},{fwd_chunk_id}]"):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        with record_function(f"meshpar::pp.backward[{self.stage_index},{bwd_chunk_id}]"):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if self.units:

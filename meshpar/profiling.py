@@ -1,0 +1,213 @@
+"""Tracing training steps with the torch profiler: which ranks, which steps, what each trace says.
+
+``StepProfiler`` wraps the training loop (``[profile]`` in the recipe, or ``meshpar train
+--profile``). Each traced rank writes, per profiled cycle, one gzipped Chrome trace::
+
+    <train.output_dir>/traces/rank<r>.steps<a>-<b>.json.gz
+
+whose top level carries ``distributedInfo`` (rank, world size, backend: what Holistic Trace
+Analysis and Perfetto's tooling read) and ``meshpar`` (the layout, this rank's coordinate on
+every mesh dim, its pipeline stage, the steps covered, and the communication meshpar's
+engine counted over those steps: calls and bytes per collective and mesh dim). The
+``meshpar profile`` commands (meshpar/profile_report.py) read these files.
+
+Names in a trace follow the design (every label starts ``meshpar::``)::
+
+    meshpar::step              one optimizer step          meshpar::data       loading a batch
+    meshpar::forward / backward   a microbatch (no pipeline)  meshpar::optimizer  clip + step
+    meshpar::pp.forward[s,m] / pp.backward[s,m]  stage s, microbatch m under pipelining
+    meshpar::comm.<op>[<dim>]  a collective issued by meshpar (FSDP, replicate), with its mesh dim
+    meshpar::fsdp.*            FSDP phases (copy_in, all_gather_wait, copy_out, reduce_scatter_wait, ...)
+    meshpar::checkpoint.save   a checkpoint save (the synchronous part)
+
+[Note: the size cap]
+A trace of a 70B step holds millions of events and viewers fail on files of a few hundred
+MB. ``profile.max_trace_mb`` caps each file (uncompressed JSON): past it, the shortest
+events are dropped first, never ``meshpar::`` labels, until the file fits, and the trace
+records how many were dropped and below which duration.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerAction
+
+from meshpar import comm
+from meshpar.mesh import DIMS, Mesh
+from meshpar.recipe import ProfileConfig, RecipeError
+
+
+def label(name: str):
+    """``record_function("meshpar::<name>")``."""
+    return record_function(f"meshpar::{name}")
+
+
+def traced_ranks(spec: str, world_size: int, stage_of_rank: list[int]) -> set[int]:
+    """The ranks ``profile.ranks`` selects: ``all``, ``rank0``, ``stages`` (the lowest rank of each
+    pipeline stage) or a comma-separated list of ranks."""
+    spec = spec.strip()
+    if spec == "all":
+        return set(range(world_size))
+    if spec == "rank0":
+        return {0}
+    if spec == "stages":
+        first: dict[int, int] = {}
+        for rank, stage in enumerate(stage_of_rank):
+            first.setdefault(stage, rank)
+        return set(first.values())
+    try:
+        ranks = {int(x) for x in spec.split(",") if x.strip()}
+    except ValueError:
+        ranks = None
+    if not ranks or any(r < 0 or r >= world_size for r in ranks):
+        raise RecipeError(f"profile.ranks = {spec!r}: expected all, rank0, stages or a list of ranks in "
+                          f"[0, {world_size}) such as \"0,3\"", "profile.ranks")
+    return ranks
+
+
+def check(cfg: ProfileConfig, world_size: int) -> None:
+    """Preflight: ``profile.ranks`` names ranks of this world (raises RecipeError)."""
+    if cfg.enable:
+        traced_ranks(cfg.ranks, world_size, [0] * world_size)
+
+
+class StepProfiler:
+    """The torch profiler over the recipe's schedule on the selected ranks; a no-op elsewhere.
+
+    Use as a context manager around the loop and call ``step()`` after every optimizer step.
+    """
+
+    def __init__(self, cfg: ProfileConfig, output_dir: Path, mesh: Mesh, *, first_step: int = 1):
+        self.cfg, self.mesh = cfg, mesh
+        rank, world = dist.get_rank(), dist.get_world_size()
+        coords = _coordinates(mesh)
+        stages = _all_stages(mesh, world)
+        self.enabled = cfg.enable and rank in traced_ranks(cfg.ranks, world, stages)
+        self.folder = output_dir / "traces"
+        self.rank = rank
+        self.meta: dict[str, Any] = {"rank": rank, "world_size": world, "layout": {d: getattr(mesh.layout, d)
+                                                                                 for d in DIMS},
+                                     "coordinates": coords, "pp_stage": coords["pp"]}
+        self.step_no = first_step - 1  # the last finished step
+        self._recorded: list[int] = []  # steps recorded since the last trace was written
+        self._counts: dict[int, comm.CommCounter] = {}
+        self._counter_cm = None
+        self._prof = None
+        if self.enabled:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active,
+                                                 repeat=cfg.repeat),
+                on_trace_ready=self._write, record_shapes=cfg.record_shapes, profile_memory=cfg.profile_memory,
+                with_stack=cfg.with_stack)
+
+    # --- the loop's side ---------------------------------------------------------------------------
+    def __enter__(self) -> StepProfiler:
+        if self._prof is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._prof.__enter__()
+            self._begin_step()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._prof is not None:
+            self._end_step()
+            self._prof.__exit__(*exc)  # writes a window cut short by the end of training
+
+    def step(self) -> None:
+        """After each optimizer step."""
+        if self._prof is None:
+            return
+        self._end_step()
+        self.step_no += 1
+        if self._prof.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
+            self._recorded.append(self.step_no)
+        self._prof.step()  # may call _write, at the end of an active window
+        self._begin_step()
+
+    def _begin_step(self) -> None:
+        self._counter_cm = comm.count()
+        self._counts[self.step_no + 1] = self._counter_cm.__enter__()
+
+    def _end_step(self) -> None:
+        if self._counter_cm is not None:
+            self._counter_cm.__exit__(None, None, None)
+            self._counter_cm = None
+
+    # --- writing a trace -----------------------------------------------------------------------------
+    def _write(self, prof: torch.profiler.profile) -> None:
+        if not self._recorded:
+            return
+        first, last = self._recorded[0], self._recorded[-1]
+        self._recorded = []
+        raw = self.folder / f".rank{self.rank}.steps{first}-{last}.json"
+        prof.export_chrome_trace(str(raw))
+        trace = json.loads(raw.read_text())
+        raw.unlink()
+        steps = range(first, last + 1)
+        counts = [self._counts.pop(s, comm.CommCounter()) for s in steps]
+        self.meta["steps"] = [first, last]
+        self.meta["comm"] = {f"{op}[{dim}]": {"calls": sum(c.calls[(op, dim)] for c in counts),
+                                              "bytes": sum(c.bytes[(op, dim)] for c in counts)}
+                             for op, dim in sorted({k for c in counts for k in c.calls})}
+        trace["meshpar"] = dict(self.meta)
+        trace.setdefault("distributedInfo", {}).update(rank=self.rank, world_size=self.meta["world_size"])
+        cap_trace(trace, int(self.cfg.max_trace_mb * 2**20))
+        final = self.folder / f"rank{self.rank}.steps{first}-{last}.json.gz"
+        tmp = final.with_name(final.name + ".tmp")
+        with gzip.open(tmp, "wt", compresslevel=6) as f:
+            json.dump(trace, f)
+        os.replace(tmp, final)
+        for s in list(self._counts):
+            if s < first:
+                del self._counts[s]
+
+
+def cap_trace(trace: dict[str, Any], max_bytes: int) -> None:
+    """Drop the shortest non-``meshpar::`` events until the JSON fits in ``max_bytes``
+    ([Note: the size cap]); records what was dropped under ``trace["meshpar"]["dropped"]``."""
+    events = trace.get("traceEvents", [])
+    size = len(json.dumps(trace))
+    if size <= max_bytes:
+        return
+    keep_always = [e for e in events if e.get("ph") != "X" or str(e.get("name", "")).startswith("meshpar::")]
+    optional = sorted((e for e in events if e.get("ph") == "X" and not str(e.get("name", "")).startswith("meshpar::")),
+                      key=lambda e: -float(e.get("dur", 0)))
+    per_event = max(1, size // max(len(events), 1))
+    budget = max(0, max_bytes - len(json.dumps({**trace, "traceEvents": keep_always})))
+    n = min(len(optional), budget // per_event)
+    while True:
+        kept = optional[:n]
+        trace["traceEvents"] = keep_always + kept
+        if len(json.dumps(trace)) <= max_bytes or n == 0:
+            break
+        n = int(n * 0.9)
+    dropped = len(optional) - n
+    below = float(optional[n].get("dur", 0)) if n < len(optional) else 0.0
+    trace.setdefault("meshpar", {})["dropped"] = {"events": dropped, "shorter_than_us": below,
+                                                 "cap_mb": max_bytes / 2**20}
+
+
+def _coordinates(mesh: Mesh) -> dict[str, int]:
+    return {d: mesh.world.get_local_rank(d) for d in DIMS}
+
+
+def _all_stages(mesh: Mesh, world: int) -> list[int]:
+    """The pipeline stage (pp coordinate) of every global rank."""
+    ranks = mesh.world.mesh  # [pp, dp_replicate, dp_shard, cp, tp] -> global rank
+    stage = [0] * world
+    for pp in range(ranks.shape[0]):
+        for r in ranks[pp].flatten().tolist():
+            stage[int(r)] = pp
+    return stage

@@ -1,0 +1,59 @@
+"""Trace capture (meshpar/profiling.py): which ranks trace, which steps, the header, the size cap."""
+
+import gzip
+import json
+
+import pytest
+
+from meshpar.profiling import cap_trace, traced_ranks
+from meshpar.recipe import RecipeError
+from tests.distributed import run_distributed
+from tests.test_train import _load, _train_on_rank
+
+
+def test_traced_ranks():
+    stages = [0, 0, 0, 0, 1, 1, 1, 1]  # pp 2 over 8 ranks
+    assert traced_ranks("all", 8, stages) == set(range(8))
+    assert traced_ranks("rank0", 8, stages) == {0}
+    assert traced_ranks("stages", 8, stages) == {0, 4}
+    assert traced_ranks("0, 3", 8, stages) == {0, 3}
+    for bad in ("8", "x", "", "-1"):
+        with pytest.raises(RecipeError, match=rf"profile\.ranks = {bad!r}: expected all, rank0, stages"):
+            traced_ranks(bad, 8, stages)
+
+
+def test_cap_drops_shortest_events_first_and_keeps_labels():
+    events = [{"ph": "X", "name": f"aten::op{i}", "ts": i, "dur": float(i), "pid": 1, "tid": 1} for i in range(2000)]
+    events += [{"ph": "X", "name": "meshpar::step", "ts": 0, "dur": 0.5, "pid": 1, "tid": 1}]
+    trace = {"traceEvents": events, "meshpar": {"rank": 0}}
+    cap = 40_000
+    cap_trace(trace, cap)
+    assert len(json.dumps(trace)) <= cap
+    kept = trace["traceEvents"]
+    assert any(e["name"] == "meshpar::step" for e in kept)  # labels survive however short
+    durations = sorted(e["dur"] for e in kept if e["name"] != "meshpar::step")
+    dropped = trace["meshpar"]["dropped"]
+    assert dropped["events"] == 2000 - len(durations) > 0
+    assert durations[0] >= dropped["shorter_than_us"]  # everything kept is at least as long as the cut
+
+
+def test_pipeline_stages_trace_one_rank_each(tmp_path, data_cache):
+    """pp 2 x dp_shard 2 with profile.ranks = stages: ranks 0 and 2 write one trace each over the
+    active steps, with their coordinates and meshpar's communication accounting in the header."""
+    recipe = _load("llama_debug.toml", tmp_path, "--parallel.pp=2", "--parallel.dp_shard=2", "--train.steps=4",
+                   "--train.micro_batch=1", "--profile.enable=true", "--profile.ranks=stages")
+    run_distributed(_train_on_rank, 4, recipe, timeout=240, init_process_group=False)
+    files = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert files == ["rank0.steps3-4.json.gz", "rank2.steps3-4.json.gz"]
+    with gzip.open(tmp_path / "traces" / "rank2.steps3-4.json.gz", "rt") as f:
+        trace = json.load(f)
+    head = trace["meshpar"]
+    assert (head["rank"], head["world_size"], head["pp_stage"], head["steps"]) == (2, 4, 1, [3, 4])
+    assert head["coordinates"] == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}
+    assert trace["distributedInfo"]["rank"] == 2
+    # every all-gather meshpar issued in the traced steps appears as a labelled event
+    names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+    issued = sum(n == "meshpar::comm.all_gather[dp_shard]" for n in names)
+    assert head["comm"]["all_gather[dp_shard]"]["calls"] == issued > 0
+    assert sum(n == "meshpar::step" for n in names) == 2
+    assert any(n.startswith("meshpar::pp.forward[1,") for n in names)
