@@ -59,20 +59,50 @@ class Progress:
 
 
 class MetricsLogger:
-    """Writes ``<output_dir>/metrics.jsonl`` and the log lines; only rank 0 writes anything."""
+    """Writes ``<output_dir>/metrics.jsonl`` (and TensorBoard event files under
+    ``<output_dir>/tensorboard`` when asked) and the log lines; only rank 0 writes anything.
 
-    def __init__(self, output_dir: Path, *, enabled: bool, progress: Progress):
+    A run resumed from a checkpoint at step ``start_step`` keeps the records up to that step
+    and drops the later ones (written after the checkpoint, by the run that crashed), so the
+    file reads as one run; a fresh run (``start_step`` 0) starts a new file.
+    """
+
+    def __init__(self, output_dir: Path, *, enabled: bool, progress: Progress, start_step: int = 0,
+                 tensorboard: bool = False):
         self.enabled, self.progress = enabled, progress
         self.path = output_dir / "metrics.jsonl"
-        if enabled:
-            self.path.write_text("")  # a new run starts a new file
+        self._tb = None
+        if not enabled:
+            return
+        kept = []
+        if start_step > 0 and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= start_step:
+                        kept.append(line + "\n")
+                except json.JSONDecodeError:  # a line cut short by the crash
+                    pass
+        self.path.write_text("".join(kept))
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+            self._tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"{'val' if key.startswith('val_') else 'train'}/{key}", value, record["step"])
+            self._tb.flush()
         self.progress.print(format_record(record))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
 
 
 def format_record(r: dict[str, Any]) -> str:

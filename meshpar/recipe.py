@@ -188,7 +188,8 @@ class MetricsConfig:
                                     "h200) or a path to one; auto picks by the device.")
     progress: str = option("auto", "Progress bar on rank 0: auto (when stderr is a terminal), on or off.",
                            choices=("auto", "on", "off"))
-    tensorboard: bool = option(False, "Also write TensorBoard event files.")
+    tensorboard: bool = option(False, "Also write TensorBoard event files to <train.output_dir>/tensorboard "
+                                      "(needs the tensorboard package).")
 
 
 @dataclass(frozen=True)
@@ -373,8 +374,12 @@ def check(recipe: Recipe) -> None:
     family.check_degrees({dim: getattr(recipe.parallel, dim) for dim in ("pp", "dp_replicate", "dp_shard",
                                                                         "cp", "tp")})
     if recipe.metrics.tensorboard:
-        raise RecipeError("metrics.tensorboard = true: the TensorBoard sink is not built yet; metrics.jsonl is "
-                          "always written; set metrics.tensorboard = false", "metrics.tensorboard")
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise RecipeError("metrics.tensorboard = true needs the tensorboard package, which is not installed: "
+                              "pip install tensorboard (metrics.jsonl is always written; or set "
+                              "metrics.tensorboard = false)", "metrics.tensorboard")
 
 
 def _toml_value(value: Any) -> str:

@@ -235,7 +235,8 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     progress_on = {"on": True, "off": False, "auto": sys.stderr.isatty()}[recipe.metrics.progress]
     progress = Progress(t.steps, enabled=progress_on and info.is_rank0)
     progress.update(start_step)
-    metrics = MetricsLogger(output_dir, enabled=info.is_rank0, progress=progress)
+    metrics = MetricsLogger(output_dir, enabled=info.is_rank0, progress=progress, start_step=start_step,
+                            tensorboard=recipe.metrics.tensorboard)
     if info.is_rank0:
         print(f"meshpar: {n_params:,} parameters, {args.flops_per_token(t.seq_len) / 1e6:,.1f} MFLOP/token, "
               f"MFU against {profile.name}", flush=True)
@@ -293,6 +294,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
             profiler.step()
     if ckpt is not None:
         ckpt.wait()  # the last save is complete before the run reports success
+    metrics.close()
     progress.close()
     return model, optimizer, records
 

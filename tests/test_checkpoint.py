@@ -146,6 +146,8 @@ def test_kill_during_async_save_resumes_from_the_previous_checkpoint(tmp_path, d
     logged = {r["step"]: r["loss"] for r in crashed if "loss" in r}
     assert [r["loss"] for r in resumed if r["step"] in (3, 4)] == [logged[3], logged[4]]
     assert not list(root.glob(".step_*.partial"))  # the crashed save's folder was cleared
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4, 5, 6]  # one run's log, nothing twice
     assert [s for s, _, done in ckpt.list_checkpoints(root) if done] == [2, 4, 6]
 
 

@@ -140,8 +140,6 @@ BAD_FILES = [
      rf"model\.size = '8b': no such size for family 'gpt2'; choose one of {', '.join(FAMILIES['gpt2'].sizes)}$"),
     ("batch-multiple", "[train]\nglobal_batch = 10\nmicro_batch = 4\n",
      r"train\.global_batch \(10\) must be a multiple of train\.micro_batch \(4\)$"),
-    ("tensorboard", "[metrics]\ntensorboard = true\n",
-     r"metrics\.tensorboard = true: the TensorBoard sink is not built yet; .*set metrics\.tensorboard = false$"),
 ]
 
 

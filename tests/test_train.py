@@ -56,6 +56,18 @@ def test_loss_falls_on_shakespeare(name, tmp_path, data_cache):
     assert recipelib.load(tmp_path / "recipe.toml") == recipe  # the saved recipe is the resolved one
 
 
+def test_tensorboard_sink(tmp_path, data_cache):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = train(_load("llama_debug.toml", tmp_path, "--train.steps=3", "--metrics.tensorboard=true")).records
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [s for s, _ in losses] == [1, 2, 3]
+    torch.testing.assert_close([v for _, v in losses], _losses(records), rtol=1e-6, atol=0)  # stored as float32
+    assert {"train/grad_norm", "train/lr", "train/tokens_per_s", "train/mfu"} <= set(events.Tags()["scalars"])
+
+
 def test_gradient_accumulation_matches_one_big_microbatch(tmp_path, data_cache):
     whole = train(_load("llama_debug.toml", tmp_path / "a", "--train.steps=4", "--train.micro_batch=8"),
                   return_state=True)
