@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from meshpar.memory import comm_buffers
+
 
 @dataclass(eq=False)  # compared by identity: nested count() blocks must each remove their own
 class CommCounter:
@@ -135,9 +137,10 @@ class ReduceScatterInput:
     def __init__(self, per_rank: int, group: dist.ProcessGroup, *, dtype: torch.dtype, device: torch.device):
         self.n, self.rank, self.per_rank = dist.get_world_size(group), dist.get_rank(group), per_rank
         self.exchange = self.n > 1 and (dist.get_backend(group) == "gloo" or torch.device(device).type == "cpu")
-        self.output = torch.empty(per_rank, dtype=dtype, device=device)
         rows = self.n - 1 if self.exchange else self.n
-        self.send = torch.empty(rows, per_rank, dtype=dtype, device=device) if self.n > 1 else None
+        with comm_buffers():
+            self.output = torch.empty(per_rank, dtype=dtype, device=device)
+            self.send = torch.empty(rows, per_rank, dtype=dtype, device=device) if self.n > 1 else None
 
     @torch.no_grad()
     def copy_rows(self, offset: int, rows: torch.Tensor) -> None:
@@ -180,7 +183,8 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
         # goes to or comes from this rank itself, so both buffers hold n - 1 rows.
         splits = [input.per_rank] * n
         splits[input.rank] = 0
-        received = torch.empty_like(input.send)
+        with comm_buffers():
+            received = torch.empty_like(input.send)
         handle = dist.all_to_all_single(received.view(-1), input.send.view(-1), splits, splits, group=group,
                                         async_op=async_op)
 

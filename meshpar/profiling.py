@@ -20,6 +20,15 @@ Names in a trace follow the design (every label starts ``meshpar::``)::
     meshpar::fsdp.*            FSDP phases (copy_in, all_gather_wait, copy_out, reduce_scatter_wait, ...)
     meshpar::checkpoint.save   a checkpoint save (the synchronous part)
 
+[Note: memory in the profiled steps]
+With ``profile.profile_memory``, each traced window also gets a memory record. On CPU:
+``<stem>.memory.json``, live tensor bytes per category (parameters, buffers, gradients,
+activations, temporaries, optimizer state, communication buffers) at the peak and over
+time, from ``meshpar.memory.AllocationTracker`` (it slows the traced steps: it sees every
+op). On CUDA: the caching allocator's own history, ``<stem>.cuda_memory_snapshot.pickle``
+(open it in https://pytorch.org/memory_viz), recorded from the first step so that an
+out-of-memory error also leaves ``rank<r>.oom_memory_snapshot.pickle``.
+
 [Note: the size cap]
 A trace of a 70B step holds millions of events and viewers fail on files of a few hundred
 MB. ``profile.max_trace_mb`` caps each file (uncompressed JSON): past it, the shortest
@@ -41,6 +50,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction
 
 from meshpar import comm
+from meshpar.memory import AllocationTracker
 from meshpar.mesh import DIMS, Mesh
 from meshpar.recipe import ProfileConfig, RecipeError
 
@@ -85,7 +95,8 @@ class StepProfiler:
     Use as a context manager around the loop and call ``step()`` after every optimizer step.
     """
 
-    def __init__(self, cfg: ProfileConfig, output_dir: Path, mesh: Mesh, *, first_step: int = 1):
+    def __init__(self, cfg: ProfileConfig, output_dir: Path, mesh: Mesh, *, first_step: int = 1,
+                 tracked: tuple[Any, ...] = ()):
         self.cfg, self.mesh = cfg, mesh
         rank, world = dist.get_rank(), dist.get_world_size()
         coords = _coordinates(mesh)
@@ -101,6 +112,8 @@ class StepProfiler:
         self._counts: dict[int, comm.CommCounter] = {}
         self._counter_cm = None
         self._prof = None
+        self._tracked, self._tracker = tracked, None  # [Note: memory in the profiled steps]
+        self._cuda_memory = cfg.profile_memory and torch.cuda.is_available() and torch.cuda.is_initialized()
         if self.enabled:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -116,6 +129,9 @@ class StepProfiler:
     def __enter__(self) -> StepProfiler:
         if self._prof is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
+            if self._cuda_memory:  # from the start, so an out-of-memory snapshot has its history
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
+                torch._C._cuda_attach_out_of_memory_observer(self._on_oom)
             self._prof.__enter__()
             self._begin_step()
         return self
@@ -139,6 +155,16 @@ class StepProfiler:
     def _begin_step(self) -> None:
         self._counter_cm = comm.count()
         self._counts[self.step_no + 1] = self._counter_cm.__enter__()
+        recording = self._prof.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+        if recording and self.cfg.profile_memory and not self._cuda_memory and self._tracker is None:
+            self._tracker = AllocationTracker(*self._tracked, timeline=True).__enter__()
+
+    def _on_oom(self, device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+        path = self.folder / f"rank{self.rank}.oom_memory_snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        print(f"meshpar: out of memory on rank {self.rank} (asked for {alloc / 2**30:.2f} GiB, "
+              f"{device_free / 2**30:.2f} GiB free); allocator snapshot: {path} (open it in "
+              f"https://pytorch.org/memory_viz)", flush=True)
 
     def _end_step(self) -> None:
         if self._counter_cm is not None:
@@ -151,6 +177,7 @@ class StepProfiler:
             return
         first, last = self._recorded[0], self._recorded[-1]
         self._recorded = []
+        self._write_memory(f"rank{self.rank}.steps{first}-{last}")
         raw = self.folder / f".rank{self.rank}.steps{first}-{last}.json"
         prof.export_chrome_trace(str(raw))
         trace = json.loads(raw.read_text())
@@ -172,6 +199,25 @@ class StepProfiler:
         for s in list(self._counts):
             if s < first:
                 del self._counts[s]
+
+
+    def _write_memory(self, stem: str) -> None:
+        """The memory record of the window that just ended ([Note: memory in the profiled steps])."""
+        if self._cuda_memory:
+            torch.cuda.memory._dump_snapshot(str(self.folder / f"{stem}.cuda_memory_snapshot.pickle"))
+        if self._tracker is None:
+            return
+        tracker, self._tracker = self._tracker, None
+        tracker.__exit__(None, None, None)
+        record = {"rank": self.rank, "unit": "bytes", "peak": tracker.peak(),
+                  "timeline": [[round(t, 6), point] for t, point in tracker.timeline]}
+        _write_atomic_text(self.folder / f"{stem}.memory.json", json.dumps(record))
+
+
+def _write_atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def cap_trace(trace: dict[str, Any], max_bytes: int) -> None:

@@ -249,7 +249,8 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     records: list[dict[str, Any]] = []
     last_time, last_step = time.perf_counter(), start_step
 
-    profiler = StepProfiler(recipe.profile, output_dir, mesh, first_step=start_step + 1)
+    profiler = StepProfiler(recipe.profile, output_dir, mesh, first_step=start_step + 1,
+                            tracked=(model.stages, optimizer))
     with profiler:
         for step in range(start_step + 1, t.steps + 1):
             with label("step"):

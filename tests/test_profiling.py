@@ -57,3 +57,36 @@ def test_pipeline_stages_trace_one_rank_each(tmp_path, data_cache):
     assert head["comm"]["all_gather[dp_shard]"]["calls"] == issued > 0
     assert sum(n == "meshpar::step" for n in names) == 2
     assert any(n.startswith("meshpar::pp.forward[1,") for n in names)
+
+
+def test_allocation_tracker_categories_and_timeline():
+    import torch
+
+    from meshpar.memory import AllocationTracker, comm_buffers
+
+    model = torch.nn.Linear(64, 64)
+    with AllocationTracker(model, timeline=True) as tracker:
+        with comm_buffers():
+            buffer = torch.empty(1024)  # 4096 bytes, a communication buffer
+        model(torch.randn(8, 64)).sum().backward()
+        del buffer
+    peak = tracker.peak()
+    assert peak["Parameter"] == (64 * 64 + 64) * 4
+    assert peak["Communication"] == 4096
+    assert tracker.current()["Communication"] == 0  # freed
+    assert max(point["Total"] for _, point in tracker.timeline) == peak["Total"] == tracker.peak_bytes
+    assert [t for t, _ in tracker.timeline] == sorted(t for t, _ in tracker.timeline)
+
+
+def test_memory_record_of_the_profiled_steps(tmp_path, data_cache):
+    """FSDP on 2 ranks with profile.profile_memory: each traced window gets a memory record whose
+    peak names parameters, optimizer state and meshpar's communication buffers, and whose
+    timeline reaches that peak."""
+    recipe = _load("llama_debug.toml", tmp_path, "--parallel.dp_shard=2", "--train.steps=4",
+                   "--profile.enable=true", "--profile.profile_memory=true")
+    run_distributed(_train_on_rank, 2, recipe, timeout=240, init_process_group=False)
+    record = json.loads((tmp_path / "traces" / "rank1.steps3-4.memory.json").read_text())
+    peak = record["peak"]
+    assert peak["Parameter"] > 0 and peak["Optstate"] > 0 and peak["Communication"] > 0, peak
+    assert sum(v for k, v in peak.items() if k != "Total") == peak["Total"]
+    assert max(point["Total"] for _, point in record["timeline"]) == peak["Total"]

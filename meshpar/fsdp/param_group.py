@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from meshpar import comm
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
+from meshpar.memory import comm_buffers
 
 # [Note: one reduction in flight]
 # A unit's reduce-scatter holds up to two buffers of the unit's full gradient size until it
@@ -121,7 +122,8 @@ class ParamGroup:
                 dtype, fill = dtype or self.params[0].orig_dtype, self._copy_in
             # in place: this rank's input is its own slot of the output, so no separate send buffer
             # (one shard fewer at the peak; PyTorch's engine does the same)
-            recv = torch.empty(world * n, dtype=dtype, device=self.params[0].compute_device)
+            with comm_buffers():
+                recv = torch.empty(world * n, dtype=dtype, device=self.params[0].compute_device)
             send = recv[rank * n:(rank + 1) * n]
             fill(send)
             self._gather = (comm.all_gather(recv, send, group, async_op=True, dim=dim), recv, world)

@@ -42,11 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType, _WeakRefInfo
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpar.comm import CommCounter
+from meshpar.memory import AllocationTracker
 
 
 def _nbytes(x: Any) -> int:
@@ -202,15 +202,15 @@ class DispatchedCollectives(TorchDispatchMode):
 _REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
 
 
-class PeakMemory(MemTracker):
-    """Live tensor bytes on this process across a block: [Note: peak memory on CPU], with
-    gloo's hidden reduce-scatter copy counted ([Note: gloo's hidden reduce-scatter copy]).
+class PeakMemory(AllocationTracker):
+    """Live tensor bytes on this process across a block: [Note: peak memory on CPU] (meshpar's
+    ``AllocationTracker``), with gloo's hidden reduce-scatter copy counted ([Note: gloo's
+    hidden reduce-scatter copy]).
 
     ``tracked`` (modules, optimizers, tensors) are the objects that exist before the block."""
 
     def __init__(self, *tracked: nn.Module | torch.optim.Optimizer | torch.Tensor) -> None:
-        super().__init__()
-        self.track_external(*tracked)
+        super().__init__(*tracked)
         self._patched: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> PeakMemory:
@@ -232,38 +232,9 @@ class PeakMemory(MemTracker):
         self._patched.clear()
         super().__exit__(*exc)
 
-    def _track_resize(self) -> None:
-        original = self._orig_resize
-
-        @wraps(original)
-        def resize_(storage: torch.UntypedStorage, size: int) -> None:
-            original(storage, size)
-            winfo, _ = self._WINFO.get(storage, (None, None))
-            if winfo is None:  # allocated before this tracker: adopt it now, at its new size
-                if storage.size() > 0 and storage.device.type != "meta":
-                    winfo, ref = _WeakRefInfo.create_winfo(storage, storage.device, _MemRefType.PARAM,
-                                                           self._delete_callback)
-                    self._WINFO[storage] = (winfo, ref)
-                    self._update_snap(_UpdateType.ADD, winfo)
-            elif winfo.size != storage.size():
-                old = winfo.mem_consumed
-                winfo.update_mem_consumed(storage)
-                self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)
-
-        torch.UntypedStorage.resize_ = resize_
-
-    @property
-    def peak_bytes(self) -> int:
-        return sum(self._peak_mem.values())
-
     def peak_breakdown(self) -> dict[str, int]:
-        """Bytes per MemTracker category (parameters, gradients, activations, ...) at the peak."""
-        out: dict[str, int] = {}
-        for snap in self._peak_mem_snap.values():
-            for key, value in snap.items():
-                name = key if isinstance(key, str) else key.value
-                out[name] = out.get(name, 0) + value
-        return out
+        """Bytes per category (parameters, gradients, activations, ...) at the peak."""
+        return self.peak()
 
 
 _inside = threading.local()  # a reduce-scatter that calls another (deprecated name -> new) copies once
