@@ -58,9 +58,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshpar.recipe import CheckpointConfig, RecipeError
 
@@ -153,6 +161,85 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+# --- fused projections ([Note: strided shards as chunks]) ----------------------------------------------
+# [Note: strided shards as chunks]
+# A fused projection sharded for tensor parallelism (GPT-2's q|k|v ``c_attn``,
+# meshpar.tensor_parallel.FusedColwiseParallel) is a DTensor with ``_StridedShard(0,
+# split_factor=3)``: rank r holds [q_r; k_r; v_r], three separate row blocks of the global
+# tensor. DCP describes every DTensor shard as one block (torch 2.13), so it would record
+# overlapping chunks and refuse the save. In the checkpoint's state dict such a tensor is a
+# ``_StridedPieces``: DCP's chunk protocol (``__create_write_items__``,
+# ``__create_chunk_list__``) with one chunk per block, so the saved tensor is the plain global
+# tensor, and it loads into any layout, and a plain one loads into it.
+class _StridedPieces:
+    def __init__(self, name: str, t: DTensor):
+        strided = [(i, p) for i, p in enumerate(t.placements) if isinstance(p, _StridedShard)]
+        others_ok = all(isinstance(p, Replicate) for i, p in enumerate(t.placements) if i != strided[0][0])
+        if len(strided) != 1 or not others_ok:
+            raise CheckpointError(f"{name}: placements {t.placements} are not supported in checkpoints (one "
+                                  f"_StridedShard beside Replicate is); save from a layout without it")
+        mesh_dim, placement = strided[0]
+        dim, k = placement.dim, placement.split_factor
+        n, r = t.device_mesh.size(mesh_dim), t.device_mesh.get_local_rank(mesh_dim)
+        if t.shape[dim] % (k * n):
+            raise CheckpointError(f"{name}: dim {dim} of {list(t.shape)} does not split into {k} x {n} blocks")
+        self.name, self.t, self.global_shape = name, t, t.shape
+        block = t.shape[dim] // (k * n)  # rows of one projection on one rank
+        local = t.to_local()
+        self.pieces = []  # (global offsets, sizes, local view)
+        for j in range(k):
+            offsets = [0] * t.ndim
+            offsets[dim] = j * (t.shape[dim] // k) + r * block
+            sizes = list(local.shape)
+            sizes[dim] = block
+            self.pieces.append((torch.Size(offsets), torch.Size(sizes), local.narrow(dim, j * block, block)))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.global_shape
+
+    def size(self) -> torch.Size:
+        return self.global_shape
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self.pieces[0][2])
+        return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(off, size), properties=props,
+                                                      size=self.global_shape))
+                for off, size, _ in self.pieces]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(off, size) for off, size, _ in self.pieces]
+
+    def piece(self, offsets: torch.Size) -> torch.Tensor:
+        for off, _, view in self.pieces:
+            if off == offsets:
+                return view
+        raise CheckpointError(f"{self.name}: no block at offsets {list(offsets)}")
+
+
+def _strided_as_pieces(tree: Any, prefix: str = "") -> Any:
+    """``tree`` with every fused-projection DTensor (one _StridedShard, the rest Replicate)
+    wrapped as _StridedPieces. FSDP over tensor parallelism also uses _StridedShard (on the
+    data-parallel dim, beside a Shard on tp): each rank's piece is then one block, which DCP
+    describes correctly, so those stay DTensors."""
+    if isinstance(tree, dict):
+        return {k: _strided_as_pieces(v, f"{prefix}.{k}" if prefix else k) for k, v in tree.items()}
+    if isinstance(tree, DTensor):
+        strided = [p for p in tree.placements if isinstance(p, _StridedShard)]
+        if strided and all(isinstance(p, (_StridedShard, Replicate)) for p in tree.placements):
+            return _StridedPieces(prefix, tree)
+    return tree
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, _StridedPieces):
+            return obj.piece(index.offset).clone()  # a view would drag its whole storage into the file
+        return super().lookup_object(index)
+
+
 # --- per-chunk checksums ([Note: corrupt and truncated files]) -------------------------------------------
 def _crc_of_range(path: Path, offset: int, length: int, block: int = 1 << 24) -> int | None:
     """CRC-32 of ``length`` bytes at ``offset``; None when the file is shorter than that."""
@@ -198,6 +285,32 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
     def __init__(self, path: Path):
         super().__init__(allow_partial_load=False)
         self.path = path
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        # DCP's load set-up rebuilds the state dict and drops objects it does not know (torch
+        # 2.13 turns them into None): hand it placeholders, then put the blocks back by key
+        # (in place: DCP writes the non-tensor values it loads into this very dict)
+        swapped: list[tuple[dict, str, _StridedPieces]] = []
+
+        def stand_in(tree: dict) -> None:
+            for k, v in tree.items():
+                if isinstance(v, dict):
+                    stand_in(v)
+                elif isinstance(v, _StridedPieces):
+                    swapped.append((tree, k, v))
+                    tree[k] = 0
+
+        stand_in(state_dict)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for container, key, pieces in swapped:
+            container[key] = pieces
+            self.state_dict[pieces.name] = pieces
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, _StridedPieces):
+            return obj.piece(index.offset)
+        return super().lookup_tensor(index)
 
     def create_local_plan(self):
         plan = super().create_local_plan()
@@ -273,8 +386,8 @@ class Checkpointer:
     def state_dict(self, run: RunState, step: int) -> dict[str, Any]:
         names = param_names(run.stages)
         return {
-            "model": run.model_state(),
-            "optim": optimizer_state(run.optimizer, names),
+            "model": _strided_as_pieces(run.model_state(), "model"),
+            "optim": _strided_as_pieces(optimizer_state(run.optimizer, names), "optim"),
             "lr_schedule": run.scheduler.state_dict(),
             "data": run.loader.state_dict(),
             "train": {"step": step},
@@ -290,10 +403,10 @@ class Checkpointer:
         state = self.state_dict(run, step)
         writer = _Writer(partial, self.rank)
         if not self.cfg.async_save:
-            dcp.save(state, storage_writer=writer)
+            dcp.save(state, storage_writer=writer, planner=_SavePlanner())
             self._commit(step, partial, start)
             return
-        upload = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        upload = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(), process_group=self._group)
         committed: Future = Future()
 
         def publish(done: Future) -> None:  # on DCP's writer thread, as soon as the upload ends
@@ -369,9 +482,9 @@ class Checkpointer:
         self._check_model(path, saved)
         exclude = set(self.cfg.exclude)
         names = param_names(run.stages)
-        state: dict[str, Any] = {"model": run.model_state(), "train": {"step": 0}}
+        state: dict[str, Any] = {"model": _strided_as_pieces(run.model_state(), "model"), "train": {"step": 0}}
         if "optimizer" not in exclude:
-            state["optim"] = optimizer_state(run.optimizer, names, create=True)
+            state["optim"] = _strided_as_pieces(optimizer_state(run.optimizer, names, create=True), "optim")
         if "lr_schedule" not in exclude:
             state["lr_schedule"] = run.scheduler.state_dict()
         if "data" not in exclude:
@@ -438,8 +551,8 @@ class Checkpointer:
                                           f"{list(value.shape)} in this model; it is from another model shape")
 
 
-def _flat_tensors(tree: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
-    if isinstance(tree, torch.Tensor):
+def _flat_tensors(tree: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor | _StridedPieces]]:
+    if isinstance(tree, (torch.Tensor, _StridedPieces)):
         yield prefix, tree
     elif isinstance(tree, dict):
         for k, v in tree.items():

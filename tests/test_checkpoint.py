@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -29,6 +30,7 @@ LAYOUTS = {
     "hybrid2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]),
     "pp2xdp2xtp2": (8, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2", "--train.micro_batch=1"]),
     "dp2": (2, ["--parallel.dp_shard=2"]),
+    "rep2xtp2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--parallel.tp=2"]),
 }
 
 
@@ -92,7 +94,10 @@ def test_keep_and_automatic_resume(tmp_path, data_cache, capfd):
     ("hybrid2x2", "pp2xdp2xtp2", "llama_debug.toml"),
     ("1 rank", "hybrid2x2", "llama_debug.toml"),
     ("dp2", "1 rank", "gpt2_debug.toml"),  # tied wte / lm_head: one tensor under two names
-], ids=["dp4-to-dp2xtp2", "3d-to-1rank", "hybrid-to-3d", "1rank-to-hybrid", "gpt2-dp2-to-1rank"])
+    ("rep2xtp2", "dp2", "gpt2_debug.toml"),  # fused q|k|v: three blocks per tp rank ([Note: strided ...])
+    ("1 rank", "rep2xtp2", "gpt2_debug.toml"),
+], ids=["dp4-to-dp2xtp2", "3d-to-1rank", "hybrid-to-3d", "1rank-to-hybrid", "gpt2-dp2-to-1rank",
+        "gpt2-rep2xtp2-to-dp2", "gpt2-1rank-to-rep2xtp2"])
 def test_reshard_on_load(source, target, recipe, tmp_path, data_cache):
     """A checkpoint saved on ``source`` loads on ``target``: every parameter and every AdamW
     tensor, gathered to full size, is bit-identical to what ``source`` held when it saved."""
@@ -168,34 +173,36 @@ def _load_into(path: Path, out: Path, *extra: str):
     return _run("1 rank", out, "--train.steps=2", f"--checkpoint.load_from={path}", *extra)
 
 
-def _first_tensor_chunk(path: Path) -> tuple[str, int, int]:
-    """(fqn, offset, length) of the first tensor chunk in the rank-0 file."""
+def _chunk_of(path: Path, fqn: str) -> tuple[str, int, int]:
+    """(file, offset, length) of ``fqn``'s chunk in a one-rank checkpoint."""
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(path).read_metadata()
     for index, info in md.storage_data.items():
-        if index.fqn.startswith("model.layers.0.attention.wq"):
-            return index.fqn, info.offset, info.length
-    raise AssertionError("no wq chunk")
+        if index.fqn == fqn:
+            return info.relative_path, info.offset, info.length
+    raise AssertionError(f"no chunk of {fqn}")
 
 
 def test_corrupted_byte_names_file_and_tensor(saved_one_rank, tmp_path):
     path = _copy(saved_one_rank, tmp_path / "step_2")
-    fqn, offset, length = _first_tensor_chunk(path)
-    data = bytearray((path / "__0_0.distcp").read_bytes())
+    fqn = "model.layers.0.attention.wq.weight"
+    file, offset, length = _chunk_of(path, fqn)
+    data = bytearray((path / file).read_bytes())
     data[offset + length // 2] ^= 0x40
-    (path / "__0_0.distcp").write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"file __0_0\.distcp \(tensor {fqn}\) is corrupted"):
+    (path / file).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"file {re.escape(file)} \(tensor {re.escape(fqn)}\) is corrupted"):
         _load_into(path, tmp_path / "out")
 
 
 def test_truncated_file_names_file(saved_one_rank, tmp_path):
     path = _copy(saved_one_rank, tmp_path / "step_2")
-    file = path / "__0_0.distcp"
+    name, _, _ = _chunk_of(path, "model.layers.0.attention.wq.weight")
+    file = path / name
     size = file.stat().st_size
     with open(file, "r+b") as f:
         f.truncate(size // 2)
-    with pytest.raises(CheckpointError, match=r"file __0_0\.distcp \(tensor .*\) is truncated: it has "
+    with pytest.raises(CheckpointError, match=rf"file {re.escape(name)} \(tensor .*\) is truncated: it has "
                                               rf"{size // 2} bytes"):
         _load_into(path, tmp_path / "out")
 
