@@ -3,15 +3,18 @@
     meshpar train RECIPE [--nproc N] [--section.key=value ...]
     meshpar recipe RECIPE [--section.key=value ...]     # resolve and check, print the TOML
     meshpar recipe --keys                               # every key, its default and meaning
+    meshpar convert SRC DST --to {hf,torch,dcp} [--layout dp_shard=4,tp=2] [--verify] [--shard-size 5GB]
+    meshpar checkpoint info DIR                         # step, layout, completeness, every tensor
 
 Recipe problems print one line (``meshpar: error: ...``) and exit with code 2 before any
-process starts.
+process starts; a conversion problem prints one line and exits with code 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -37,7 +40,63 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("recipe", help="resolve a recipe, check it and print it as TOML", epilog=EPILOG)
     show.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe (omit for the defaults)")
     show.add_argument("--keys", action="store_true", help="list every recipe key with its default and meaning")
+    add_convert_arguments(sub.add_parser("convert", help="convert a checkpoint (DCP, Hugging Face, torch.save), "
+                                         "offline, one tensor at a time", description=CONVERT_HELP))
+    checkpoint = sub.add_parser("checkpoint", help="inspect checkpoints").add_subparsers(dest="action", required=True)
+    info = checkpoint.add_parser("info", help="step, layout saved from, completeness, every tensor's shape, dtype, "
+                                 "size and chunks; a folder of step_* checkpoints lists them and describes the newest")
+    info.add_argument("dir", type=Path, help="a checkpoint folder <dir>/step_<N>, or <dir>")
     return parser
+
+
+CONVERT_HELP = ("Convert SRC (a meshpar checkpoint folder <dir>/step_<N>, a Hugging Face folder, or a torch file) to "
+                "--to: hf (safetensors + config.json), torch (one torch.save file of the model's weights), or dcp (a "
+                "meshpar checkpoint, re-chunked for --layout, optimizer state included). No GPU and no process "
+                "group; memory stays near the largest tensor.")
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``meshpar convert`` (also ``tools/convert.py``)."""
+    parser.add_argument("src", type=Path, help="checkpoint folder, Hugging Face folder or torch file")
+    parser.add_argument("dst", type=Path, help="output folder (hf, dcp) or file (torch); must not exist yet")
+    parser.add_argument("--to", required=True, choices=("hf", "torch", "dcp"), help="output format")
+    parser.add_argument("--layout", type=_layout, default=None, metavar="DIM=N,...",
+                        help="dcp: the layout to chunk for, e.g. dp_shard=4,tp=2 (dims: pp, dp_replicate, dp_shard, "
+                        "cp, tp; default: the source's)")
+    parser.add_argument("--verify", action="store_true", help="reload the output and compare every tensor by checksum")
+    parser.add_argument("--shard-size", type=_size, default="5GB", metavar="SIZE",
+                        help="hf: the largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
+    parser.add_argument("--all", action="store_true", help="torch: every checkpoint entry (optimizer state, "
+                        "schedule, data position), not only the model's weights")
+
+
+def _layout(text: str) -> dict[str, int]:
+    try:
+        return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': write the degrees as dim=N,... e.g. dp_shard=4,tp=2") from None
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([KMG]?)B?", text.strip().upper())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"'{text}': give a size such as 5GB or 500MB")
+    return int(float(m.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}[m.group(2)])
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from meshpar import convert as convertlib
+
+    try:
+        if getattr(args, "command", "convert") == "checkpoint":
+            print(convertlib.describe(args.dir))
+        else:
+            convertlib.convert(args.src, args.dst, args.to, layout=args.layout, verify=args.verify,
+                               shard_size=args.shard_size, model_only=not args.all)
+    except convertlib.ConvertError as e:
+        print(f"meshpar: error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _split_overrides(parser: argparse.ArgumentParser, extra: list[str]) -> list[str]:
@@ -66,6 +125,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command in ("convert", "checkpoint"):
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        sys.exit(run_convert(args))
     overrides = _split_overrides(parser, extra)
     try:
         if args.command == "train":
