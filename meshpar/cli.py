@@ -5,6 +5,9 @@
     meshpar recipe --keys                               # every key, its default and meaning
     meshpar convert SRC DST --to {hf,torch,dcp} [--layout dp_shard=4,tp=2] [--verify] [--shard-size 5GB]
     meshpar checkpoint info DIR                         # step, layout, completeness, every tensor
+    meshpar train RECIPE --profile                      # = --profile.enable=true: traces in <output_dir>/traces
+    meshpar profile summarize DIR                       # per-rank breakdown: table, summary.json, summary.png
+    meshpar profile merge DIR [--max-mb N]              # one trace, a process per rank, for Perfetto
 
 Recipe problems print one line (``meshpar: error: ...``) and exit with code 2 before any
 process starts; a conversion problem prints one line and exits with code 1.
@@ -37,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", type=Path, help="a TOML recipe, e.g. recipes/llama_debug.toml")
     train.add_argument("--nproc", type=int, default=None, help="local ranks to start (default: the product of "
                        "the recipe's parallel degrees, with dp_shard = -1 counted as 1)")
+    train.add_argument("--profile", action="store_true", help="trace steps with the torch profiler (the same as "
+                       "--profile.enable=true; schedule and ranks from [profile]); then `meshpar profile summarize`")
     show = sub.add_parser("recipe", help="resolve a recipe, check it and print it as TOML", epilog=EPILOG)
     show.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe (omit for the defaults)")
     show.add_argument("--keys", action="store_true", help="list every recipe key with its default and meaning")
@@ -46,7 +51,34 @@ def _parser() -> argparse.ArgumentParser:
     info = checkpoint.add_parser("info", help="step, layout saved from, completeness, every tensor's shape, dtype, "
                                  "size and chunks; a folder of step_* checkpoints lists them and describes the newest")
     info.add_argument("dir", type=Path, help="a checkpoint folder <dir>/step_<N>, or <dir>")
+    profile = sub.add_parser("profile", help="read the traces of a profiled run").add_subparsers(
+        dest="action", required=True)
+    where = "the run's output folder (train.output_dir) or its traces/ folder"
+    summarize = profile.add_parser("summarize", help="per rank and step: compute, communication per collective and "
+                                   "mesh dim, exposed communication, bubble, data, optimizer; a table, "
+                                   "summary.json and summary.png")
+    summarize.add_argument("dir", type=Path, help=where)
+    summarize.add_argument("--top", type=int, default=10, help="how many ops to list by self time")
+    merge = profile.add_parser("merge", help="one Chrome trace with every rank as its own process, on one clock "
+                               "(open it in https://ui.perfetto.dev)")
+    merge.add_argument("dir", type=Path, help=where)
+    merge.add_argument("--out", type=Path, default=None, help="output file (default: <traces>/merged.json.gz)")
+    merge.add_argument("--max-mb", type=float, default=200.0, help="size cap of the merged trace (uncompressed)")
     return parser
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from meshpar import profile_report
+
+    if args.action == "summarize":
+        return profile_report.summarize_cli(args.dir, top=args.top)
+    try:
+        out = profile_report.merge(args.dir, args.out, max_mb=args.max_mb)
+    except profile_report.ProfileReportError as e:
+        print(f"meshpar: error: {e}", file=sys.stderr)
+        return 2
+    print(f"meshpar: merged trace: {out} (open it in https://ui.perfetto.dev)")
+    return 0
 
 
 CONVERT_HELP = ("Convert SRC (a meshpar checkpoint folder <dir>/step_<N>, a Hugging Face folder, or a torch file) to "
@@ -107,6 +139,8 @@ def _split_overrides(parser: argparse.ArgumentParser, extra: list[str]) -> list[
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.profile:
+        overrides = [*overrides, "--profile.enable=true"]
     recipe = recipelib.load(args.recipe, overrides)
     if "WORLD_SIZE" in os.environ:  # already a rank (torchrun): train here
         train(recipe)
@@ -125,10 +159,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("convert", "checkpoint"):
+    if args.command in ("convert", "checkpoint", "profile"):
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        sys.exit(run_convert(args))
+        sys.exit(run_profile(args) if args.command == "profile" else run_convert(args))
     overrides = _split_overrides(parser, extra)
     try:
         if args.command == "train":

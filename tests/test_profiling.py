@@ -90,3 +90,36 @@ def test_memory_record_of_the_profiled_steps(tmp_path, data_cache):
     assert peak["Parameter"] > 0 and peak["Optstate"] > 0 and peak["Communication"] > 0, peak
     assert sum(v for k, v in peak.items() if k != "Total") == peak["Total"]
     assert max(point["Total"] for _, point in record["timeline"]) == peak["Total"]
+
+
+def test_cli_profile_then_summarize_and_merge(tmp_path, data_cache):
+    """The acceptance path: `meshpar train ... --profile`, then `meshpar profile summarize` and
+    `meshpar profile merge` on the run's output folder."""
+    import subprocess
+    import sys
+
+    from tests.test_train import ROOT, SMALL
+
+    run = [sys.executable, "-m", "meshpar"]
+    train = subprocess.run([*run, "train", "recipes/llama_debug_2d.toml", *SMALL, "--train.steps=4", "--profile",
+                            f"--train.output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "traces").glob("*.json.gz")) == [
+        f"rank{r}.steps3-4.json.gz" for r in range(4)]
+    summary = subprocess.run([*run, "profile", "summarize", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+    assert summary.returncode == 0, summary.stderr
+    assert "4 of 4 ranks traced | layout dp_shard 2 x tp 2" in summary.stdout
+    assert "all_gather[dp_shard]" in summary.stdout
+    png = (tmp_path / "traces" / "summary.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    merged = subprocess.run([*run, "profile", "merge", str(tmp_path / "traces")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert merged.returncode == 0, merged.stderr
+    with gzip.open(tmp_path / "traces" / "merged.json.gz", "rt") as f:
+        trace = json.load(f)
+    assert {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"} == {0, 1, 2, 3}
+    (tmp_path / "unprofiled").mkdir()
+    missing = subprocess.run([*run, "profile", "summarize", str(tmp_path / "unprofiled")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "--profile" in missing.stderr, missing.stderr
