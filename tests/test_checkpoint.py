@@ -227,3 +227,19 @@ def test_incomplete_checkpoint_is_never_picked(saved_one_rank, tmp_path):
     assert ckpt.latest(root) == root / "step_2"
     with pytest.raises(CheckpointError, match=r"step_4 is incomplete \(no meshpar\.json\)"):
         ckpt.read_info(partial)
+
+
+# --- 5. starting from Hugging Face weights ------------------------------------------------------------
+def test_training_starts_from_a_hugging_face_folder(tmp_path, data_cache, capfd):
+    """Train 10 steps, export the checkpoint to Hugging Face safetensors, start new runs from the
+    folder (checkpoint.hf_weights) on one rank and on 2 FSDP ranks: both begin from the trained
+    weights (their first loss is far below a fresh model's) and agree with each other."""
+    from meshpar.convert import convert
+
+    first, _ = _run("1 rank", tmp_path / "a", "--train.steps=10", "--checkpoint.every=10")
+    convert(tmp_path / "a" / "checkpoints" / "step_10", tmp_path / "hf", "hf", progress=False)
+    one, _ = _run("1 rank", tmp_path / "b", "--train.steps=1", f"--checkpoint.hf_weights={tmp_path / 'hf'}")
+    assert f"initialized from Hugging Face weights in {tmp_path / 'hf'}" in capfd.readouterr().out
+    two, _ = _run("dp2", tmp_path / "c", "--train.steps=1", f"--checkpoint.hf_weights={tmp_path / 'hf'}")
+    assert _losses(one)[0] < _losses(first)[0] - 0.5, (_losses(one), _losses(first))
+    torch.testing.assert_close(_losses(two), _losses(one), rtol=1e-5, atol=0)
