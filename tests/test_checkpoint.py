@@ -109,6 +109,21 @@ def test_reshard_on_load(source, target, recipe, tmp_path, data_cache):
     _assert_same_state(loaded, saved)
 
 
+def test_rechunked_by_convert_loads_on_its_layout(tmp_path, data_cache):
+    """One rank's checkpoint re-chunked offline for dp_shard 2 x tp 2 (meshpar convert --to dcp
+    --layout) loads on that layout bit-identically, optimizer state included."""
+    from meshpar.convert import convert
+
+    _, saved = _run("1 rank", tmp_path / "src", "--train.steps=2", "--checkpoint.every=2")
+    convert(tmp_path / "src" / "checkpoints" / "step_2", tmp_path / "rechunked", "dcp",
+            layout={"dp_shard": 2, "tp": 2}, progress=False, model_only=False)
+    assert sorted(p.name for p in (tmp_path / "rechunked").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    records, loaded = _run("dp2xtp2", tmp_path / "dst", "--train.steps=2",
+                           f"--checkpoint.load_from={tmp_path / 'rechunked'}")
+    assert _losses(records) == []
+    _assert_same_state(loaded, saved)
+
+
 def test_data_position_reshards_from_dp4_to_dp2(tmp_path, data_cache):
     """Steps 3-4 resumed on 2 ranks from a 4-rank checkpoint see the same samples as the 4-rank run
     did: the same losses (to the cross-layout parity tolerance), so none skipped or repeated."""
