@@ -258,3 +258,14 @@ def test_training_starts_from_a_hugging_face_folder(tmp_path, data_cache, capfd)
     two, _ = _run("dp2", tmp_path / "c", "--train.steps=1", f"--checkpoint.hf_weights={tmp_path / 'hf'}")
     assert _losses(one)[0] < _losses(first)[0] - 0.5, (_losses(one), _losses(first))
     torch.testing.assert_close(_losses(two), _losses(one), rtol=1e-5, atol=0)
+
+
+def test_exclude_leaves_state_unloaded(saved_one_rank, tmp_path, capfd):
+    """checkpoint.exclude: the weights load, the excluded optimizer state does not (AdamW
+    starts afresh), and the run says what it did not load."""
+    _, full = _load_into(saved_one_rank, tmp_path / "all")
+    records, partial = _load_into(saved_one_rank, tmp_path / "some", '--checkpoint.exclude=["optimizer", "data"]')
+    assert "not loaded: data, optimizer" in capfd.readouterr().out
+    assert _losses(records) == []
+    assert not [k for k in partial if k.startswith("optim.")]  # no AdamW state: nothing loaded into it
+    _assert_same_state(partial, {k: v for k, v in full.items() if not k.startswith("optim.")})
