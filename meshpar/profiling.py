@@ -9,7 +9,7 @@ whose top level carries ``distributedInfo`` (rank, world size, backend: what Hol
 Analysis and Perfetto's tooling read) and ``meshpar`` (the layout, this rank's coordinate on
 every mesh dim, its pipeline stage, the steps covered, and the communication meshpar's
 engine counted over those steps: calls and bytes per collective and mesh dim). The
-``meshpar profile`` commands (meshpar/profile_report.py) read these files.
+``meshpar profile`` commands (meshpar/profile_report/) read these files.
 
 Names in a trace follow the design (every label starts ``meshpar::``)::
 

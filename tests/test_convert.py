@@ -1,4 +1,4 @@
-"""Checkpoint conversion (meshpar/convert.py): round trips on tiny random weights for every
+"""Checkpoint conversion (meshpar/convert/): round trips on tiny random weights for every
 family, layout re-chunking, verification, errors that name the tensor, ``describe``, logits
 against transformers (when installed), peak memory while streaming, and ``load_hf_weights``
 into sharded DTensors on 2 gloo ranks.

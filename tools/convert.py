@@ -1,4 +1,4 @@
-"""Convert a checkpoint from a script: the same as ``meshpar convert`` (see meshpar/convert.py).
+"""Convert a checkpoint from a script: the same as ``meshpar convert`` (see meshpar/convert/).
 
     python tools/convert.py runs/llama/checkpoints/step_200 out/llama-hf --to hf --verify
     python tools/convert.py out/llama-hf ckpt/step_0 --to dcp

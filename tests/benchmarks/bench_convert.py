@@ -7,7 +7,7 @@ Builds a Llama-shaped meshpar checkpoint (DCP + meshpar.json) of random fp32 wei
 process so every peak is its own: DCP -> HF, HF -> DCP, DCP -> DCP re-chunked for dp_shard 4 x tp 2,
 and DCP -> torch (which holds the whole model, for contrast). Peak memory is the process's RSS
 high-water mark above its RSS when the conversion starts ([Note: measuring peak memory] in
-meshpar/convert.py). Every case starts after a sync and ends with its output fsynced, so its
+meshpar/convert/). Every case starts after a sync and ends with its output fsynced, so its
 time includes writing to disk; the inputs were just written, so reads come from the page cache.
 Everything is removed at the end.
 """

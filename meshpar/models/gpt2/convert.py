@@ -1,6 +1,6 @@
 """Hugging Face <-> meshpar for GPT-2: the key map, the Conv1D transposes and ``config.json`` both ways.
 
-A pure adapter; the streaming machinery is ``meshpar/convert.py``. meshpar's GPT-2 already
+A pure adapter; the streaming machinery is ``meshpar/convert/``. meshpar's GPT-2 already
 uses Hugging Face's module names (blocks in ``layers`` instead of ``transformer.h``), so the
 map is a prefix; what differs is the orientation of the four projections per block: Hugging
 Face's ``Conv1D`` stores weight [in, out], meshpar's ``nn.Linear`` [out, in], so they are

@@ -2,7 +2,7 @@
 ``config.json`` both ways, and the rotary layouts.
 
 A pure adapter: names and configurations only. The streaming machinery that applies it to
-checkpoints is ``meshpar/convert.py``. Every weight is an ``nn.Linear`` / ``nn.Embedding`` /
+checkpoints is ``meshpar/convert/``. Every weight is an ``nn.Linear`` / ``nn.Embedding`` /
 RMSNorm on both sides, stored [out, in], so no tensor changes on the way: see
 [Note: RoPE layout and conversion].
 

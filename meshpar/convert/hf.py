@@ -1,0 +1,194 @@
+"""Hugging Face folders (config.json + safetensors): a source that reads each tensor with
+readinto() straight into place, and a sink that writes each shard's header first and the tensors'
+bytes as they come ([Note: streaming conversion])."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from meshpar.convert.files import _bytes_view, _fresh, _fsync, _now, _read_json
+from meshpar.convert.layout import parse_layout
+from meshpar.convert.spec import ADAPTERS, ConvertError, ModelSpec
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2"}
+TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def _st_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        raise ConvertError(f"{path}: not a readable safetensors file ({e}); re-download or re-export it") from e
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class HFSource:
+    """A Hugging Face folder (config.json + safetensors) seen as meshpar names: ``model.<fqn>``."""
+
+    kind = "hf"
+    byte_keys: list[str] = []
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        config = _read_json(path / "config.json")
+        family = config.get("model_type")
+        if family not in ADAPTERS:
+            raise ConvertError(f"{path / 'config.json'}: model_type '{family}' is not a family meshpar converts "
+                               f"({', '.join(ADAPTERS)}); convert a Llama, Qwen2, Qwen3 or GPT-2 model")
+        try:
+            self.spec = ModelSpec(family, ADAPTERS[family].args_from_hf_config(family, config))
+        except (KeyError, ValueError, TypeError) as e:
+            raise ConvertError(f"{path / 'config.json'}: {e}") from e
+        self.where_hf: dict[str, tuple[Path, dict[str, Any], int]] = {}  # hf name -> (file, entry, data start)
+        for file in self._files():
+            header, start = _st_header(file)
+            self.where_hf.update({name: (file, entry, start) for name, entry in header.items()})
+        self.names: dict[str, str] = {}  # fqn -> hf name it is read from
+        self.tensors: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        for fqn, shape in self.spec.shapes.items():
+            self.names[fqn] = name = self._find(self.spec.tied.get(fqn, fqn))
+            _, entry, _ = self.where_hf[name]
+            if self.spec.hf_shape(fqn, shape) != entry["shape"]:
+                raise ConvertError(f"{path}: tensor '{name}' (meshpar '{fqn}') has shape {entry['shape']}, but "
+                                   f"config.json's model needs {self.spec.hf_shape(fqn, shape)}; the weights do "
+                                   "not match config.json")
+            self.tensors["model." + fqn] = (shape, TORCH_DTYPES[entry["dtype"]])
+        self._check_unused()
+        self.info = {"format": 1, "step": 0, "family": family, "size": self.spec.size_name,
+                     "model_args": dataclasses.asdict(self.spec.args), "layout": parse_layout(None), "world_size": 1,
+                     "saved_at": _now()}
+
+    def _files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        else:
+            files = [f.name for f in sorted(self.path.glob("*.safetensors"))]
+        if not files:
+            raise ConvertError(f"{self.path}: no model.safetensors.index.json and no *.safetensors files; a Hugging "
+                               "Face folder needs its weights as safetensors (convert .bin files with transformers)")
+        missing = [f for f in files if not (self.path / f).exists()]
+        if missing:
+            raise ConvertError(f"{self.path}: {missing[0]} is listed in model.safetensors.index.json but absent; "
+                               "download it again")
+        return [self.path / f for f in files]
+
+    def _find(self, fqn: str) -> str:
+        name = self.spec.hf_name(fqn)
+        prefix = getattr(self.spec.adapter, "HF_PREFIX", "")
+        for candidate in (name, name.removeprefix(prefix) if prefix else name):
+            if candidate in self.where_hf:
+                return candidate
+        raise ConvertError(f"{self.path}: tensor '{name}' (meshpar '{fqn}') is missing; config.json describes a "
+                           f"{self.spec.family} model that has it, so the folder is incomplete or config.json belongs "
+                           "to another model")
+
+    def _check_unused(self) -> None:
+        used = set(self.names.values())
+        ignored = re.compile("^(" + "|".join(self.spec.adapter.IGNORED_HF) + ")$")
+        extra = sorted(n for n in self.where_hf if n not in used and not ignored.match(n))
+        if extra:
+            raise ConvertError(f"{self.path}: tensors {', '.join(extra[:5])} have no place in the {self.spec.family} "
+                               "model config.json describes; check config.json (attention_bias, num_hidden_layers)")
+
+    def where(self, key: str) -> str:
+        return self.where_hf[self.names[key.removeprefix("model.")]][0].name
+
+    def read(self, key: str) -> Tensor:
+        fqn = key.removeprefix("model.")
+        file, entry, start = self.where_hf[self.names[fqn]]
+        t = torch.empty(entry["shape"], dtype=TORCH_DTYPES[entry["dtype"]])
+        begin, end = entry["data_offsets"]
+        with open(file, "rb") as f:
+            f.seek(start + begin)
+            if f.readinto(_bytes_view(t)) != end - begin:
+                raise ConvertError(f"{file}: ends inside tensor '{self.names[fqn]}'; the file is truncated, "
+                                   "download it again")
+        return t.t().contiguous() if self.spec.transposed(fqn) else t
+
+
+class HFSink:
+    """Writes sharded safetensors files header first, then each tensor's bytes as it arrives
+    ([Note: streaming conversion]), then model.safetensors.index.json and config.json."""
+
+    takes_bytes = False
+
+    def __init__(self, path: Path, spec: ModelSpec, shard_size: int) -> None:
+        _fresh(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path, self.spec, self.shard_size = path, spec, shard_size
+        self.file: Any = None
+
+    def select(self, tensors: Mapping[str, tuple[torch.Size, torch.dtype]]) -> list[str]:
+        keys = [k for k in tensors if k.startswith("model.") and k[6:] not in self.spec.tied]
+        shards: list[list[str]] = [[]]
+        size = 0
+        for key in keys:
+            shape, dtype = tensors[key]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if shards[-1] and size + nbytes > self.shard_size:
+                shards.append([])
+                size = 0
+            shards[-1].append(key)
+            size += nbytes
+        n = len(shards)
+        self.queue: list[tuple[str, str, bytes | None]] = []  # (key, file, header to write first)
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+        for i, shard in enumerate(shards):
+            name, header, offset = f"model-{i + 1:05d}-of-{n:05d}.safetensors", {"__metadata__": {"format": "pt"}}, 0
+            for key in shard:
+                shape, dtype = tensors[key]
+                if dtype not in SAFETENSORS_DTYPES:
+                    raise ConvertError(f"tensor '{key}' is {dtype}, which safetensors cannot store")
+                nbytes = math.prod(shape) * dtype.itemsize
+                hf = self.spec.hf_name(key[6:])
+                header[hf] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": self.spec.hf_shape(key[6:], shape),
+                              "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+                self.weight_map[hf] = name
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+            self.queue += [(key, name, struct.pack("<Q", len(raw)) + raw if j == 0 else None)
+                           for j, key in enumerate(shard)]
+            self.total += offset
+        self.dtype = tensors[keys[0]][1] if keys else torch.float32
+        self.queue.reverse()
+        return keys
+
+    def write(self, key: str, tensor: Tensor, chunks: Any = None) -> None:
+        expected, name, header = self.queue.pop()
+        assert key == expected, (key, expected)  # headers fixed the order
+        if header is not None:
+            if self.file is not None:
+                self.file.close()
+            self.file = open(self.path / name, "wb")  # noqa: SIM115 - open across write() calls, closed in finish
+            self.file.write(header)
+        t = tensor.t() if self.spec.transposed(key[6:]) else tensor
+        self.file.write(_bytes_view(t.contiguous()))
+
+    def finish(self, planner_data: Any = None) -> None:
+        if self.file is not None:
+            self.file.close()
+        _fsync(*(self.path / name for name in set(self.weight_map.values())))
+        index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+        (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        config = self.spec.adapter.hf_config(self.spec.family, self.spec.args, self.dtype)
+        (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

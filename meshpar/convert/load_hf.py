@@ -1,0 +1,65 @@
+"""Starting training from a Hugging Face folder: each rank reads only its own shard of every tensor."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from meshpar.convert.hf import HFSource
+from meshpar.convert.layout import boxes, index_lists
+from meshpar.convert.spec import ConvertError, ModelSpec
+
+
+@torch.no_grad()
+def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike, family: str, args: Any) -> None:
+    """Fill a meshpar model's state dict in place from a Hugging Face folder, one tensor at a time.
+
+    Values may be plain tensors or DTensors (any mix of Shard, _StridedShard and Replicate on
+    any mesh, e.g. after tensor parallelism and ``meshpar.fully_shard``): each rank reads only
+    the rows and columns of its local shard (``safe_open(...).get_slice``), so no rank ever
+    holds a whole tensor. ``config.json`` must describe the same model as ``family``/``args``
+    (``max_seq_len`` may differ); a missing tensor or a wrong shape raises ConvertError naming it.
+    """
+    from safetensors import safe_open
+
+    hf = HFSource(Path(hf_dir))
+    spec = ModelSpec(family, args)
+    theirs = dataclasses.replace(hf.spec.args, max_seq_len=args.max_seq_len)
+    if hf.spec.family != family or theirs != args:
+        diff = [f"{f.name} {getattr(theirs, f.name)} vs {getattr(args, f.name)}" for f in dataclasses.fields(args)
+                if getattr(theirs, f.name) != getattr(args, f.name)]
+        raise ConvertError(f"{hf_dir}: config.json describes a {hf.spec.family} model that differs from this "
+                           f"{family} model ({'; '.join(diff) or 'family'}); set model.family / model.size / overrides "
+                           "to match config.json")
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="pt"))
+                   for file in {file for file, _, _ in hf.where_hf.values()}}
+        for fqn, value in state_dict.items():
+            if fqn not in hf.names:
+                raise ConvertError(f"state dict entry '{fqn}' is not a parameter of the {family} model; "
+                                   "load_hf_weights takes model.state_dict()")
+            _load_one(value, handles[hf.where_hf[hf.names[fqn]][0]].get_slice(hf.names[fqn]), spec.transposed(fqn))
+
+
+def _load_one(value: Tensor, piece: Any, transposed: bool) -> None:
+    """Copy this rank's part of ``value`` (a tensor or DTensor) from ``piece``, a safetensors slice."""
+    if isinstance(value, DTensor):
+        coord = value.device_mesh.get_coordinate()
+        if coord is None:
+            return  # this rank holds no shard
+        idx = index_lists(value.shape, value.device_mesh.shape, coord, value.placements)
+        local = value.to_local()
+    else:
+        idx, local = [range(n) for n in value.shape], value
+    for off, size, loc in boxes(idx):
+        where = [slice(o, o + n) for o, n in zip(off, size, strict=True)]
+        block = piece[tuple(reversed(where))].t() if transposed else piece[tuple(where)]  # Conv1D: [in, out]
+        local[tuple(slice(o, o + n) for o, n in zip(loc, size, strict=True))].copy_(block)

@@ -1,0 +1,149 @@
+"""A model family seen by the converter: meshpar's names and shapes, the Hugging Face names and
+transposes (from ``meshpar/models/<family>/convert.py``), the tensor-parallel placement of every
+parameter, and the check that a checkpoint's tensors fit the model its meshpar.json describes."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from meshpar.models.gpt2 import convert as gpt2_convert
+from meshpar.models.llama import convert as llama_convert
+from meshpar.tensor_parallel import FusedColwiseParallel, VocabParallelEmbedding
+
+ADAPTERS = {"llama": llama_convert, "qwen2": llama_convert, "qwen3": llama_convert, "gpt2": gpt2_convert}
+
+
+class ConvertError(Exception):
+    """A checkpoint problem; the message names the folder, file or tensor, and the fix."""
+
+
+def _compile(patterns: Mapping[str, str] | frozenset[str]) -> list[tuple[re.Pattern, str]]:
+    items = patterns.items() if isinstance(patterns, Mapping) else ((p, p) for p in patterns)
+    return [(re.compile("^" + re.escape(src).replace(r"\{i\}", r"(?P<i>\d+)") + "$"), dst) for src, dst in items]
+
+
+def _match(table: list[tuple[re.Pattern, str]], name: str) -> str | None:
+    for pattern, template in table:
+        m = pattern.match(name)
+        if m:
+            return template.replace("{i}", m.group("i")) if "i" in pattern.groupindex else template
+    return None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model family and its args: meshpar's names and shapes, the Hugging Face names, the plan."""
+
+    family: str
+    args: Any
+
+    @property
+    def adapter(self) -> Any:
+        return ADAPTERS[self.family]
+
+    @functools.cached_property
+    def _meta(self) -> tuple[dict[str, torch.Size], list[str]]:
+        """(state-dict shapes, tied names included; the children before ``layers``) of the model on meta."""
+        from meshpar.models import get_family
+
+        with torch.device("meta"):
+            model = get_family(self.family).model_cls(self.args)
+        children = [name for name, _ in model.named_children()]
+        return {k: v.shape for k, v in model.state_dict().items()}, children[:children.index("layers")]
+
+    @property
+    def shapes(self) -> dict[str, torch.Size]:
+        """Every state-dict tensor (tied names included) -> shape."""
+        return self._meta[0]
+
+    @functools.cached_property
+    def _to_hf(self) -> list[tuple[re.Pattern, str]]:
+        return _compile(self.adapter.KEYS)
+
+    @functools.cached_property
+    def _transposed(self) -> list[tuple[re.Pattern, str]]:
+        return _compile(self.adapter.TRANSPOSED)
+
+    @functools.cached_property
+    def tied(self) -> dict[str, str]:
+        return self.adapter.tied(self.args)
+
+    @property
+    def size_name(self) -> str:
+        from meshpar.models import get_family
+
+        return next((n for n, a in get_family(self.family).sizes.items() if a == self.args), "custom")
+
+    def hf_name(self, fqn: str) -> str:
+        name = _match(self._to_hf, fqn)
+        if name is None:
+            raise ConvertError(f"tensor '{fqn}' has no Hugging Face name in {self.adapter.__name__}.KEYS; add it there")
+        return name
+
+    def transposed(self, fqn: str) -> bool:
+        return _match(self._transposed, fqn) is not None
+
+    def hf_shape(self, fqn: str, shape: Sequence[int]) -> list[int]:
+        return list(reversed(shape)) if self.transposed(fqn) else list(shape)
+
+    def stage(self, fqn: str, pp: int) -> int:
+        """The pipeline stage holding ``fqn`` under an even split, one stage per pp rank."""
+        if pp == 1:
+            return 0
+        from meshpar.pipeline.split import stage_layers
+
+        m = re.match(r"layers\.(\d+)\.", fqn)
+        if m:
+            layer = int(m.group(1))
+            return next(s for s, r in enumerate(stage_layers(self.args.n_layers, pp)) if layer in r)
+        return 0 if fqn.split(".")[0] in self._meta[1] else pp - 1  # [Note: where the ends of a model are]
+
+    @functools.cached_property
+    def plan(self) -> Any:
+        return self.adapter.TP_PLAN(True)
+
+    def tp_placement(self, fqn: str) -> Placement:
+        """How the family's tensor-parallel plan table places parameter ``fqn`` on the tp mesh."""
+        module, _, param = fqn.rpartition(".")
+        m = re.match(r"layers\.\d+\.(.+)", module)
+        style = self.plan.block.get(m.group(1)) if m else self.plan.root.get(module)
+        if isinstance(style, FusedColwiseParallel):
+            return style.placement  # _StridedShard(0, 3): [Note: fused projections]
+        if isinstance(style, (ColwiseParallel, VocabParallelEmbedding)):
+            return Shard(0)  # Linear weight [out/tp, in] and bias [out/tp]; embedding rows [V/tp, D]
+        if isinstance(style, RowwiseParallel):
+            return Shard(1) if param == "weight" else Replicate()
+        return Replicate()
+
+
+def spec_from_info(info: Mapping[str, Any], where: Path) -> ModelSpec:
+    family = info.get("family")
+    if family not in ADAPTERS:
+        raise ConvertError(f"{where}: unknown model family '{family}'; meshpar converts {', '.join(ADAPTERS)}")
+    return ModelSpec(family, ADAPTERS[family].args_from_dict(info["model_args"]))
+
+
+def check_model_tensors(spec: ModelSpec, found: Mapping[str, Sequence[int]], where: str) -> None:
+    """ConvertError naming the first tensor missing, unexpected or of the wrong shape for ``spec``."""
+    for fqn, shape in spec.shapes.items():
+        if fqn not in found:
+            raise ConvertError(f"{where}: tensor 'model.{fqn}' is missing; a {spec.family} model with these "
+                               f"model_args has it (shape {list(shape)}). The checkpoint is incomplete or was saved "
+                               f"from another model: check meshpar.json's family and model_args")
+        if list(found[fqn]) != list(shape):
+            raise ConvertError(f"{where}: tensor 'model.{fqn}' has shape {list(found[fqn])}, but the {spec.family} "
+                               f"model in meshpar.json's model_args needs {list(shape)}: the checkpoint was saved "
+                               f"from another model shape; fix model_args or convert the matching checkpoint")
+    extra = sorted(set(found) - set(spec.shapes))
+    if extra:
+        raise ConvertError(f"{where}: tensors {', '.join('model.' + e for e in extra[:5])} are not parameters of "
+                           f"the {spec.family} model in meshpar.json; check its family and model_args")

@@ -1,0 +1,95 @@
+"""Which collective and mesh dim each piece of communication in a trace is.
+
+[Note: the mesh dim of a collective]
+An issue op on the main thread (the outermost ``c10d::*`` / ``_c10d_functional::*`` op) takes
+its dim from the enclosing ``meshpar::comm.<op>[<dim>]`` label; without one,
+``_c10d_functional::*`` (DTensor, tensor parallel) is ``tp``, c10d send / recv is ``pp`` and
+anything else ``?`` (for example the loss all-reduce of a log step). The work itself runs on a
+gloo worker thread, which serves one process group, hence one dim: each of its events votes for
+the dim of the latest compatible issue op before it, the thread takes the majority, and its
+events then match that dim's issue ops first in, first out, for the op name (gloo runs a
+reduce-scatter as an all-to-all or an all-reduce; the report says reduce_scatter). Calls per
+(op, dim) are counted from the labels (plus unlabelled issue ops); bytes come from the
+header's accounting, since a trace records no sizes. Per-collective exposed times can overlap
+each other when two collectives run at once; the rank's exposed total counts each instant once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import Counter, defaultdict
+
+from meshpar.profile_report.intervals import Intervals
+
+_COMM_LABEL = re.compile(r"meshpar::comm\.(\w+)\[(.+)\]")
+_NOT_ISSUES = ("_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd")
+_KINDS = ("alltoall", "allgather", "reducescatter", "allreduce", "broadcast", "barrier", "send", "recv",
+          "gather", "scatter", "reduce")
+_OP_NAMES = {"alltoall": "all_to_all", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+             "allreduce": "all_reduce"}
+
+
+def _is_comm(name: str) -> bool:
+    return name.startswith(("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms"))
+
+
+def _kind(name: str) -> str:
+    """``c10d::_allgather_base_``, ``gloo:all_gather`` -> ``allgather``."""
+    n = name.rsplit(":", 1)[-1].replace("_", "").lower()
+    return next((k for k in _KINDS if k in n), n)
+
+
+def _runs_as(issue_kind: str, gloo_kind: str) -> bool:
+    # gloo has no reduce-scatter: torch runs one as an all-reduce, meshpar as an all-to-all
+    return issue_kind == gloo_kind or (issue_kind == "reducescatter" and gloo_kind in ("allreduce", "alltoall"))
+
+
+def _attribute(on_main: list[dict], workers: list[dict]) -> tuple[dict, dict]:
+    """Intervals of communication per (op, dim), and calls per (op, dim, "meshpar" or "other"):
+    [Note: the mesh dim of a collective]."""
+    labels = [e for e in on_main if _COMM_LABEL.fullmatch(e["name"])]
+    label_starts = [e["ts"] for e in labels]
+    calls: Counter = Counter((*_COMM_LABEL.fullmatch(e["name"]).groups(), "meshpar") for e in labels)
+    issues, end = [], -1.0  # (ts, kind, op, dim) of the outermost issue ops
+    for e in on_main:
+        if not _is_comm(e["name"]) or e["name"] in _NOT_ISSUES or e["name"].startswith("gloo:") or e["ts"] < end:
+            continue
+        end, kind = e["ts"] + e["dur"], _kind(e["name"])
+        i = bisect.bisect_right(label_starts, e["ts"]) - 1
+        if i >= 0 and e["ts"] + e["dur"] <= labels[i]["ts"] + labels[i]["dur"] + 1e-3:
+            op, dim = _COMM_LABEL.fullmatch(labels[i]["name"]).groups()
+        else:
+            op = _OP_NAMES.get(kind, kind)
+            dim = "tp" if e["name"].startswith("_c10d_functional::") else "pp" if kind in ("send", "recv") else "?"
+            calls[(op, dim, "other")] += 1
+        issues.append((e["ts"], kind, op, dim))
+    starts = [i[0] for i in issues]
+
+    def latest(e: dict) -> tuple | None:  # the latest issue op before e that it can be the work of
+        k, j = _kind(e["name"]), bisect.bisect_right(starts, e["ts"]) - 1
+        while j >= 0 and not _runs_as(issues[j][1], k):
+            j -= 1
+        return issues[j] if j >= 0 else None
+
+    votes: dict[int, Counter] = defaultdict(Counter)
+    for e in workers:
+        if (hit := latest(e)) is not None:
+            votes[e["tid"]][hit[3]] += 1
+    thread_dim = {tid: next((d for d, _ in c.most_common() if d != "?"), "?") for tid, c in votes.items()}
+    per_kind: dict[tuple[str, str], Intervals] = defaultdict(list)
+    for dim in set(thread_dim.values()) | {"?"}:
+        queue, j = [i for i in issues if i[3] == dim], 0  # this dim's issue ops, first in first out
+        for e in sorted((e for e in workers if thread_dim.get(e["tid"], "?") == dim), key=lambda e: e["ts"]):
+            kind = _kind(e["name"])
+            k = next((n for n in range(j, len(queue)) if queue[n][0] <= e["ts"] and _runs_as(queue[n][1], kind)),
+                     None)
+            op, j = (queue[k][2], k + 1) if k is not None else (_OP_NAMES.get(kind, kind), j)
+            per_kind[(op, dim)].append((e["ts"], e["ts"] + e["dur"]))
+    for e in on_main:  # gloo work run by the main thread itself: p2p send / recv
+        if e["name"].startswith("gloo:"):
+            kind = _kind(e["name"])
+            hit = latest(e) if kind not in ("send", "recv") else None
+            op, dim = hit[2:] if hit else (_OP_NAMES.get(kind, kind), "pp" if kind in ("send", "recv") else "?")
+            per_kind[(op, dim)].append((e["ts"], e["ts"] + e["dur"]))
+    return per_kind, calls
