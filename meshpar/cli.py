@@ -8,6 +8,8 @@
     meshpar train RECIPE --profile                      # = --profile.enable=true: traces in <output_dir>/traces
     meshpar profile summarize DIR                       # per-rank breakdown: table, summary.json, summary.png
     meshpar profile merge DIR [--max-mb N]              # one trace, a process per rank, for Perfetto
+    meshpar plan RECIPE [--world N] [--hardware X]      # dry run at the target size: memory, step time, fit
+    meshpar plan --model llama/70b --gpus 64 [...]      # search layouts that fit, best first
 
 Recipe problems print one line (``meshpar: error: ...``) and exit with code 2 before any
 process starts; a conversion problem prints one line and exits with code 1.
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("recipe", help="resolve a recipe, check it and print it as TOML", epilog=EPILOG)
     show.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe (omit for the defaults)")
     show.add_argument("--keys", action="store_true", help="list every recipe key with its default and meaning")
+    sub.add_parser("plan", add_help=False, help="dry-run a recipe at its target size (memory per rank, step time, "
+                   "fit), or search layouts that fit: `meshpar plan --help`")
     add_convert_arguments(sub.add_parser("convert", help="convert a checkpoint (DCP, Hugging Face, torch.save), "
                                          "offline, one tensor at a time", description=CONVERT_HELP))
     checkpoint = sub.add_parser("checkpoint", help="inspect checkpoints").add_subparsers(dest="action", required=True)
@@ -157,6 +161,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # its own argument parser (meshpar/plan.py)
+        from meshpar.plan import main as plan_main
+
+        sys.exit(plan_main(argv[1:]))
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in ("convert", "checkpoint", "profile"):

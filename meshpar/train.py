@@ -118,11 +118,10 @@ class Preflight:
     corpus: Corpus
 
 
-def preflight(recipe: Recipe, world_size: int) -> Preflight:
-    """Every check that needs no process group; raises RecipeError naming the key to change.
-
-    ``meshpar train`` runs it before starting ranks, and each rank again before it joins.
-    """
+def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, Family, Any]:
+    """The checks of a recipe's layout against its model at ``world_size`` that need neither data
+    nor a process group (``meshpar plan`` runs them too): (layout, microbatches per step,
+    family, model args); raises RecipeError naming the key to change."""
     t = recipe.train
     layout = meshlib.resolve(recipe.parallel, world_size)
     family = get_family(recipe.model.family)
@@ -140,6 +139,16 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
     if t.seq_len > args.max_seq_len:
         raise RecipeError(f"train.seq_len ({t.seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}) "
                           f"for {family.name} {recipe.model.size}")
+    return layout, accum, family, args
+
+
+def preflight(recipe: Recipe, world_size: int) -> Preflight:
+    """Every check that needs no process group; raises RecipeError naming the key to change.
+
+    ``meshpar train`` runs it before starting ranks, and each rank again before it joins.
+    """
+    t = recipe.train
+    layout, accum, family, args = check_layout(recipe, world_size)
     if t.eval_every and recipe.data.val_fraction == 0:
         raise RecipeError("train.eval_every > 0 needs held-out data; set data.val_fraction > 0 or "
                           "train.eval_every = 0")

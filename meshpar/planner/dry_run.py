@@ -1,0 +1,267 @@
+"""A recipe's ranks at the target world size, built in a fake process group on this machine.
+
+    p = plan(recipe, world_size=64, profile=profile)
+    p.ranks[0].rows        # parameter placements and local shapes of the first stage's rank
+    p.ranks[0].peak_bytes  # its peak live bytes in a training step
+
+One representative rank per pipeline stage (coordinate 0 on every other dim: under FSDP's
+``torch.chunk`` sharding the lowest ranks hold the largest shards, so it is the fullest
+rank of its stage) joins a ``fake`` process group (``FakeStore``: collectives return at once)
+of the target world size and builds its part of the model exactly as ``meshpar train``
+does (``meshpar/parallelize.py``: pipeline split -> tensor parallel -> activation
+checkpointing -> ``fully_shard`` per block, then the stage root) on the meta device. The
+parameter table, the sharded parameter, gradient and AdamW bytes and the FSDP units are
+read off the result; ``simulate.py`` then runs the step on fake tensors. Stages alike in
+shape (same number of blocks, neither end) are simulated once.
+
+Limits: one stage per rank (``gpipe``, ``1f1b``; not yet the interleaved and zero-bubble
+schedules); ``parallel.compile`` is ignored (memory is eager mode's); ``cp`` is not built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import _gen_transform_infos
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from meshpar import mesh as meshlib
+from meshpar.fsdp import FSDPModule
+from meshpar.hardware import HardwareProfile
+from meshpar.models import get_family
+from meshpar.pipeline import split, stage_layers
+from meshpar.planner.cost import LinkDefaults, StepTime, step_time
+from meshpar.planner.simulate import Measured, schedule_actions, simulate
+from meshpar.recipe import Recipe, RecipeError
+from meshpar.train import check_layout
+
+PLANNED_SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    """Parameters alike in every block, as one row: ``layers.{0..79}.attention.wq.weight`` x 80."""
+
+    name: str
+    count: int
+    global_shape: tuple[int, ...]
+    placements: str  # "dp_shard:_S(0, 8) tp:S(0)"; "-" for a plain tensor
+    local_shape: tuple[int, ...]
+    dtype: str
+    local_bytes: int  # each
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit (a block, or a stage root) of a rank."""
+
+    name: str
+    gathered_bytes: int  # unsharded parameters in the compute dtype (padded to equal shards)
+    reduce_bytes: int  # the reduce-scatter's full input in the reduce dtype
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    coordinate: dict[str, int]
+    stage: int
+    stages_alike: list[int]  # pipeline stages planned by this rank's simulation (same shapes)
+    layers: range
+    rows: list[ParamRow]
+    n_params: int  # global elements of the parameters of this stage, each counted once
+    param_bytes: int  # sharded parameters on this rank (exact)
+    grad_bytes: int  # their gradients (exact)
+    optim_bytes: int  # AdamW: exp_avg + exp_avg_sq + a float32 step per tensor (exact)
+    units: list[Unit]
+    p2p_bytes: int  # pipeline receive buffers, one per microbatch (activations in, gradients back)
+    measured: Measured
+
+    schedule: str | None  # the pipeline schedule, None without pipelining
+    n_stages: int
+    n_microbatches: int  # per optimizer step
+
+    @property
+    def actions(self) -> list[tuple[str, int]]:
+        """This stage's step as (simulated phase, other microbatches in flight) per forward/backward."""
+        return schedule_actions(self.schedule, self.n_microbatches, self.n_stages, self.stage, self.measured.n_run)
+
+    @property
+    def in_flight(self) -> int:
+        """The most microbatches this stage holds at once."""
+        return 1 + max(others for _, others in self.actions)
+
+    @property
+    def peak_phase(self) -> str:
+        return self.measured.peak(self.actions)[1]
+
+    @property
+    def others_at_peak(self) -> int:
+        return self.measured.peak(self.actions)[2]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step's peak: the simulated phase's peak, the microbatches in flight beside it, AdamW
+        state and the pipeline's receive buffers (both live through the whole step)."""
+        return self.measured.peak(self.actions)[0] + self.optim_bytes + self.p2p_bytes
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    layout: meshlib.Layout
+    profile: HardwareProfile
+    args: object  # the family's model args
+    accum: int  # microbatches per optimizer step on each data-parallel rank
+    n_params: int  # the whole model's parameters (sum over stages)
+    ranks: list[RankPlan]
+    time: StepTime
+    nccl: bool  # collectives sized as NCCL runs them (a CUDA profile), else as gloo does
+
+    @property
+    def usable_bytes(self) -> int:
+        """[Note: usable device memory] The profile's ``memory_gb`` in units of 1e9 bytes: 74.5 GiB
+        for an 80 GB H100, whose CUDA runtime reports 79.6 GiB. The planner counts live tensor
+        bytes; the difference (5 GiB, 6%) is left to what that count cannot see: the CUDA
+        context, NCCL's own buffers and the caching allocator's fragmentation."""
+        return int(self.profile.memory_gb * 1e9)
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as ``rank`` of ``world_size`` in a process group whose collectives do nothing."""
+    if dist.is_initialized():
+        raise RuntimeError("meshpar plan runs outside any process group; call it before init_process_group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        # DTensor caches sharding decisions and redistribution plans by mesh, and meshes compare
+        # equal by shape and names: a cached entry of this world would hand the next one this
+        # world's process groups
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        propagator.propagate_op_sharding.cache_clear()
+        propagator._propagate_tensor_meta_cached.cache_clear()
+        _gen_transform_infos.cache_clear()
+        torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ fast path's own cache
+
+
+def check(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int]:
+    """The launch checks of ``meshpar train`` that need no data: (layout, microbatches per step)."""
+    p = recipe.parallel
+    layout, accum, _, _ = check_layout(recipe, world_size)
+    if layout.pp > 1 and (p.pp_schedule not in PLANNED_SCHEDULES or p.pp_virtual_stages != 1):
+        raise RecipeError(f"parallel.pp_schedule = '{p.pp_schedule}': meshpar plan models one stage per rank "
+                          f"({', '.join(PLANNED_SCHEDULES)}) and not yet the interleaved or zero-bubble "
+                          f"schedules; plan with --parallel.pp_schedule=1f1b --parallel.pp_virtual_stages=1")
+    return layout, accum
+
+
+def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_node: int | None = None,
+         efficiency: float = 0.34, links: LinkDefaults | None = None) -> Plan:
+    """Plan ``recipe`` on ``world_size`` devices of ``profile``; raises RecipeError for a bad recipe."""
+    layout, accum = check(recipe, world_size)
+    family = get_family(recipe.model.family)
+    args = family.model_args(recipe.model)
+    p = recipe.parallel
+    layers = stage_layers(args.n_layers, layout.pp, p.pp_boundaries)
+    nccl = profile.device == "cuda"
+    ranks: list[RankPlan] = []
+    simulated: dict[tuple, Measured] = {}
+    for s in range(layout.pp):
+        rank = s * (world_size // layout.pp)
+        role = (len(layers[s]), s == 0, s == layout.pp - 1)
+        with fake_world(rank, world_size):
+            mesh = meshlib.build(layout, "cpu")
+            stages = _build(family, args, mesh, recipe)
+            rank_plan = _describe(rank, mesh, stages, recipe, layers[s], accum)
+            if role not in simulated:
+                simulated[role] = simulate(stages, mesh, recipe, accum, nccl=nccl)
+            rank_plan.measured = simulated[role]
+        ranks.append(rank_plan)
+    for r in ranks:
+        r.stages_alike = [q.stage for q in ranks if q.measured is r.measured]
+    n_params = sum(r.n_params for r in ranks)
+    time = step_time(recipe, layout, args, profile, ranks, accum, gpus_per_node=gpus_per_node,
+                     efficiency=efficiency, links=links or LinkDefaults())
+    return Plan(recipe, layout, profile, args, accum, n_params, ranks, time, nccl)
+
+
+def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe) -> list[tuple[int, torch.nn.Module]]:
+    """This rank's stages, parallelized on meta: the steps of meshpar.parallelize.build before to_empty."""
+    layout, p = mesh.layout, recipe.parallel
+    with torch.device("meta"):
+        whole = family.model_cls(args)
+    if layout.pp > 1:
+        stages = split(whole, mesh["pp"].get_local_rank(), layout.pp, boundaries=p.pp_boundaries)
+    else:
+        stages = [(0, whole)]
+    cfg = dataclasses.replace(p, compile=False)  # compiled or not, eager memory is what is planned
+    return [(i, family.parallelize(stage, mesh, cfg)) for i, stage in stages]
+
+
+def _placements(p: torch.Tensor) -> str:
+    if not isinstance(p, DTensor):
+        return "-"
+    names = p.device_mesh.mesh_dim_names or [f"dim{i}" for i in range(p.device_mesh.ndim)]
+    return " ".join(f"{n}:{pl}" for n, pl in zip(names, p.placements, strict=True))
+
+
+_BLOCK = re.compile(r"^layers\.(\d+)\.")
+
+
+def _rows(stage: torch.nn.Module) -> tuple[list[ParamRow], int, int, int]:
+    """(rows, global elements, local bytes, tensors) over the stage's distinct parameters."""
+    groups: dict[tuple, list[int]] = {}
+    n_global = local_bytes = n_tensors = 0
+    for name, p in stage.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        n_global += p.numel()
+        local_bytes += local.numel() * local.element_size()
+        n_tensors += 1
+        m = _BLOCK.match(name)
+        pattern = _BLOCK.sub("layers.{}.", name) if m else name
+        key = (pattern, tuple(p.shape), _placements(p), tuple(local.shape), str(p.dtype).removeprefix("torch."),
+               local.numel() * local.element_size())
+        groups.setdefault(key, []).append(int(m.group(1)) if m else -1)
+    rows = []
+    for (pattern, shape, placements, local_shape, dtype, nbytes), idx in groups.items():
+        name = pattern.format(f"{min(idx)}..{max(idx)}" if len(idx) > 1 else idx[0]) if "{}" in pattern else pattern
+        rows.append(ParamRow(name, len(idx), shape, placements, local_shape, dtype, nbytes))
+    return rows, n_global, local_bytes, n_tensors
+
+
+def _units(stage: torch.nn.Module) -> list[Unit]:
+    units = []
+    for name, m in stage.named_modules():
+        group = m._fsdp_state.group if isinstance(m, FSDPModule) else None
+        if group is None or not group.params:
+            continue
+        compute = group.mp.param_dtype or group.params[0].orig_dtype
+        reduce = group.mp.reduce_dtype or group.params[0].orig_dtype
+        n = group.world * group.per_rank_numel
+        units.append(Unit(name or "root", n * compute.itemsize, n * reduce.itemsize))
+    return units
+
+
+def _describe(rank: int, mesh: meshlib.Mesh, stages: list[tuple[int, torch.nn.Module]], recipe: Recipe,
+              layers: range, accum: int) -> RankPlan:
+    (index, stage), = stages
+    rows, n_global, param_bytes, n_tensors = _rows(stage)
+    layout, t, p = mesh.layout, recipe.train, recipe.parallel
+    coordinate = dict(zip(meshlib.DIMS, mesh.world.get_coordinate(), strict=True))
+    # [Note: what the simulation leaves to arithmetic]: receive buffers, fp32 [micro_batch, T/tp, D]
+    hidden = t.micro_batch * (t.seq_len // layout.tp) * stage.args.dim * 4
+    ends = (index > 0) + (index < layout.pp - 1)
+    p2p = accum * hidden * ends
+    optim = 2 * param_bytes + 4 * n_tensors
+    schedule = p.pp_schedule if layout.pp > 1 else None
+    return RankPlan(rank, coordinate, index, [index], layers, rows, n_global, param_bytes, param_bytes, optim,
+                    _units(stage), p2p, None, schedule, layout.pp, accum)  # measured: set by plan()

@@ -1,0 +1,219 @@
+"""Search the layouts of a model on N GPUs for the fastest one that fits, each checked by a dry run.
+
+    results = search("llama", "70b", gpus=64, profile=profile, seq_len=8192, global_batch=16)
+    results[0].recipe    # the best: a Recipe whose dry run fits, the highest predicted tokens/s
+
+Candidates are every combination of pipeline, tensor and data-parallel degrees (FSDP across
+the data-parallel ranks, or hybrid: sharded within a node, replicated across), micro batch,
+activation checkpointing and, without pipelining, reshard_after_forward, that multiplies to
+the GPU count, divides the model's dimensions (the family's own layout check) and splits the
+global batch. None of them is trusted to arithmetic alone.
+
+[Note: branch and bound over dry runs]
+A candidate's predicted step is at least its compute time stretched by the pipeline bubble
+(``cost.py``: the other terms only add to it), so ``tokens / (compute x (n + p - 1) / n)``
+bounds its tokens/s from above, without a dry run. Candidates are dry-run best bound first
+(two at a time, one per core); the search stops when the next bound falls below the k-th
+best tokens/s among candidates that fit, since no later candidate can beat it, or when the
+time budget is spent (the table then says so). A candidate is skipped without a dry run when
+a variant of the same layout that needs no more memory (a micro batch no larger, at least as
+much checkpointing, resharding if it reshards) did not fit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from meshpar import recipe as recipelib
+from meshpar.hardware import HardwareProfile
+from meshpar.mesh import resolve
+from meshpar.models import get_family
+from meshpar.pipeline import check_microbatches, stage_layers
+from meshpar.planner.cost import _stage_flops_per_token
+from meshpar.recipe import Recipe, RecipeError
+
+AC_MODES = ("none", "selective", "full")
+MICRO_BATCHES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    overrides: tuple[str, ...]  # recipe overrides that make it
+    bound: float  # tokens/s no dry run of it can exceed: [Note: branch and bound over dry runs]
+
+
+@dataclass(frozen=True)
+class Result:
+    overrides: tuple[str, ...]
+    layout: str
+    fits: bool
+    peak_bytes: int  # the largest over ranks
+    usable_bytes: int
+    tokens_per_s: float
+    mfu: float
+    step_s: float
+    error: str = ""  # a candidate the planner refused, and why
+
+    def row(self) -> str:
+        """One line of the table under ``HEAD``."""
+        if self.error:
+            return f"{' '.join(self.overrides)}: refused: {self.error}"
+        o = dict(x.removeprefix("--").split("=", 1) for x in self.overrides)
+        ac = o["parallel.activation_checkpoint"].strip('"')
+        return (f"{self.layout:<42} {o['train.micro_batch']:>3} {ac:<13} {o['parallel.reshard_after_forward']:<7} "
+                f"{self.peak_bytes / 2**30:>9.2f} {self.tokens_per_s:>10,.0f} {100 * self.mfu:>5.1f}%"
+                + ("" if self.fits else "  does not fit"))
+
+
+HEAD = f"{'layout':<42} {'mb':>3} {'checkpointing':<13} {'reshard':<7} {'peak GiB':>9} {'tokens/s':>10} {'MFU':>6}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_node: int,
+               efficiency: float) -> list[Candidate]:
+    """Every layout of ``base`` (overrides naming model, sequence and global batch) on ``gpus``,
+    best bound first; among equal bounds, the smaller memory first (``_lighter``)."""
+    recipe = recipelib.load(None, base)
+    family = get_family(recipe.model.family)
+    args = family.model_args(recipe.model)
+    t = recipe.train
+    out = []
+    for tp in [d for d in _divisors(gpus_per_node) if gpus % d == 0]:
+        for pp in [d for d in _divisors(gpus // tp) if d <= args.n_layers // 2 and d <= 16]:
+            dp = gpus // (tp * pp)
+            shard_in_node = max(1, gpus_per_node // tp)
+            hybrids = [1] + ([dp // shard_in_node] if dp > shard_in_node and dp % shard_in_node == 0 else [])
+            for replicate in hybrids:
+                for mb in MICRO_BATCHES:
+                    if t.global_batch % (dp * mb):
+                        continue
+                    n = t.global_batch // (dp * mb)
+                    for ac in AC_MODES:
+                        for reshard in ((True, False) if pp == 1 and dp // replicate > 1 else (True,)):
+                            layout = [f"--parallel.tp={tp}", f"--parallel.pp={pp}",
+                                      f"--parallel.dp_replicate={replicate}", f"--parallel.dp_shard={dp // replicate}",
+                                      f"--train.micro_batch={mb}", f'--parallel.activation_checkpoint="{ac}"',
+                                      f"--parallel.reshard_after_forward={str(reshard).lower()}"]
+                            try:
+                                cand = recipelib.load(None, [*base, *layout])
+                                family.check_layout(args, resolve(cand.parallel, gpus))
+                                if pp > 1:
+                                    check_microbatches("1f1b", n, pp, local_batch=t.global_batch // dp)
+                            except RecipeError:
+                                continue
+                            bound = _bound(args, cand, pp, tp, dp, n, profile, gpus_per_node, efficiency)
+                            out.append(Candidate(tuple(layout), bound))
+    return sorted(out, key=lambda c: (-round(c.bound, 6), _memory_key(c.overrides)))
+
+
+def _bound(args, recipe: Recipe, pp: int, tp: int, dp: int, n: int, profile: HardwareProfile, gpus_per_node: int,
+           efficiency: float) -> float:
+    """tokens/s no dry run of this candidate can exceed: its compute (cost.py's term) plus the
+    sequence-parallel collectives every block runs at least (2 all-gathers and 2 reduce-scatters
+    of [micro_batch, T, D] each way), stretched by the pipeline bubble."""
+    t, p = recipe.train, recipe.parallel
+    itemsize = getattr(torch, p.param_dtype).itemsize
+    flops = profile.peak_flops(getattr(torch, p.param_dtype)) * efficiency
+    gbps = profile.intra_node_gbps if tp <= gpus_per_node else profile.inter_node_gbps
+    worst = 0.0
+    for i, layers in enumerate(stage_layers(args.n_layers, pp)):
+        executed = _stage_flops_per_token(args, layers, i == pp - 1, p.activation_checkpoint, p.ac_every,
+                                          t.seq_len)[1]
+        compute = executed * t.global_batch * t.seq_len / dp / tp / flops
+        tp_bytes = 8 * t.micro_batch * t.seq_len * args.dim * itemsize * (tp - 1) / tp * len(layers) * n
+        worst = max(worst, compute + tp_bytes / (gbps * 1e9))
+    return t.global_batch * t.seq_len / (worst * (n + pp - 1) / n)
+
+
+def _memory_key(overrides: tuple[str, ...]) -> tuple:
+    """Orders candidates of one layout by the memory they need, least first."""
+    o = dict(x.removeprefix("--").split("=", 1) for x in overrides)
+    ac = AC_MODES.index(o["parallel.activation_checkpoint"].strip('"'))
+    return (int(o["train.micro_batch"]), -ac, o["parallel.reshard_after_forward"] == "false")
+
+
+def _same_layout(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    return a[:4] == b[:4]  # tp, pp, dp_replicate, dp_shard
+
+
+def _needs_more(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Candidate ``a`` needs at least the memory of ``b``: the same layout, a micro batch at least
+    as large, no more checkpointing, and it keeps parameters gathered if ``b`` does."""
+    ka, kb = _memory_key(a), _memory_key(b)
+    return _same_layout(a, b) and ka[0] >= kb[0] and ka[1] >= kb[1] and ka[2] >= kb[2]
+
+
+def evaluate(base: list[str], overrides: tuple[str, ...], gpus: int, profile: HardwareProfile,
+             gpus_per_node: int, efficiency: float) -> Result:
+    """One candidate's dry run (in a worker process: it joins a fake process group of its own)."""
+    from meshpar.planner.dry_run import plan
+
+    recipe = recipelib.load(None, [*base, *overrides])
+    try:
+        p = plan(recipe, gpus, profile, gpus_per_node=gpus_per_node, efficiency=efficiency)
+    except RecipeError as e:
+        return Result(overrides, "", False, 0, 0, 0.0, 0.0, 0.0, str(e))
+    peak = max(r.peak_bytes for r in p.ranks)
+    return Result(overrides, str(p.layout), peak <= p.usable_bytes, peak, p.usable_bytes, p.time.tokens_per_s,
+                  p.time.mfu, p.time.step_s)
+
+
+def search(base: list[str], gpus: int, profile: HardwareProfile, *, gpus_per_node: int, efficiency: float,
+           top: int = 5, budget_s: float = 600, workers: int = 2,
+           progress: Callable[[Result], None] | None = None) -> tuple[list[Result], int, int, bool]:
+    """(results best first: those that fit, then the rest; candidates in all; candidates skipped
+    because a variant needing less memory did not fit; whether the search was complete, i.e.
+    stopped by the bound rather than the budget)."""
+    cands = candidates(base, gpus, profile, gpus_per_node, efficiency)
+    results: list[Result] = []
+    start, complete, skipped = time.perf_counter(), True, 0
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        pending: dict[concurrent.futures.Future, Candidate] = {}
+        queue = list(cands)
+
+        def kth_best() -> float:
+            fit = sorted((r.tokens_per_s for r in results if r.fits), reverse=True)
+            return fit[top - 1] if len(fit) >= top else 0.0
+
+        while queue or pending:
+            while queue and len(pending) < workers:
+                if queue[0].bound < kth_best():
+                    queue.clear()  # no remaining candidate can enter the top k
+                    break
+                if time.perf_counter() - start > budget_s:
+                    complete = False
+                    queue.clear()
+                    break
+                c = queue.pop(0)
+                if any(not r.fits and not r.error and _needs_more(c.overrides, r.overrides) for r in results):
+                    skipped += 1  # a lighter variant of the same layout did not fit
+                    continue
+                pending[pool.submit(evaluate, base, c.overrides, gpus, profile, gpus_per_node, efficiency)] = c
+            if not pending:
+                break
+            done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                pending.pop(future)
+                result = future.result()
+                results.append(result)
+                if progress is not None:
+                    progress(result)
+    results.sort(key=lambda r: (not r.fits, -r.tokens_per_s))
+    return results, len(cands), skipped, complete
+
+
+def best_recipe(base: list[str], result: Result, hardware: str) -> Recipe:
+    """The winning candidate as a recipe (the hardware profile recorded for MFU)."""
+    recipe = recipelib.load(None, [*base, *result.overrides])
+    return dataclasses.replace(recipe, metrics=dataclasses.replace(recipe.metrics, hardware=hardware))

@@ -1,0 +1,310 @@
+"""One rank's part of a training step on fake tensors: live bytes over time, collectives per mesh dim.
+
+    measured = simulate(stages, mesh, recipe, accum=8, nccl=True)
+    measured.phases["B1"].peak, measured.activation_bytes, measured.comm_bytes[("all_gather", "tp")]
+    measured.peak(schedule_actions("1f1b", n=8, pp=4, stage=0, n_run=measured.n_run))
+
+The stages come from meshpar's own parallelize path, built on meta in a fake process group
+(``dry_run.py``). Here they are materialized as ``FakeTensor``s (``to_empty`` under
+``FakeTensorMode``: shapes, dtypes and storages of the real sizes, no memory, no arithmetic)
+and run through the steps ``meshpar.train`` runs: forward and backward per microbatch with
+gradient sync only on the last (FSDP units all-gather, prefetch, reshard and reduce-scatter
+as they do on a GPU), the pipeline's own sync switches per microbatch, the data-parallel and
+tensor-parallel gradient reductions, and gradient clipping. A tracker (meshpar's
+``AllocationTracker``) follows every storage created, freed or resized, phase by phase.
+
+[Note: what the simulation leaves to arithmetic]
+- The optimizer step is not run: under FakeTensorMode fused AdamW decomposes into ops that
+  allocate ~9 temporaries the size of its state (measured: 18.9 MB peak for 2.1 MB of state
+  on a 1024 x 1024 shard), where the real fused kernel updates in place (measured: peak =
+  state). AdamW state is exact arithmetic from local shapes, live through the whole step.
+- At most 3 microbatches run (first, middle, last: the middle ones of a step are alike),
+  2 without pipelining (the last one's backward starts with every unit's accumulated
+  gradients, as a middle one's does, and adds the reduce-scatter's buffers); collectives of
+  the middle (or first) one are counted for the microbatches not run.
+- Pipeline microbatches in flight: one microbatch runs at a time here; the others the
+  schedule holds at once (1F1B: up to ``pp - stage`` on a stage, the first holding the most;
+  GPipe: all of them before the first backward) add their saved activations, measured as
+  what a forward leaves alive, to the phase each forward or backward of the real order is
+  priced as (``schedule_actions``).
+- Pipeline receive buffers (activations in, gradients back: one per microbatch, allocated
+  once by ``torch.distributed.pipelining`` and kept) are arithmetic from the stage's shapes.
+
+[Note: how close the simulated peak is]
+``tests/benchmarks/calibrate_plan.py`` trains the debug Llama on gloo in 12 layouts (1D, 2D,
+3D, hybrid, replicated, gradient accumulation, no/selective/full checkpointing, bf16, 1F1B
+and GPipe) and compares each stage's measured peak (AllocationTracker over a real step) with
+this one: within 0.01% without pipelining, +0.4% to +0.8% with it (the planned side higher).
+That checks the simulation against the code it simulates, on CPU. What it cannot check is
+what only a GPU has: the caching allocator's fragmentation, cuBLAS and NCCL workspaces (left
+to the margin of [Note: usable device memory]), and kernels that save other tensors than the
+CPU's (fake tensors on "cpu" take the CPU's attention kernel, which saves the output and the
+log-sum-exp, as CUDA's flash attention does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import _sharding_prop as sharding_prop
+
+from meshpar import comm
+from meshpar.clip import clip_grad_norm_
+from meshpar.fsdp import FSDPModule
+from meshpar.memory import AllocationTracker, comm_buffers
+from meshpar.mesh import DIMS, Mesh
+from meshpar.pipeline import Stage
+from meshpar.recipe import Recipe
+from meshpar.replicate import all_reduce_gradients
+from meshpar.tensor_parallel import loss_parallel_context, reduce_partial_grads
+from meshpar.train import cross_entropy
+
+
+@dataclass
+class Phase:
+    """Live bytes across one phase of the step (a microbatch's forward or backward, the sync)."""
+
+    start: int = 0
+    end: int = 0
+    peak: int = 0
+    saved: int = 0  # activation and temporary bytes the phase left alive
+    at_peak: dict[str, int] = field(default_factory=dict)  # bytes per category at the phase's peak
+    comm: Counter = field(default_factory=Counter)  # (op, mesh dim) -> bytes on the wire from this rank
+
+
+@dataclass
+class Measured:
+    """What the simulated step showed, for one rank (all its stages)."""
+
+    phases: dict[str, Phase]  # "F0", "B0", "F1", ..., "sync" in order
+    n_run: int  # microbatches run (at most 3)
+    activation_bytes: int  # left alive by one microbatch's forward: what a microbatch in flight costs
+    comm_bytes: Counter  # (op, mesh dim) -> bytes per optimizer step, all microbatches
+
+    def peak(self, actions: list[tuple[str, int]]) -> tuple[int, str, int]:
+        """(peak live bytes, its phase, other microbatches in flight then) over a step's ``actions``
+        (``schedule_actions``), each priced as its simulated phase plus the others' activations."""
+        best = (-1, "", 0)
+        for name, others in [*actions, ("sync", 0)]:
+            total = self.phases[name].peak + others * self.activation_bytes
+            if total > best[0]:
+                best = (total, name, others)
+        return best
+
+
+def schedule_actions(schedule: str | None, n: int, pp: int, stage: int, n_run: int) -> list[tuple[str, int]]:
+    """A stage's forwards and backwards in one step, in order, as (simulated phase, other
+    microbatches in flight). ``schedule`` None: no pipeline (one microbatch at a time).
+
+    The simulation ran ``n_run`` microbatches: F0/B0 the first (no gradients yet, parameters
+    gathered in F0), B{n_run - 1} the last (gradient sync on), and with 3, F1/B1 a middle one
+    (accumulated gradients, sync off). A forward after gradients exist is priced as F1, one
+    before as F0; a backward as the first, the last or a middle one.
+    """
+    if schedule is None or pp == 1:
+        order = ["F", "B"] * n
+    elif schedule == "gpipe":
+        order = ["F"] * n + ["B"] * n
+    else:  # 1f1b (torch's Schedule1F1B): warmup forwards, then one backward and one forward, then the rest
+        warmup = min(n, pp - stage)
+        order = ["F"] * warmup + ["B", "F"] * (n - warmup) + ["B"] * warmup
+    actions, forwards, backwards = [], 0, 0
+    for kind in order:
+        if kind == "F":
+            phase = "F0" if backwards == 0 else "F1"
+            actions.append((phase, forwards - backwards))
+            forwards += 1
+        else:
+            last = backwards == n - 1
+            phase = f"B{n_run - 1}" if last else ("B0" if backwards == 0 else "B1")
+            actions.append((phase, forwards - backwards - 1))
+            backwards += 1
+    return actions
+
+
+class _Tracker(AllocationTracker):
+    """``AllocationTracker`` keeping only global and per-phase peaks (MemTracker also updates
+    every module's peak after every op, which is O(modules) per op: 1.5x slower on a 70B stage),
+    and counting DTensor's collectives (tensor parallelism) by mesh dim."""
+
+    def __init__(self, *tracked: Any, groups: dict[str, tuple[str, int]]) -> None:
+        super().__init__(*tracked)
+        self._groups = groups  # process group name -> (mesh dim, size)
+        self.current_phase: Phase | None = None
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        ph = self.current_phase
+        if ph is None:
+            return
+        total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
+        if total > ph.peak:
+            ph.peak = total
+            ph.at_peak = self.current()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and not any(t is DTensor for t in types):
+            self._count(func._schema.name.split("::")[-1], args)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _count(self, op: str, args: tuple) -> None:
+        if self.current_phase is None or op == "wait_tensor":
+            return
+        group = next((a for a in args if isinstance(a, str) and a in self._groups), None)
+        dim, n = self._groups.get(group, ("other", 1))
+        x = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        nbytes = x.numel() * x.element_size()
+        # ring volumes per rank, as meshpar.comm counts them ([Note: bytes counted])
+        wire = {"all_gather_into_tensor": nbytes * (n - 1), "reduce_scatter_tensor": nbytes * (n - 1) / n,
+                "all_reduce": 2 * nbytes * (n - 1) / n, "all_to_all_single": nbytes * (n - 1) / n}.get(op, nbytes)
+        self.current_phase.comm[(op.removesuffix("_into_tensor").removesuffix("_tensor"), dim)] += wire
+
+    @contextlib.contextmanager
+    def phase(self, ph: Phase) -> Iterator[Phase]:
+        before = self.current()
+        ph.start = ph.peak = before["Total"]
+        ph.at_peak = before
+        self.current_phase = ph
+        with comm.count() as counted:
+            yield ph
+        self.current_phase = None
+        after = self.current()
+        ph.end = after["Total"]
+        ph.saved = sum(after[c] - before[c] for c in ("Activation", "Temp"))
+        for (op, dim), nbytes in counted.bytes.items():  # meshpar.comm's; "extra": clipping's pp groups
+            ph.comm[(op, "pp" if dim == "extra" else dim)] += nbytes
+
+
+class _NcclReduceScatterInput(comm.ReduceScatterInput):
+    """The reduce-scatter input as NCCL runs it: all ``n`` rows in one buffer, no receive buffer
+    ([Note: reduce-scatter on gloo] describes the CPU path the fake tensors' device would pick)."""
+
+    def __init__(self, per_rank: int, group: dist.ProcessGroup, *, dtype: torch.dtype, device: torch.device):
+        self.n, self.rank, self.per_rank = dist.get_world_size(group), dist.get_rank(group), per_rank
+        self.exchange = False
+        with comm_buffers():
+            self.output = torch.empty(per_rank, dtype=dtype, device=device)
+            self.send = torch.empty(self.n, per_rank, dtype=dtype, device=device) if self.n > 1 else None
+
+
+@contextlib.contextmanager
+def _patched(nccl: bool) -> Iterator[None]:
+    """NCCL's reduce-scatter buffers when ``nccl``; DTensor's shape propagation in a fake mode of its own.
+
+    [Note: DTensor's shape propagation is not memory]
+    DTensor finds its output shapes by running each op on fake tensors of the *global* shapes,
+    in the fake mode it detects, which here is the simulation's own: the tracker would count
+    a [B, T, V] logits tensor where each rank holds [B, T, V/tp] (debug Llama, tp 2: +16 MiB,
+    10% of the peak; Llama 3 70B at tp 8: +8 GiB). Given a fresh fake mode, as it makes
+    outside one, those ops run below the tracker's notice, as MemTracker intends.
+    """
+    original = comm.ReduceScatterInput, sharding_prop.detect_fake_mode
+    if nccl:
+        comm.ReduceScatterInput = _NcclReduceScatterInput
+    sharding_prop.detect_fake_mode = lambda *args: None
+    try:
+        with warnings.catch_warnings():  # MemTracker on ops that return None among their outputs
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+            yield
+    finally:
+        comm.ReduceScatterInput, sharding_prop.detect_fake_mode = original
+
+
+def _steady_prefetch(stage: torch.nn.Module) -> None:
+    """Each unit prefetches the next in forward order, as from the second step on.
+
+    [Note: the first step's prefetch] The engine records the forward order during the first
+    step and prefetches by it afterwards, so a simulated first step would not prefetch in
+    forward. Explicit lists in the same order make the one simulated step a steady-state one."""
+    units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
+    for unit, nxt in zip(units, units[1:], strict=False):
+        unit.set_modules_to_forward_prefetch([nxt])
+
+
+def _groups(mesh: Mesh) -> dict[str, tuple[str, int]]:
+    out = {}
+    for dim in (*DIMS, "dp"):
+        if mesh[dim].size() > 1:
+            g = mesh[dim].get_group()
+            out[g.group_name] = (dim, g.size())
+    return out
+
+
+def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Recipe, accum: int, *,
+             nccl: bool) -> Measured:
+    """Run one optimizer step's forward/backward passes and gradient work of ``stages`` (this
+    rank's, built on meta) on fake tensors; see the module docstring and [Note: what the
+    simulation leaves to arithmetic]. ``accum``: microbatches per step on this rank."""
+    t, p, layout = recipe.train, recipe.parallel, mesh.layout
+    n_run = min(accum, 3 if layout.pp > 1 else 2)
+    loss_parallel = layout.tp > 1 and p.loss_parallel
+    device = torch.device("cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True), _patched(nccl):
+        for _, stage in stages:
+            stage.to_empty(device=device)  # values are never read: no init_weights
+            _steady_prefetch(stage)
+        (index, stage), = stages  # one stage per rank (checked by the planner)
+        n_stages = layout.pp
+        first, last = index == 0, index == n_stages - 1
+        pipe = Stage(stage, index, n_stages, device, mesh["pp"].get_group()) if n_stages > 1 else None
+        tokens = torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long)
+        dim = _hidden_dim(stage)
+        seq = t.seq_len // layout.tp
+        # the stage's received activations (kept by the schedule, counted by the planner, not here)
+        inputs = [torch.empty(t.micro_batch, seq, dim, requires_grad=True) for _ in range(n_run)]
+        grads = [torch.empty(t.micro_batch, seq, dim) for _ in range(n_run)]
+        params = [q for q in stage.parameters() if q.requires_grad]
+        sharded = isinstance(stage, FSDPModule)
+        phases: dict[str, Phase] = {}
+        with _Tracker(stage, groups=_groups(mesh)) as tracker:
+            for i in range(n_run):
+                sync = i == n_run - 1
+                if sharded and pipe is None:
+                    stage.set_requires_gradient_sync(sync)
+                with tracker.phase(phases.setdefault(f"F{i}", Phase())), loss_parallel_context(loss_parallel):
+                    out = stage(tokens if first else inputs[i])
+                    loss = cross_entropy(out, tokens) / accum if last else None
+                    if pipe is None:  # meshpar.train drops the logits; a pipeline stage keeps its output
+                        out = None
+                with tracker.phase(phases.setdefault(f"B{i}", Phase())), loss_parallel_context(loss_parallel):
+                    if pipe is None:
+                        loss.backward()
+                    else:  # as the schedule runs it: [Note: one reduce-scatter per step under pipelining]
+                        kwargs = {"stage_output": loss if last else (out,), "output_grads": None if last else
+                                  (grads[i],), "input_values": () if first else (inputs[i],)}
+                        pipe.backward_maybe_with_nosync("full", kwargs, last_backward=sync)
+                        inputs[i].grad = None  # sent to the previous stage
+                del out, loss
+            with tracker.phase(phases.setdefault("sync", Phase())):
+                if pipe is not None:
+                    pipe.perform_reduce_grad(1)
+                if not sharded:
+                    all_reduce_gradients(stage, mesh["dp_replicate"])
+                    if layout.tp > 1:
+                        reduce_partial_grads(stage)
+                extra = [mesh["pp"].get_group()] if n_stages > 1 else []
+                clip_grad_norm_(params, recipe.optim.grad_clip or float("inf"), extra_groups=extra)
+    # what a forward leaves alive besides parameters (saved activations, the output, the loss's
+    # graph): the price of a microbatch in flight
+    activation = phases["F0"].saved
+    step_comm: Counter = Counter()
+    for ph in phases.values():
+        step_comm.update(ph.comm)
+    if accum > n_run:  # the middle microbatches are alike, and like the first without pipelining
+        for name in (("F1", "B1") if n_run == 3 else ("F0", "B0")):
+            for k, v in phases[name].comm.items():
+                step_comm[k] += v * (accum - n_run)
+    return Measured(phases, n_run, activation, step_comm)
+
+
+def _hidden_dim(stage: torch.nn.Module) -> int:
+    """Width of the residual stream a stage receives and sends (D)."""
+    return stage.args.dim

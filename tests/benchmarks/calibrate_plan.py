@@ -1,0 +1,171 @@
+"""The planner's peak memory against a real training step's, per layout.
+
+    python -m tests.benchmarks.calibrate_plan [--layouts all | 1,3,7] [--steps 2]
+
+Each layout trains the debug Llama (4 blocks, dim 256; vocabulary 8192 so the loss is a real
+part of the peak) on gloo ranks (``tests/distributed.py``) through meshpar's own code: the
+parallelize path (``meshpar.parallelize.build``), the pipeline schedule, ``meshpar.train``'s
+forward/backward and gradient steps, fused AdamW. ``meshpar.memory.AllocationTracker``
+follows every tensor storage from before the first step; the measured peak is the second
+step's (the steady state: AdamW state exists, FSDP has recorded its prefetch order, the
+pipeline has its receive buffers), the largest over each pipeline stage's ranks. The
+prediction is ``meshpar plan``'s peak for the same recipe at the same world size, with the
+CPU profile (gloo's collective buffers). The table prints both and the error per layout;
+the goal is every layout within 5%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshpar import mesh as meshlib
+from meshpar import recipe as recipelib
+from meshpar.clip import clip_grad_norm_
+from meshpar.fsdp import FSDPModule
+from meshpar.memory import AllocationTracker
+from meshpar.models import get_family
+from meshpar.optim import build_optimizer
+from meshpar.parallelize import build
+from meshpar.pipeline import build_schedule
+from meshpar.plan import load_hardware
+from meshpar.planner import plan
+from meshpar.replicate import all_reduce_gradients
+from meshpar.tensor_parallel import reduce_partial_grads
+from meshpar.train import Model, _check_batch, _forward_backward, cross_entropy
+from tests.distributed import run_distributed
+
+BASE = ["--model.size=debug", "--model.vocab_size=8192", "--train.seq_len=256", "--metrics.hardware=cpu",
+        "--train.eval_every=0"]
+
+# name -> (world size, overrides)
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "1 rank": (1, ["--parallel.dp_shard=1", "--train.global_batch=4", "--train.micro_batch=4"]),
+    "dp_shard 2": (2, ["--parallel.dp_shard=2", "--train.global_batch=8", "--train.micro_batch=4"]),
+    "dp_shard 4, full AC": (4, ["--parallel.dp_shard=4", "--train.global_batch=16", "--train.micro_batch=4",
+                                '--parallel.activation_checkpoint="full"']),
+    "dp_shard 2, accum 2, keep": (2, ["--parallel.dp_shard=2", "--train.global_batch=16", "--train.micro_batch=4",
+                                      "--parallel.reshard_after_forward=false"]),
+    "dp_replicate 2": (2, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--train.global_batch=8",
+                           "--train.micro_batch=4"]),
+    "hybrid 2 x 2, bf16": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.global_batch=16",
+                               "--train.micro_batch=4", '--parallel.param_dtype="bfloat16"']),
+    "tp 2": (2, ["--parallel.dp_shard=1", "--parallel.tp=2", "--train.global_batch=4", "--train.micro_batch=4"]),
+    "dp_shard 2 x tp 2, selective AC": (4, ["--parallel.dp_shard=2", "--parallel.tp=2", "--train.global_batch=8",
+                                            "--train.micro_batch=4", '--parallel.activation_checkpoint="selective"']),
+    "dp_shard 2 x tp 2, full AC, bf16": (4, ["--parallel.dp_shard=2", "--parallel.tp=2", "--train.global_batch=8",
+                                             "--train.micro_batch=4", '--parallel.activation_checkpoint="full"',
+                                             '--parallel.param_dtype="bfloat16"']),
+    "pp 2 x dp_shard 2, 1f1b": (4, ["--parallel.pp=2", "--parallel.dp_shard=2", "--train.global_batch=16",
+                                    "--train.micro_batch=2"]),
+    "pp 2 x dp_shard 2 x tp 2": (8, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2",
+                                     "--train.global_batch=16", "--train.micro_batch=2"]),
+    "pp 2 x tp 2, gpipe, full AC": (4, ["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.tp=2",
+                                        "--train.global_batch=8", "--train.micro_batch=2",
+                                        '--parallel.pp_schedule="gpipe"', '--parallel.activation_checkpoint="full"']),
+}
+
+
+class _RandomBatches:
+    """``BatchLoader.next_step`` with random tokens: what a step reads, without a corpus."""
+
+    def __init__(self, accum: int, micro_batch: int, seq_len: int, vocab: int) -> None:
+        self.shape, self.accum, self.vocab = (micro_batch, seq_len), accum, vocab
+        self.generator = torch.Generator().manual_seed(0)
+
+    def next_step(self):
+        return [(torch.randint(0, self.vocab, self.shape, generator=self.generator),
+                 torch.randint(0, self.vocab, self.shape, generator=self.generator)) for _ in range(self.accum)]
+
+
+def measure_rank(overrides: list[str], steps: int) -> tuple[int, int]:
+    """On one gloo rank: (pipeline stage, peak live bytes of the last of ``steps`` training steps)."""
+    recipe = recipelib.load(None, overrides)
+    t, p = recipe.train, recipe.parallel
+    layout = meshlib.resolve(p, dist.get_world_size())
+    accum = _check_batch(recipe, layout)
+    family = get_family(recipe.model.family)
+    args = family.model_args(recipe.model)
+    mesh = meshlib.build(layout, "cpu")
+    device = torch.device("cpu")
+    stages = build(family.model_cls, args, family.parallelize, mesh, p, device, t.seed)
+    pipeline = None
+    if layout.pp > 1:
+        pipeline = build_schedule(stages, layout.pp, mesh["pp"], device, p.pp_schedule, accum, cross_entropy)
+    model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, layout.tp > 1 and p.loss_parallel)
+    sharded = isinstance(model.stages[0], FSDPModule)
+    optimizer = build_optimizer(model.stages, recipe.optim)
+    loader = _RandomBatches(accum, t.micro_batch, t.seq_len, args.vocab_size)
+    params = [q for q in model.stages.parameters() if q.requires_grad]
+    pp_groups = [mesh["pp"].get_group()] if layout.pp > 1 else []
+
+    def step() -> None:  # meshpar.train._train_loop's step, less metrics
+        _forward_backward(model, loader, accum, device, sharded)
+        if not sharded:
+            all_reduce_gradients(model.stages, mesh["dp_replicate"])
+            if layout.tp > 1:
+                reduce_partial_grads(model.stages)
+        clip_grad_norm_(params, recipe.optim.grad_clip or math.inf, extra_groups=pp_groups)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(steps - 1):
+        step()
+    # The tracker starts after the first step: the pipeline's first step infers shapes with
+    # autograd.grad, which MemTracker's module hooks refuse. What that step left alive is
+    # tracked from here on: the model, AdamW state, the pipeline's receive buffers.
+    with AllocationTracker(model.stages, optimizer, *_receive_buffers(pipeline)) as tracker:
+        step()
+    return mesh["pp"].get_local_rank(), tracker.peak_bytes
+
+
+def _receive_buffers(pipeline) -> list[torch.Tensor]:
+    """The buffers torch.distributed.pipelining keeps per microbatch for received activations
+    and gradients (attributes of torch 2.13's PipelineStage)."""
+    if pipeline is None:
+        return []
+    out = []
+    for stage in pipeline.stages:
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            out += [i.buffer for i in infos if isinstance(getattr(i, "buffer", None), torch.Tensor)]
+    return out
+
+
+def predict(overrides: list[str], world: int) -> dict[int, int]:
+    """meshpar plan's peak per pipeline stage."""
+    recipe = recipelib.load(None, overrides)
+    profile, _ = load_hardware("cpu")
+    return {r.stage: r.peak_bytes for r in plan(recipe, world, profile).ranks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default="all", help="'all' or 1-based indices, e.g. 1,3,7")
+    ap.add_argument("--steps", type=int, default=2)
+    args = ap.parse_args()
+    names = list(LAYOUTS)
+    chosen = names if args.layouts == "all" else [names[int(i) - 1] for i in args.layouts.split(",")]
+    print(f"{'layout':<36} {'ranks':>5} {'stage':>5} {'measured MiB':>13} {'planned MiB':>12} {'error':>8}")
+    worst = 0.0
+    for name in chosen:
+        world, extra = LAYOUTS[name]
+        overrides = BASE + extra
+        start = time.perf_counter()
+        measured: dict[int, int] = {}
+        for stage, peak in run_distributed(measure_rank, world, overrides, args.steps, timeout=600):
+            measured[stage] = max(measured.get(stage, 0), peak)
+        planned = predict(overrides, world)
+        for stage in sorted(measured):
+            error = planned[stage] / measured[stage] - 1
+            worst = max(worst, abs(error))
+            print(f"{name:<36} {world:>5} {stage:>5} {measured[stage] / 2**20:>13.2f} {planned[stage] / 2**20:>12.2f} "
+                  f"{100 * error:>+7.2f}%   ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"largest error: {100 * worst:.2f}% (goal: within 5%)")
+
+
+if __name__ == "__main__":
+    main()
