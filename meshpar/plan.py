@@ -72,7 +72,8 @@ def parser() -> argparse.ArgumentParser:
                     "recipe's metrics.hardware, h100_sxm when it is auto")
     ap.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the profile's)")
     ap.add_argument("--efficiency", type=float, default=0.34,
-                    help="share of the dense peak the matmuls reach (default 0.34; see meshpar/planner/cost.py)")
+                    help="share of the dense peak a step's compute reaches (default 0.34, calibrated in "
+                    "meshpar/planner/cost.py)")
     ap.add_argument("--all-params", action="store_true", help="print the parameter table of every stage's rank")
     search = ap.add_argument_group("search (instead of a recipe)")
     search.add_argument("--model", help="FAMILY/SIZE to search layouts for, e.g. llama/70b")

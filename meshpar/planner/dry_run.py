@@ -138,19 +138,24 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     """This process as ``rank`` of ``world_size`` in a process group whose collectives do nothing."""
     if dist.is_initialized():
         raise RuntimeError("meshpar plan runs outside any process group; call it before init_process_group")
+    _clear_dtensor_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        # DTensor caches sharding decisions and redistribution plans by mesh, and meshes compare
-        # equal by shape and names: a cached entry of this world would hand the next one this
-        # world's process groups
-        propagator = DTensor._op_dispatcher.sharding_propagator
-        propagator.propagate_op_sharding.cache_clear()
-        propagator._propagate_tensor_meta_cached.cache_clear()
-        _gen_transform_infos.cache_clear()
-        torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ fast path's own cache
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding decisions and redistribution plans by mesh, and meshes compare equal
+    by shape and names: an entry cached in one world (fake or real) would hand the next world's
+    DTensors the process groups of the last, destroyed ones."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ fast path's own cache
 
 
 def check(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int]:
