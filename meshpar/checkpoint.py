@@ -277,7 +277,7 @@ class _Writer(FileSystemWriter):
             crc = _crc_of_range(root / info.relative_path, info.offset, info.length)
             crcs[f"{info.relative_path}:{info.offset}:{info.length}"] = crc
         (root / "crc").mkdir(exist_ok=True)
-        _write_atomic(root / "crc" / f"{self.rank}.json", json.dumps(crcs))
+        write_atomic(root / "crc" / f"{self.rank}.json", json.dumps(crcs))
         return future
 
 
@@ -348,7 +348,8 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
         return plan
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a reader sees the old file or the whole new one (fsync, rename)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -444,7 +445,7 @@ class Checkpointer:
         (partial / "recipe.toml").write_text(self.recipe_toml)
         info = dict(self.info, format=FORMAT, step=step, world_size=self.world_size,
                     saved_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-        _write_atomic(partial / MARKER, json.dumps(info, indent=1))
+        write_atomic(partial / MARKER, json.dumps(info, indent=1))
         if final.exists():  # the same step saved again (a rerun): set the old one aside first
             old = self.root / f".step_{step}.replaced"
             shutil.rmtree(old, ignore_errors=True)

@@ -50,6 +50,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction
 
 from meshpar import comm
+from meshpar.checkpoint import write_atomic
 from meshpar.memory import AllocationTracker
 from meshpar.mesh import DIMS, Mesh
 from meshpar.recipe import ProfileConfig, RecipeError
@@ -211,13 +212,7 @@ class StepProfiler:
         tracker.__exit__(None, None, None)
         record = {"rank": self.rank, "unit": "bytes", "peak": tracker.peak(),
                   "timeline": [[round(t, 6), point] for t, point in tracker.timeline]}
-        _write_atomic_text(self.folder / f"{stem}.memory.json", json.dumps(record))
-
-
-def _write_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+        write_atomic(self.folder / f"{stem}.memory.json", json.dumps(record))
 
 
 def cap_trace(trace: dict[str, Any], max_bytes: int) -> None:
