@@ -50,7 +50,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction
 
 from meshpar import comm
-from meshpar.checkpoint import write_atomic
+from meshpar.checkpoint_io import write_atomic
 from meshpar.memory import AllocationTracker
 from meshpar.mesh import DIMS, Mesh
 from meshpar.recipe import ProfileConfig, RecipeError
