@@ -18,7 +18,15 @@ Names in a trace follow the design (every label starts ``meshpar::``)::
     meshpar::pp.forward[s,m] / pp.backward[s,m]  stage s, microbatch m under pipelining
     meshpar::comm.<op>[<dim>]  a collective issued by meshpar (FSDP, replicate), with its mesh dim
     meshpar::fsdp.*            FSDP phases (copy_in, all_gather_wait, copy_out, reduce_scatter_wait, ...)
+    meshpar::tp.input[<module>] / tp.output[<module>]   a tensor-parallel style's redistribution of
+                               a module's inputs / outputs; ``..._grad[<module>]`` its backward
+    meshpar::tp.loss_parallel[cross_entropy], tp.partial_grad   the vocab-parallel loss; FSDP
+                               reducing a replicated tp parameter's partial gradient
+    meshpar::pp.<send|recv>_<forward|backward>[s,m]  a pipeline transfer of stage s, microbatch m
+                               (``+``-joined when torch batches several); ``....wait`` waiting on it
     meshpar::checkpoint.save   a checkpoint save (the synchronous part)
+
+The tp and pp labels come from meshpar/trace_labels.py (the collectives are PyTorch's own).
 
 [Note: memory in the profiled steps]
 With ``profile.profile_memory``, each traced window also gets a memory record. On CPU:

@@ -47,6 +47,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshpar import comm
 from meshpar.recipe import RecipeError
+from meshpar.trace_labels import hook_ids, label_new_hooks, run_labelled
 
 # [Note: the residual stream is a DTensor]
 # Between blocks the hidden states h[B, T, D] are a DTensor placed Shard(1) on tp: each rank
@@ -198,7 +199,8 @@ class VocabParallelEmbedding(ParallelStyle):
             rows = (tokens - start).masked_fill(outside, 0)
             out = F.embedding(rows, local).masked_fill(outside.unsqueeze(-1), 0.0)  # partial [B, T, D]
             out = DTensor.from_local(out, device_mesh, (Partial(),), run_check=False)
-            return out.redistribute(placements=(output_layout,))  # Shard(1): reduce-scatter -> [B, T/tp, D]
+            # Shard(1): reduce-scatter -> [B, T/tp, D]
+            return run_labelled("tp.output", "embedding", lambda o: o.redistribute(placements=(output_layout,)), out)
 
         module.forward = forward
         return module
@@ -216,11 +218,19 @@ def _find(root: nn.Module, path: str) -> nn.Module | None:
     return module
 
 
-def _apply_table(root: nn.Module, tp_mesh: DeviceMesh, table: Mapping[str, ParallelStyle]) -> None:
+def _parallelize(module: nn.Module, tp_mesh: DeviceMesh, style: ParallelStyle, path: str) -> None:
+    """``parallelize_module`` with the style's redistributions labelled ``meshpar::tp.*[<path>]``
+    in a trace ([Note: labelling collectives meshpar does not issue])."""
+    before = hook_ids(module)
+    parallelize_module(module, tp_mesh, style)
+    label_new_hooks(module, before, "tp", path)
+
+
+def _apply_table(root: nn.Module, tp_mesh: DeviceMesh, table: Mapping[str, ParallelStyle], prefix: str = "") -> None:
     for path, style in table.items():
         module = _find(root, path)
         if module is not None:
-            parallelize_module(module, tp_mesh, style)
+            _parallelize(module, tp_mesh, style, prefix + path)
 
 
 def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str, str]]]:
@@ -265,15 +275,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
         raise ValueError(f"apply_tp takes the 1-D tp mesh (mesh['tp']), got a {tp_mesh.ndim}-D mesh")
     tied = _tied_groups(model)
     _apply_table(model, tp_mesh, plan.root)
-    for block in model.layers.values():
-        _apply_table(block, tp_mesh, plan.block)
+    for name, block in model.layers.items():
+        _apply_table(block, tp_mesh, plan.block, prefix=f"layers.{name}.")
     _retie(tied)
     seq = (Shard(1),)  # h[B, T/tp, D] on each rank
     if _find(model, plan.embedding) is None:  # local [B, T/tp, D] in -> DTensor [B, T, D]
-        parallelize_module(model, tp_mesh, PrepareModuleInput(input_layouts=seq, desired_input_layouts=seq))
+        _parallelize(model, tp_mesh, PrepareModuleInput(input_layouts=seq, desired_input_layouts=seq), "stage")
     if _find(model, plan.output) is None:  # DTensor [B, T, D] out -> local [B, T/tp, D]
-        parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=seq, desired_output_layouts=seq,
-                                                               use_local_output=True))
+        _parallelize(model, tp_mesh, PrepareModuleOutput(output_layouts=seq, desired_output_layouts=seq,
+                                                         use_local_output=True), "stage")
     return model
 
 

@@ -53,11 +53,15 @@ from meshpar.recipe import Recipe, RecipeError
 from meshpar.replicate import all_reduce_gradients
 from meshpar.runtime import RankInfo, init_process_group, rank_info, select_device
 from meshpar.tensor_parallel import check_seq_len, loss_parallel_context, reduce_partial_grads
+from meshpar.trace_labels import run_labelled
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # logits[B, T, V] targets[B, T] -> mean over B*T tokens, computed in fp32; with loss parallel
     # logits are a DTensor sharded on V and the loss is computed on the shards
+    if isinstance(logits, DTensor):  # its all-reduces (max, sum) run on the tp mesh
+        return run_labelled("tp.loss_parallel", "cross_entropy",
+                            lambda x: F.cross_entropy(x.flatten(0, 1).float(), targets.flatten()), logits)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 

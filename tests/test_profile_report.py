@@ -9,6 +9,7 @@ respects its size cap; the chart is a real PNG; bad input gets errors that name 
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,38 @@ def test_call_counts_equal_the_engine_accounting(name, reports):
         # every collective inside a step found its dim; "?" is the loss all-reduce after a log step
         assert all(c.dim != "?" or c.time_ms == 0 for c in r.comm), r.comm
         assert all(0 <= c.exposed_ms <= c.time_ms + 1e-9 for c in r.comm)
+
+
+_ISSUE = re.compile(r"(c10d::|_c10d_functional::)(?!wait_tensor|_wrap_tensor_autograd).*")
+_LABELLED = re.compile(r"meshpar::(comm\.|tp\.|pp\.(send|recv)_).*")
+
+
+def test_every_collective_in_a_step_is_labelled(runs):
+    """Every collective issued in a step runs under a meshpar label that names its dim or kind
+    (meshpar::comm / tp / pp); the pipeline's transfers name their stage and microbatch."""
+    for name in LAYOUTS:
+        for f in pr.find_traces(runs[name]):
+            trace = pr.load_trace(f)
+            events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+            steps = [e for e in events if e["name"] == "meshpar::step"]
+            on_main = [e for e in events if e["tid"] == steps[0]["tid"]]
+
+            def within(e, spans):
+                return any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1e-3 for s in spans)
+
+            labels = [e for e in on_main if _LABELLED.fullmatch(e["name"])]
+            issued = [e for e in on_main if _ISSUE.fullmatch(e["name"]) and within(e, steps)]
+            assert len(issued) > 10 and [e["name"] for e in issued if not within(e, labels)] == [], f
+            if name == "3d":  # 1f1b, 2 microbatches: stage 0 sends activations and receives gradients
+                stage = trace["meshpar"]["coordinates"]["pp"]
+                ops = ("send_forward", "recv_backward") if stage == 0 else ("recv_forward", "send_backward")
+                def parts(names):  # a mixed batch is labelled pp.send_forward[0,1]+pp.recv_backward[0,0]
+                    return {p for n in names for p in n.removeprefix("meshpar::").split("+")}
+
+                issue = parts(e["name"] for e in labels if not e["name"].endswith(".wait"))
+                assert {f"pp.{op}[{stage},{m}]" for op in ops for m in (0, 1)} <= issue, f
+                waited = parts(e["name"].removesuffix(".wait") for e in on_main if e["name"].endswith(".wait"))
+                assert {f"pp.{ops[1 - stage]}[{stage},{m}]" for m in (0, 1)} <= waited, f
 
 
 def test_table_and_summary_files(runs, reports, capsys):

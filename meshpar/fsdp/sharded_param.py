@@ -37,6 +37,7 @@ from enum import Enum, auto
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -228,7 +229,8 @@ class ShardedParam:
         if self.unsharded is not None:
             self.unsharded.grad = None
         if isinstance(grad, DTensor):  # TP: reduce the local gradient of this TP shard
-            grad = grad.redistribute(placements=self.tp.placements).to_local()
+            with record_function("meshpar::tp.partial_grad"):  # Partial -> Replicate: an all-reduce
+                grad = grad.redistribute(placements=self.tp.placements).to_local()
         if self.accumulated_grad is not None:
             grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)
             self.accumulated_grad = None

@@ -37,6 +37,9 @@ from torch.distributed.pipelining import (
 
 from meshpar.fsdp import FSDPModule
 from meshpar.recipe import RecipeError
+from meshpar.trace_labels import install_p2p_labels, label_p2p_ops
+
+install_p2p_labels()  # [Note: labelling collectives meshpar does not issue]
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,23 @@ class Stage(PipelineStage):
         with record_function(f"meshpar::pp.backward[{self.stage_index},{bwd_chunk_id}]"):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
+    # point-to-point transfers, labelled meshpar::pp.<send|recv>_<forward|backward>[stage,microbatch]
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return label_p2p_ops(super().get_fwd_recv_ops(fwd_chunk_id),
+                             f"pp.recv_forward[{self.stage_index},{fwd_chunk_id}]")
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return label_p2p_ops(super().get_fwd_send_ops(fwd_chunk_id),
+                             f"pp.send_forward[{self.stage_index},{fwd_chunk_id}]")
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return label_p2p_ops(super().get_bwd_recv_ops(bwd_chunk_id),
+                             f"pp.recv_backward[{self.stage_index},{bwd_chunk_id}]")
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return label_p2p_ops(super().get_bwd_send_ops(bwd_chunk_id),
+                             f"pp.send_backward[{self.stage_index},{bwd_chunk_id}]")
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if self.units:
             if backward_type != "full":  # split pass: weights are read from the module, unsharded
@@ -265,15 +285,17 @@ def _send(t: torch.Tensor, peer: int, group: dist.ProcessGroup) -> list:
     header = torch.zeros(_HEADER, dtype=torch.int64, device=t.device)
     header[:2 + t.ndim] = torch.tensor([_DTYPES.index(t.dtype), t.ndim, *t.shape])
     t = t.contiguous()
-    return [dist.isend(header, group_dst=peer, group=group), dist.isend(t, group_dst=peer, group=group)]
+    with record_function("meshpar::pp.send_eval"):
+        return [dist.isend(header, group_dst=peer, group=group), dist.isend(t, group_dst=peer, group=group)]
 
 
 def _recv(peer: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, group_src=peer, group=group)
-    dtype, ndim, *shape = header.tolist()
-    t = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
-    dist.recv(t, group_src=peer, group=group)
+    with record_function("meshpar::pp.recv_eval"):
+        dist.recv(header, group_src=peer, group=group)
+        dtype, ndim, *shape = header.tolist()
+        t = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
+        dist.recv(t, group_src=peer, group=group)
     return t
 
 

@@ -9,12 +9,14 @@ bucket, the first that applies, so the five add up to the step time:
                   running on a gloo worker thread, being issued on the main thread (``c10d::*``,
                   ``_c10d_functional::*``), or a p2p send in flight (gloo shows send / recv on the
                   main thread as spans from issue to completion); and the main thread blocked in
-                  a wait (``meshpar::fsdp.*_wait``, ``_c10d_functional::wait_tensor``)
+                  a wait (``meshpar::fsdp.*_wait``, ``_c10d_functional::wait_tensor``,
+                  ``meshpar::pp.send_*.wait``)
     optimizer     inside ``meshpar::optimizer`` (gradient clipping and the optimizer step; the
                   non-FSDP gradient all-reduce in there counts as exposed comm where it waits)
     compute       in a main-thread torch op that is not communication (aten::*, autograd nodes)
     bubble/idle   the rest: under pipelining the receive waits for a neighbouring stage (gloo
-                  recv spans on the main thread, also reported as ``p2p_wait``), and everywhere
+                  recv spans on the main thread, or ``meshpar::pp.recv_*.wait``, also reported as
+                  ``p2p_wait``), and everywhere
                   main-thread time in no op with no communication in progress (Python between ops)
 
 ``comm`` is the wall time during which any collective was in progress; ``hidden`` is the part
@@ -40,6 +42,15 @@ from meshpar.profile_report.traces import ProfileReportError, find_traces, load_
 BUCKETS = ("compute", "exposed_comm", "bubble", "data", "optimizer")  # partition the step: [Note: where step time goes]
 _WAIT_LABELS = ("meshpar::fsdp.all_gather_wait", "meshpar::fsdp.reduce_scatter_wait", "_c10d_functional::wait_tensor")
 _SHORT = {"pp": "pp", "dp_replicate": "dpr", "dp_shard": "dps", "cp": "cp", "tp": "tp"}
+
+
+def _is_p2p_wait(name: str, kind: str) -> bool:
+    """A wait on a pipeline transfer batch holding a ``kind`` (``recv_`` or ``send_``) op:
+    ``meshpar::pp.recv_forward[1,0].wait`` (meshpar/trace_labels.py); a batch holding a receive
+    is a receive wait."""
+    if not (name.startswith("meshpar::pp.") and name.endswith(".wait")):
+        return False
+    return "recv_" in name if kind == "recv_" else "recv_" not in name
 
 
 @dataclass
@@ -134,8 +145,8 @@ def _analyze(trace: dict[str, Any], path: Path) -> dict[str, Any]:
     optimizer = spans(lambda e: e["name"] == "meshpar::optimizer")
     comm_ops = spans(lambda e: _is_comm(e["name"]))
     compute = _subtract(spans(lambda e: e.get("cat") == "cpu_op" and not _is_comm(e["name"])), comm_ops)
-    recv_wait = spans(lambda e: pipelined and e["name"] == "gloo:recv")
-    waits = spans(lambda e: e["name"] in _WAIT_LABELS)
+    recv_wait = spans(lambda e: pipelined and (e["name"] == "gloo:recv" or _is_p2p_wait(e["name"], "recv_")))
+    waits = spans(lambda e: e["name"] in _WAIT_LABELS or _is_p2p_wait(e["name"], "send_"))
 
     per_kind, calls = _attribute(on_main, workers)
     running = _union([iv for ivs in per_kind.values() for iv in ivs] + comm_ops)

@@ -2,9 +2,9 @@
 
 [Note: the mesh dim of a collective]
 An issue op on the main thread (the outermost ``c10d::*`` / ``_c10d_functional::*`` op) takes
-its dim from the enclosing ``meshpar::comm.<op>[<dim>]`` label; without one,
-``_c10d_functional::*`` (DTensor, tensor parallel) is ``tp``, c10d send / recv is ``pp`` and
-anything else ``?`` (for example the loss all-reduce of a log step). The work itself runs on a
+its dim from the enclosing ``meshpar::comm.<op>[<dim>]`` label, or is ``tp`` inside a
+``meshpar::tp.*`` label and ``pp`` inside a ``meshpar::pp.send_* / recv_*`` one (meshpar/
+trace_labels.py); an unlabelled op is ``?`` (for example the loss all-reduce of a log step). The work itself runs on a
 gloo worker thread, which serves one process group, hence one dim: each of its events votes for
 the dim of the latest compatible issue op before it, the thread takes the majority, and its
 events then match that dim's issue ops first in, first out, for the op name (gloo runs a
@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 from meshpar.profile_report.intervals import Intervals
 
 _COMM_LABEL = re.compile(r"meshpar::comm\.(\w+)\[(.+)\]")
+_DIM_LABEL = re.compile(r"meshpar::(tp)\..*|meshpar::(pp)\.(?:send|recv)_.*")  # trace_labels.py
 _NOT_ISSUES = ("_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd")
 _KINDS = ("alltoall", "allgather", "reducescatter", "allreduce", "broadcast", "barrier", "send", "recv",
           "gather", "scatter", "reduce")
@@ -45,11 +46,32 @@ def _runs_as(issue_kind: str, gloo_kind: str) -> bool:
     return issue_kind == gloo_kind or (issue_kind == "reducescatter" and gloo_kind in ("allreduce", "alltoall"))
 
 
+def _labelled_dims(on_main: list[dict]) -> dict[int, str]:
+    """{id(event): dim} for the communication events of the main thread (sorted by start, longest
+    first) that lie inside a ``meshpar::tp.*`` or ``meshpar::pp.send_* / recv_*`` label (a gloo
+    send / recv span on the main thread, which lasts until the transfer completes: that starts
+    inside one); the innermost label wins. One sweep: events on one thread nest."""
+    out, stack = {}, []  # stack: (end, dim) of the labels open at the current event
+    for e in on_main:
+        end = e["ts"] if e["name"].startswith("gloo:") else e["ts"] + e["dur"]
+        while stack and stack[-1][0] < end - 1e-3:
+            stack.pop()
+        if m := _DIM_LABEL.fullmatch(e["name"]):
+            stack.append((e["ts"] + e["dur"], m[1] or m[2]))
+        elif stack and _is_comm(e["name"]):
+            out[id(e)] = stack[-1][1]
+    return out
+
+
 def _attribute(on_main: list[dict], workers: list[dict]) -> tuple[dict, dict]:
     """Intervals of communication per (op, dim), and calls per (op, dim, "meshpar" or "other"):
     [Note: the mesh dim of a collective]."""
     labels = [e for e in on_main if _COMM_LABEL.fullmatch(e["name"])]
     label_starts = [e["ts"] for e in labels]
+    labelled_dim = _labelled_dims(on_main)
+
+    def dim_label(e: dict) -> str:
+        return labelled_dim.get(id(e), "?")
     calls: Counter = Counter((*_COMM_LABEL.fullmatch(e["name"]).groups(), "meshpar") for e in labels)
     issues, end = [], -1.0  # (ts, kind, op, dim) of the outermost issue ops
     for e in on_main:
@@ -61,7 +83,7 @@ def _attribute(on_main: list[dict], workers: list[dict]) -> tuple[dict, dict]:
             op, dim = _COMM_LABEL.fullmatch(labels[i]["name"]).groups()
         else:
             op = _OP_NAMES.get(kind, kind)
-            dim = "tp" if e["name"].startswith("_c10d_functional::") else "pp" if kind in ("send", "recv") else "?"
+            dim = dim_label(e)
             calls[(op, dim, "other")] += 1
         issues.append((e["ts"], kind, op, dim))
     starts = [i[0] for i in issues]
@@ -90,6 +112,6 @@ def _attribute(on_main: list[dict], workers: list[dict]) -> tuple[dict, dict]:
         if e["name"].startswith("gloo:"):
             kind = _kind(e["name"])
             hit = latest(e) if kind not in ("send", "recv") else None
-            op, dim = hit[2:] if hit else (_OP_NAMES.get(kind, kind), "pp" if kind in ("send", "recv") else "?")
+            op, dim = hit[2:] if hit else (_OP_NAMES.get(kind, kind), dim_label(e))
             per_kind[(op, dim)].append((e["ts"], e["ts"] + e["dur"]))
     return per_kind, calls

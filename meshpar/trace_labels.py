@@ -1,0 +1,206 @@
+"""Trace labels for communication that PyTorch code issues on meshpar's behalf.
+
+    label_new_hooks(module, before, "tp", "layers.0.attention.wq")  # after parallelize_module
+    label_p2p_ops(ops, "pp.recv_forward[1,3]")                      # in the pipeline Stage
+
+[Note: labelling collectives meshpar does not issue]
+meshpar's own collectives (FSDP, replicate, partial-gradient reduction) run inside
+``meshpar::comm.<op>[<dim>]`` ranges (meshpar/comm.py). Two kinds come from PyTorch code:
+
+* Tensor parallelism. A ``ParallelStyle`` installs forward (pre-)hooks that redistribute a
+  module's inputs and outputs (all-gather, reduce-scatter, all-reduce); in backward, DTensor's
+  autograd runs the transposed collectives. ``label_new_hooks`` wraps the hooks a style
+  installed so that they run inside ``meshpar::tp.input[<path>]`` / ``meshpar::tp.output[<path>]``,
+  and, while the profiler is on, brackets their backward too: hooks on the autograd nodes the
+  hook created (the first to run opens, the last closes) make ``meshpar::tp.input_grad[<path>]``
+  (``output_grad``) a range over exactly those nodes, collective included. The graph itself is
+  untouched, so gradients are bit-identical with and without the profiler; with it off the
+  wrapper costs one check per call.
+* Pipeline transfers. ``torch.distributed.pipelining`` issues point-to-point ops through the
+  module-level ``schedules._batch_p2p`` and waits on the returned works. meshpar's ``Stage``
+  tags the ops it hands out (``label_p2p_ops``); ``_batch_p2p`` is replaced, once, by a
+  wrapper that passes untagged ops straight through and, while the profiler is on, issues
+  tagged ones inside ``meshpar::pp.<send|recv>_<forward|backward>[<stage>,<microbatch>]``
+  and waits on them inside ``meshpar::pp.<...>.wait``: a receive's wait is the pipeline
+  bubble seen from that stage. This leans on a private torch 2.13 name, like the rest of
+  meshpar/pipeline/ (its docstring lists the others).
+
+``meshpar profile summarize`` reads these labels to put every collective on its mesh dim
+(meshpar/profile_report/attribution.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.profiler import record_function
+from torch.distributed.pipelining import schedules as _torch_schedules
+
+
+def profiler_on() -> bool:
+    return torch._C._autograd._profiler_enabled()
+
+
+_MAX_REGION = 64  # autograd nodes a labelled region may span; past it (no path to the inputs) it is left unlabelled
+
+
+class _BackwardRange:
+    """A profiler range over the backward of a forward region: opened by the first of the
+    region's head nodes (the ``grad_fn`` of its outputs) to run, closed after the last of its
+    tail nodes (those feeding the ``grad_fn`` of its inputs) has run. Only hooks are added to
+    the existing nodes: the graph, and so the order in which the engine runs and sums, is
+    unchanged (an identity node per boundary changed gradients in the last bit)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.handle, self.pending = name, None, 0
+
+    def bracket(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        stops = {t.grad_fn for t in inputs if t.grad_fn is not None}
+        leaves = {id(t) for t in inputs if t.grad_fn is None}
+        heads = {t.grad_fn for t in outputs if t.grad_fn is not None} - stops
+        region, tails, todo = set(), set(), list(heads)
+        while todo:
+            node = todo.pop()
+            if node in region:
+                continue
+            region.add(node)
+            if len(region) > _MAX_REGION:
+                return
+            for nxt, _ in node.next_functions:
+                if nxt in stops or id(getattr(nxt, "variable", None)) in leaves:
+                    tails.add(node)
+                elif nxt is not None:
+                    todo.append(nxt)
+        if not tails:
+            return
+        self.pending = len(tails)
+        for node in heads:
+            node.register_prehook(self._open)
+        for node in tails:
+            node.register_hook(self._close)
+
+    def _open(self, grad_outputs: Any) -> None:
+        if self.handle is None and self.pending:
+            self.handle = torch.ops.profiler._record_function_enter_new(self.name, None)
+
+    def _close(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        self.pending -= 1
+        if self.pending == 0 and self.handle is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(self.handle)
+            self.handle = None
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors that need a gradient in a value, or a (nested) tuple / list / dict of values."""
+    if isinstance(values, torch.Tensor):
+        return [values] if values.requires_grad else []
+    if isinstance(values, tuple | list):
+        return [t for v in values for t in _tensors(v)]
+    if isinstance(values, dict):
+        return [t for v in values.values() for t in _tensors(v)]
+    return []
+
+
+def _labelled(kind: str, where: str, fn: Callable[..., Any], inputs: Any, *args: Any) -> Any:
+    """``fn(*args)`` inside ``meshpar::<kind>[<where>]``, its backward from its result back to
+    ``inputs`` inside ``meshpar::<kind>_grad[<where>]`` (when grad mode is on)."""
+    with record_function(f"meshpar::{kind}[{where}]"):
+        result = fn(*args)
+    if torch.is_grad_enabled() and (ins := _tensors(inputs)):
+        _BackwardRange(f"meshpar::{kind}_grad[{where}]").bracket(ins, _tensors(result))
+    return result
+
+
+def run_labelled(kind: str, where: str, fn: Callable[[Any], Any], x: Any) -> Any:
+    """``fn(x)`` inside ``meshpar::<kind>[<where>]``, and while profiling its backward inside
+    ``meshpar::<kind>_grad[<where>]``: for a redistribution outside any hook (a module's own
+    forward, the loss)."""
+    return _labelled(kind, where, fn, x, x) if profiler_on() else fn(x)
+
+
+def _labelled_pre_hook(hook: Callable, kind: str, where: str) -> Callable:
+    def wrapped(module: nn.Module, args: tuple, *kwargs: dict):
+        if not profiler_on():
+            return hook(module, args, *kwargs)
+        return _labelled(kind, where, hook, (args, *kwargs), module, args, *kwargs)
+
+    return wrapped
+
+
+def _labelled_hook(hook: Callable, kind: str, where: str) -> Callable:
+    def wrapped(module: nn.Module, args: tuple, *rest: Any):
+        if not profiler_on():
+            return hook(module, args, *rest)
+        return _labelled(kind, where, hook, rest[-1], module, args, *rest)  # rest: ([kwargs,] output)
+
+    return wrapped
+
+
+def hook_ids(module: nn.Module) -> tuple[set[int], set[int]]:
+    """The ids of ``module``'s forward pre-hooks and forward hooks, to pass to ``label_new_hooks``."""
+    return set(module._forward_pre_hooks), set(module._forward_hooks)
+
+
+def label_new_hooks(module: nn.Module, before: tuple[set[int], set[int]], dim: str, path: str) -> None:
+    """Wrap the forward (pre-)hooks installed on ``module`` since ``before = hook_ids(module)``:
+    [Note: labelling collectives meshpar does not issue]. ``path`` names the module in the
+    labels (``meshpar::<dim>.input[<path>]``)."""
+    where = path or "model"
+    for hid, hook in list(module._forward_pre_hooks.items()):
+        if hid not in before[0]:
+            module._forward_pre_hooks[hid] = _labelled_pre_hook(hook, f"{dim}.input", where)
+    for hid, hook in list(module._forward_hooks.items()):
+        if hid not in before[1]:
+            module._forward_hooks[hid] = _labelled_hook(hook, f"{dim}.output", where)
+
+
+# --- pipeline point-to-point ----------------------------------------------------------------
+
+_LABEL = "_meshpar_label"
+
+
+def label_p2p_ops(ops: Iterable[dist.P2POp], name: str) -> list[dist.P2POp]:
+    """Tag ``ops`` (from a ``PipelineStage.get_*_ops``) so that issuing and waiting on them is
+    labelled ``meshpar::<name>`` in a trace."""
+    ops = list(ops)
+    for op in ops:
+        setattr(op, _LABEL, name)
+    return ops
+
+
+class _LabelledWork:
+    """A ``dist.Work`` whose ``wait`` runs inside a profiler range."""
+
+    def __init__(self, work: dist.Work, name: str) -> None:
+        self._work, self._name = work, name
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        with record_function(self._name):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._work, attr)
+
+
+_torch_batch_p2p = _torch_schedules._batch_p2p
+
+
+def _labelled_batch_p2p(p2p_ops: list[dist.P2POp], desc: str | None = None) -> list[Any]:
+    names = [getattr(op, _LABEL, None) for op in p2p_ops]
+    if not names or None in names or not profiler_on():
+        return _torch_batch_p2p(p2p_ops, desc)
+    name = "meshpar::" + "+".join(dict.fromkeys(names))  # a mixed batch: pp.send_forward[0,2]+pp.recv_backward[0,1]
+    with record_function(name):
+        works = _torch_batch_p2p(p2p_ops, desc)
+    return [_LabelledWork(w, f"{name}.wait") for w in works]
+
+
+def install_p2p_labels() -> None:
+    """Route torch's pipeline schedules' point-to-point issue through ``_labelled_batch_p2p``
+    (idempotent; untagged ops are passed through unchanged)."""
+    if _torch_schedules._batch_p2p is _torch_batch_p2p:
+        _torch_schedules._batch_p2p = _labelled_batch_p2p
