@@ -29,13 +29,14 @@ Names in a trace follow the design (every label starts ``meshpar::``)::
 The tp and pp labels come from meshpar/trace_labels.py (the collectives are PyTorch's own).
 
 [Note: memory in the profiled steps]
-With ``profile.profile_memory``, each traced window also gets a memory record. On CPU:
+With ``profile.profile_memory``, each traced window also gets a memory record, on any device:
 ``<stem>.memory.json``, live tensor bytes per category (parameters, buffers, gradients,
 activations, temporaries, optimizer state, communication buffers) at the peak and over
 time, from ``meshpar.memory.AllocationTracker`` (it slows the traced steps: it sees every
-op). On CUDA: the caching allocator's own history, ``<stem>.cuda_memory_snapshot.pickle``
-(open it in https://pytorch.org/memory_viz), recorded from the first step so that an
-out-of-memory error also leaves ``rank<r>.oom_memory_snapshot.pickle``.
+op). On CUDA also the caching allocator's own history, ``<stem>.cuda_memory_snapshot.pickle``
+(open it in https://pytorch.org/memory_viz: blocks, segments, fragmentation, the stack of
+every allocation), recorded from the first step so that an out-of-memory error also leaves
+``rank<r>.oom_memory_snapshot.pickle``.
 
 [Note: the size cap]
 A trace of a 70B step holds millions of events and viewers fail on files of a few hundred
@@ -92,6 +93,10 @@ def traced_ranks(spec: str, world_size: int, stage_of_rank: list[int]) -> set[in
     return ranks
 
 
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def check(cfg: ProfileConfig, world_size: int) -> None:
     """Preflight: ``profile.ranks`` names ranks of this world (raises RecipeError)."""
     if cfg.enable:
@@ -122,10 +127,10 @@ class StepProfiler:
         self._counter_cm = None
         self._prof = None
         self._tracked, self._tracker = tracked, None  # [Note: memory in the profiled steps]
-        self._cuda_memory = cfg.profile_memory and torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._cuda_memory = cfg.profile_memory and _cuda_in_use()
         if self.enabled:
             activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if _cuda_in_use():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(
                 activities=activities,
@@ -165,7 +170,7 @@ class StepProfiler:
         self._counter_cm = comm.count()
         self._counts[self.step_no + 1] = self._counter_cm.__enter__()
         recording = self._prof.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
-        if recording and self.cfg.profile_memory and not self._cuda_memory and self._tracker is None:
+        if recording and self.cfg.profile_memory and self._tracker is None:
             self._tracker = AllocationTracker(*self._tracked, timeline=True).__enter__()
 
     def _on_oom(self, device: int, alloc: int, device_alloc: int, device_free: int) -> None:

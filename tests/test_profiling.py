@@ -2,6 +2,7 @@
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +91,52 @@ def test_memory_record_of_the_profiled_steps(tmp_path, data_cache):
     assert peak["Parameter"] > 0 and peak["Optstate"] > 0 and peak["Communication"] > 0, peak
     assert sum(v for k, v in peak.items() if k != "Total") == peak["Total"]
     assert max(point["Total"] for _, point in record["timeline"]) == peak["Total"]
+
+
+def _train_with_a_stand_in_for_cuda(recipe):
+    """A rank whose profiler believes CUDA is in use: the allocator calls are recorded (and the
+    snapshot files written as placeholders) instead of made; after training, the out-of-memory
+    observer the profiler attached is fired as the allocator would."""
+    import torch
+
+    from meshpar import profiling
+    from meshpar.train import train
+
+    calls, observers = [], []
+
+    def dump(path):
+        calls.append(("dump", Path(path).name))
+        Path(path).write_bytes(b"placeholder")
+
+    profiling._cuda_in_use = lambda: True
+    torch.cuda.memory._record_memory_history = lambda **kw: calls.append(("history", kw))
+    torch.cuda.memory._dump_snapshot = dump
+    torch._C._cuda_attach_out_of_memory_observer = observers.append
+    train(recipe)
+    calls.append(("training done",))
+    assert len(observers) == 1
+    observers[0](0, 3 * 2**30, 70 * 2**30, 2**30)  # device, asked, device allocated, device free
+    return calls
+
+
+def test_cuda_memory_snapshots_are_taken_around_the_window_and_on_oom(tmp_path, data_cache, capfd):
+    """On CUDA (stood in for: no GPU here) profile_memory records the allocator's history from the
+    first step, dumps a snapshot at the end of each traced window beside the per-category record,
+    and an out-of-memory error leaves its own snapshot and a message naming it."""
+    recipe = _load("llama_debug.toml", tmp_path, "--train.steps=4", "--profile.enable=true",
+                   "--profile.profile_memory=true")
+    calls = run_distributed(_train_with_a_stand_in_for_cuda, 1, recipe, timeout=240, init_process_group=False)[0]
+    assert calls == [("history", {"max_entries": 200_000}),
+                     ("dump", "rank0.steps3-4.cuda_memory_snapshot.pickle"),
+                     ("training done",),
+                     ("dump", "rank0.oom_memory_snapshot.pickle")]
+    traces = tmp_path / "traces"
+    assert (traces / "rank0.oom_memory_snapshot.pickle").read_bytes() == b"placeholder"
+    record = json.loads((traces / "rank0.steps3-4.memory.json").read_text())  # categories on CUDA too
+    assert record["peak"]["Parameter"] > 0 and record["peak"]["Optstate"] > 0
+    out = capfd.readouterr().out
+    assert (f"out of memory on rank 0 (asked for 3.00 GiB, 1.00 GiB free); allocator snapshot: "
+            f"{traces / 'rank0.oom_memory_snapshot.pickle'}") in out
 
 
 def test_cli_profile_then_summarize_and_merge(tmp_path, data_cache):
