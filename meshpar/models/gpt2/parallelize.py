@@ -78,12 +78,12 @@ def gpt2_tp_plan(loss_parallel: bool = True) -> TPPlan:
     }
     block = {
         "ln_1": SequenceParallel(),
-        # [B, T/tp, D] -> all-gather -> [B, T, D]
-        "attn": PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=True),
+        # [B, T/tp, D] -> all-gather -> [B, T, D], a DTensor: [Note: one reduce-scatter per sub-layer input in backward]
+        "attn": PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=False),
         "attn.c_attn": FusedColwiseParallel(3),  # [B, T, D] @ c_attn[D, 3D] -> local [B, T, q_r | k_r | v_r]
         "attn.c_proj": rowwise,
         "ln_2": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=True),
+        "mlp": PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=False),
         "mlp.c_fc": ColwiseParallel(),  # [B, T, D] @ c_fc[D, 4D/tp] -> [B, T, 4D/tp]
         "mlp.c_proj": rowwise,
     }

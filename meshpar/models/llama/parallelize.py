@@ -40,10 +40,11 @@ SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the resi
 
 
 def _gather_sequence(n_extra_inputs: int) -> PrepareModuleInput:
-    """A block's sub-layer input: [B, T/tp, D] -> all-gather -> [B, T, D] (local); the extra
-    inputs (RoPE's cos, sin: plain tensors) pass untouched."""
+    """A block's sub-layer input: [B, T/tp, D] -> all-gather -> [B, T, D], kept a Replicate
+    DTensor ([Note: one reduce-scatter per sub-layer input in backward] in
+    meshpar/tensor_parallel.py); the extra inputs (RoPE's cos, sin: plain tensors) pass untouched."""
     return PrepareModuleInput(input_layouts=(SEQ, *[None] * n_extra_inputs),
-                              desired_input_layouts=(Replicate(), *[None] * n_extra_inputs), use_local_output=True)
+                              desired_input_layouts=(Replicate(), *[None] * n_extra_inputs), use_local_output=False)
 
 
 def llama_tp_plan(loss_parallel: bool = True) -> TPPlan:
