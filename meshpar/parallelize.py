@@ -22,7 +22,7 @@ from meshpar.activation_checkpoint import apply_activation_checkpointing
 from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
 from meshpar.mesh import Mesh
 from meshpar.pipeline import SCHEDULES, split
-from meshpar.recipe import ParallelConfig
+from meshpar.recipe import ParallelConfig, RecipeError
 from meshpar.tensor_parallel import TPPlan, apply_tp
 
 TPPlanFn = Callable[[bool], TPPlan]  # loss_parallel -> the family's plan
@@ -58,6 +58,17 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False,
                 mp_policy=mixed_precision(cfg, root=True),
                 shard_threshold=cfg.shard_threshold)
+
+
+def check_mixed_precision(cfg: ParallelConfig, dp_shard: int) -> None:
+    """``param_dtype`` / ``reduce_dtype`` act through FSDP: with ``dp_shard = 1`` no unit exists and
+    the model would silently compute in float32, so a lower precision there is refused."""
+    for key in ("param_dtype", "reduce_dtype"):
+        if dp_shard == 1 and getattr(cfg, key) != "float32":
+            raise RecipeError(f"parallel.{key} = {getattr(cfg, key)!r} takes effect through FSDP, and "
+                              f"parallel.dp_shard = 1 makes no FSDP unit (the model would run in float32); set "
+                              f"parallel.{key} = \"float32\", or shard over data-parallel ranks (dp_shard > 1)",
+                              key=f"parallel.{key}")
 
 
 def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, tp_plan: TPPlanFn) -> nn.Module:

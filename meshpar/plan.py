@@ -107,7 +107,8 @@ def main(argv: list[str]) -> int:
                 raise RecipeError("parallel.dp_shard = -1 takes the ranks left over: give the target size with "
                                   "--world N")
             world = local_world_size(recipe.parallel)
-        spec = args.hardware or (recipe.metrics.hardware if recipe.metrics.hardware != "auto" else "h100_sxm")
+        spec = args.hardware if args.hardware not in (None, "auto") else recipe.metrics.hardware
+        spec = "h100_sxm" if spec == "auto" else spec  # the planner targets a cluster, not this machine
         profile, note = load_hardware(spec)
         start = time.perf_counter()
         result = plan(recipe, world, profile, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
@@ -131,7 +132,7 @@ def run_search(args: argparse.Namespace, overrides: list[str]) -> int:
         return 2
     family, size = args.model.split("/", 1)
     global_batch = args.global_batch or max(1, 2**20 // args.seq)
-    spec = args.hardware or "h100_sxm"
+    spec = args.hardware if args.hardware not in (None, "auto") else "h100_sxm"
     base = [f"--model.family={family}", f"--model.size={size}", f"--train.seq_len={args.seq}",
             f"--train.global_batch={global_batch}", '--parallel.param_dtype="bfloat16"', *overrides]
     try:

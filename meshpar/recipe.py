@@ -79,6 +79,12 @@ class ParallelConfig:
                                                "backward (ZeRO-2: less communication, more memory). Under "
                                                "pipeline parallelism (pp > 1) units always keep them: one "
                                                "all-gather per step, not one per microbatch.")
+    grad_reduce: str = option("step", "FSDP with several microbatches per step: step reduce-scatters each "
+                                      "unit's gradients once, after the last microbatch (each unit holds its "
+                                      "unsharded gradient across the microbatches); microbatch reduce-scatters "
+                                      "after every microbatch's backward (gradients stay sharded: less memory, "
+                                      "data-parallel gradient traffic x the microbatches).",
+                              choices=("step", "microbatch"))
     param_dtype: str = option("float32", "FSDP compute and all-gather dtype; sharded parameters and optimizer "
                                          "state stay float32.", choices=("float32", "bfloat16", "float16"))
     reduce_dtype: str = option("float32", "FSDP gradient reduce-scatter dtype.",

@@ -45,7 +45,7 @@ from meshpar.hardware import HardwareProfile, load_profile
 from meshpar.metrics import MetricsLogger, Progress, peak_memory_gb
 from meshpar.models import Family, get_family
 from meshpar.optim import build_lr_schedule, build_optimizer
-from meshpar.parallelize import build
+from meshpar.parallelize import build, check_mixed_precision
 from meshpar.pipeline import Pipeline, build_schedule, check_microbatches, stage_layers
 from meshpar.profiling import StepProfiler, label
 from meshpar.profiling import check as check_profile
@@ -134,12 +134,18 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
     args = family.model_args(recipe.model)
     family.check_layout(args, layout)
     check_seq_len(t.seq_len, layout.tp)
+    check_mixed_precision(recipe.parallel, layout.dp_shard)
     check_profile(recipe.profile, world_size)
     if layout.pp > 1:
         p = recipe.parallel
         stage_layers(args.n_layers, layout.pp * p.pp_virtual_stages, p.pp_boundaries)  # raises naming the key
         check_microbatches(p.pp_schedule, accum, layout.pp, p.pp_virtual_stages,
                            local_batch=t.global_batch // layout.dp, key="train.micro_batch")
+        if p.grad_reduce == "microbatch" and p.pp_schedule in ("zero_bubble", "zbv"):
+            raise RecipeError(f"parallel.grad_reduce = 'microbatch' with parallel.pp_schedule = {p.pp_schedule!r}: "
+                              f"the zero-bubble schedules split backward into input and weight passes and reduce "
+                              f"once per step; use grad_reduce = 'step', or a 1f1b / gpipe / interleaved_1f1b "
+                              f"schedule", key="parallel.grad_reduce")
     if t.seq_len > args.max_seq_len:
         raise RecipeError(f"train.seq_len ({t.seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}) "
                           f"for {family.name} {recipe.model.size}")
@@ -233,7 +239,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     pipeline = None
     if mesh.layout.pp > 1:
         pipeline = build_schedule(stages, mesh.layout.pp * p.pp_virtual_stages, mesh["pp"], device, p.pp_schedule,
-                                  accum, cross_entropy)
+                                  accum, cross_entropy, reduce_every_microbatch=p.grad_reduce == "microbatch")
     model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, loss_parallel)
     n_params = _count_params(model, mesh)
     sharded = isinstance(model.stages[0], FSDPModule)
@@ -267,7 +273,8 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     with profiler:
         for step in range(start_step + 1, t.steps + 1):
             with label("step"):
-                loss_sum = _forward_backward(model, loader, accum, device, sharded)
+                loss_sum = _forward_backward(model, loader, accum, device, sharded,
+                                             every_microbatch=recipe.parallel.grad_reduce == "microbatch")
                 with label("optimizer"):
                     if not sharded:
                         all_reduce_gradients(model.stages, mesh["dp_replicate"])
@@ -348,9 +355,11 @@ def _restore(recipe: Recipe, checked: Preflight, ckpt: Checkpointer | None, run:
 
 
 def _forward_backward(model: Model, loader: BatchLoader, accum: int, device: torch.device,
-                      sharded: bool) -> torch.Tensor:
+                      sharded: bool, every_microbatch: bool = False) -> torch.Tensor:
     """One step's forward and backward over this rank's microbatches; returns this rank's loss
-    (zero on pipeline ranks without the last stage). See [Note: losses do not depend on the layout]."""
+    (zero on pipeline ranks without the last stage). See [Note: losses do not depend on the layout].
+    FSDP reduces gradients after the last microbatch, or after each with ``every_microbatch``
+    (``parallel.grad_reduce``)."""
     loss_sum = torch.zeros((), device=device)
     with loss_parallel_context(model.loss_parallel):
         with label("data"):
@@ -362,8 +371,8 @@ def _forward_backward(model: Model, loader: BatchLoader, accum: int, device: tor
             return loss_sum if loss is None else loss_sum + _plain(loss)
         stage = model.stages[0]
         for i, (inputs, targets) in enumerate(microbatches):
-            if sharded:  # reduce-scatter once per step, after the last microbatch
-                stage.set_requires_gradient_sync(i == accum - 1)
+            if sharded:  # reduce-scatter once per step, after the last microbatch (or after each)
+                stage.set_requires_gradient_sync(every_microbatch or i == accum - 1)
             with label("data"):
                 inputs, targets = inputs.to(device), targets.to(device)
             with label("forward"):

@@ -160,7 +160,7 @@ def test_time_model_figures():
 
 def test_unfitting_recipe_exits_1_naming_what_to_change():
     code, out, err, plan, _ = _run(str(RECIPES / "llama3_8b.toml"), "--parallel.dp_shard=1",
-                                   "--parallel.dp_replicate=8")
+                                   "--parallel.dp_replicate=8", '--parallel.param_dtype="float32"')
     assert code == 1
     assert "does not fit: peak" in err and "parallel.dp_shard" in err
     assert plan.ranks[0].optim_bytes == 2 * plan.ranks[0].param_bytes + 4 * 291  # replicated: all of 8B
@@ -233,3 +233,49 @@ def test_search_writes_the_fastest_layout_that_fits(tmp_path):
     speeds = [float(line.split()[-2].replace(",", "")) for line in table]
     assert speeds == sorted(speeds, reverse=True) and len(speeds) == 3
     assert _run(str(out), "--hardware", "cpu")[0] == 0  # the written recipe plans, and fits
+
+
+def test_reducing_every_microbatch_keeps_gradients_sharded():
+    """parallel.grad_reduce = "microbatch" on the 70B recipe (2 microbatches per step): at the
+    step's peak only the sharded gradients are live, and FSDP reduce-scatters twice the bytes."""
+    path = str(RECIPES / "llama3_70b.toml")
+    step, micro = _run(path)[3], _run(path, '--parallel.grad_reduce="microbatch"')[3]
+    assert step.accum == micro.accum == 2
+
+    def grads_at_peak(plan) -> int:
+        r = plan.ranks[0]
+        return r.measured.phases[r.peak_phase].at_peak["Gradient"]
+
+    r = micro.ranks[0]
+    assert grads_at_peak(step) > 3 * r.grad_bytes  # every unit's unsharded bf16 gradient, held across microbatches
+    assert grads_at_peak(micro) == pytest.approx(r.grad_bytes, rel=0.01)
+    assert step.ranks[0].peak_bytes - r.peak_bytes > 12 * GIB
+
+    def scattered(plan) -> int:
+        return plan.ranks[0].measured.comm_bytes[("reduce_scatter", "dp_shard")]
+
+    assert scattered(micro) == 2 * scattered(step)
+
+
+def test_stages_checkpointing_different_blocks_are_simulated_apart():
+    """ac_every counts global block indices: with 25 blocks on 5 stages and every 3rd block
+    checkpointed, stages 1 and 3 checkpoint 2 of their 5 blocks and stage 2 only 1, so stage 2
+    keeps more activations per microbatch."""
+    code, _, err, plan, _ = _run(str(RECIPES / "llama_debug.toml"), "--world", "5", "--hardware", "cpu",
+                                 "--model.n_layers=25", "--parallel.pp=5", "--parallel.dp_shard=1",
+                                 '--parallel.activation_checkpoint="full"', "--parallel.ac_every=3",
+                                 "--train.global_batch=10", "--train.micro_batch=2")
+    assert code == 0, err
+    act = [r.measured.activation_bytes for r in plan.ranks]
+    assert act[1] == act[3] < act[2]
+
+
+def test_a_group_spanning_two_nodes_is_inter_node():
+    from meshpar.mesh import Layout
+    from meshpar.planner.cost import _link
+
+    profile = planlib.load_hardware("h100_sxm")[0]
+    assert _link("tp", Layout(1, 1, 8, 1, 8), 8, profile)[0] == "intra-node"
+    assert _link("tp", Layout(1, 1, 8, 1, 3), 8, profile)[0] == "inter-node"  # ranks 6, 7, 8 share a group
+    assert _link("dp_shard", Layout(1, 1, 2, 1, 4), 8, profile)[0] == "intra-node"
+    assert _link("dp_shard", Layout(1, 1, 8, 1, 4), 8, profile)[0] == "inter-node"

@@ -4,6 +4,7 @@ The single-process run is the reference: data-parallel replicas and gradient acc
 must reproduce its loss at every step and every parameter at the end.
 """
 
+import gzip
 import json
 import os
 import subprocess
@@ -101,7 +102,8 @@ def test_dp_replicate_matches_single_process(tmp_path, data_cache):
 @pytest.mark.parametrize(("world", "layout"), [
     (2, ["--parallel.dp_shard=2"]),
     (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.reshard_after_forward=false"]),
-], ids=["fsdp-2", "hybrid-2x2"])
+    (2, ["--parallel.dp_shard=2", '--parallel.grad_reduce="microbatch"']),
+], ids=["fsdp-2", "hybrid-2x2", "fsdp-2-reduce-every-microbatch"])
 def test_fsdp_matches_single_process(world, layout, tmp_path, data_cache):
     """meshpar train with the FSDP engine: same initial model (layout-independent init), same
     losses and parameters as one process; two microbatches per rank exercise no-sync accumulation."""
@@ -113,6 +115,22 @@ def test_fsdp_matches_single_process(world, layout, tmp_path, data_cache):
     torch.testing.assert_close(_losses(records), _losses(reference.records), rtol=1e-5, atol=0)
     for name, ref in reference.state_dict.items():
         torch.testing.assert_close(state[name], ref, rtol=1e-4, atol=PARAM_ATOL, msg=name)
+
+
+def test_grad_reduce_sets_how_often_fsdp_reduce_scatters(tmp_path, data_cache):
+    """parallel.grad_reduce: once per step (after the last of the 2 microbatches), or after every
+    microbatch; counted by meshpar's own accounting in the traced steps (3-4) of each run
+    (SMALL: 8 sequences per step, 4 per rank in microbatches of 2)."""
+    calls = {}
+    for mode in ("step", "microbatch"):
+        recipe = _load("llama_debug.toml", tmp_path / mode, "--train.steps=4", "--train.micro_batch=2",
+                       "--parallel.dp_shard=2", f'--parallel.grad_reduce="{mode}"', "--profile.enable=true",
+                       "--profile.ranks=rank0")
+        run_distributed(_train_on_rank, 2, recipe, timeout=180, init_process_group=False)
+        with gzip.open(tmp_path / mode / "traces" / "rank0.steps3-4.json.gz", "rt") as f:
+            calls[mode] = json.load(f)["meshpar"]["comm"]["reduce_scatter[dp_shard]"]["calls"]
+    units = 2 + 1  # a unit per block (SMALL: 2) and the root
+    assert calls == {"step": 2 * units, "microbatch": 2 * 2 * units}
 
 
 def _merged(results) -> dict[str, torch.Tensor]:
@@ -137,8 +155,9 @@ def _merged(results) -> dict[str, torch.Tensor]:
     ("llama_debug.toml", 4, ["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.tp=2"]),
     ("llama_debug.toml", 8, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2", "--model.n_layers=4",
                              "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2"]),
+    ("llama_debug.toml", 4, ["--parallel.pp=2", "--parallel.dp_shard=2", '--parallel.grad_reduce="microbatch"']),
 ], ids=["fsdp2-x-tp2", "replicate2-x-tp2-selective-ac", "pp2-x-fsdp2-full-ac", "pp2-interleaved", "gpt2-rep2-x-tp2",
-        "pp2-x-tp2", "3d-interleaved"])
+        "pp2-x-tp2", "3d-interleaved", "pp2-x-fsdp2-reduce-every-microbatch"])
 def test_nd_layouts_match_single_process(recipe, world, layout, tmp_path, data_cache):
     """Tensor, pipeline and data parallelism composed by `meshpar train`: the loss at every step, the
     gradient norm (clipped across every mesh dim) and every parameter equal one process's.
@@ -200,7 +219,13 @@ def test_cli_refuses_a_layout_for_the_wrong_world_size(tmp_path):
     (["--parallel.pp=4", "--model.n_layers=2"], 4, r"parallel\.pp"),
     (["--model.family=gpt2", "--parallel.tp=2", "--parallel.dp_shard=2"], 4,
      r"GPT-2's fused c_attn cannot be FSDP-sharded over a tensor-parallel shard yet"),
-], ids=["tp-heads", "tp-seq", "pp-microbatches", "pp-layers", "gpt2-tp-fsdp"])
+    (["--parallel.tp=2", "--parallel.dp_shard=1", '--parallel.param_dtype="bfloat16"'], 2,
+     r"parallel\.param_dtype = 'bfloat16' takes effect through FSDP, and parallel\.dp_shard = 1 makes no FSDP unit"),
+    (["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.pp_schedule=zbv", "--parallel.pp_virtual_stages=2",
+      '--parallel.grad_reduce="microbatch"'], 2,
+     r"parallel\.grad_reduce = 'microbatch' with parallel\.pp_schedule = 'zbv'.* use grad_reduce = 'step'"),
+], ids=["tp-heads", "tp-seq", "pp-microbatches", "pp-layers", "gpt2-tp-fsdp", "bf16-without-fsdp",
+        "zero-bubble-reduce-every-microbatch"])
 def test_layout_errors_before_launch(overrides, world, message, tmp_path, data_cache):
     """Bad N-D layouts stop in preflight (before any process group) with the key and a remedy."""
     recipe = recipelib.load(ROOT / "recipes" / "llama_debug.toml", [f"--train.output_dir={tmp_path}",

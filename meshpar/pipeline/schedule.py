@@ -141,6 +141,9 @@ def check_microbatches(name: str, n_microbatches: int, pp: int, virtual: int = 1
 # reduce-scatters exactly once per step. Gradients are averaged over microbatches by the loss
 # (each microbatch's mean loss / n, ``scale_grads=False``), as meshpar.train does for
 # accumulation, so nothing rescales the sharded gradients afterwards.
+# With ``parallel.grad_reduce = "microbatch"`` a full backward runs with sync on every time (each
+# unit reduce-scatters once per microbatch into its sharded gradient; nothing unsharded is held
+# between microbatches), reshard-after-backward still only on the last.
 
 
 # [Note: backward prefetch on stages after the first]
@@ -158,18 +161,19 @@ class Stage(PipelineStage):
     [Note: one reduce-scatter per step under pipelining]."""
 
     def __init__(self, module: nn.Module, stage_index: int, n_stages: int, device: torch.device,
-                 group: dist.ProcessGroup):
+                 group: dist.ProcessGroup, reduce_every_microbatch: bool = False):
         super().__init__(module, stage_index, n_stages, device, group=group)
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        self.reduce_every_microbatch = reduce_every_microbatch  # parallel.grad_reduce = "microbatch"
         if stage_index > 0:  # [Note: backward prefetch on stages after the first]
             blocks = [m for m in self.units if m is not module]
             for i, block in enumerate(blocks):
                 block.set_modules_to_backward_prefetch(blocks[i - 1:i])
 
-    def _set_sync(self, sync: bool) -> None:
+    def _set_sync(self, sync: bool, reshard: bool | None = None) -> None:
         for unit in self.units:
             unit.set_requires_gradient_sync(sync, recurse=False)
-            unit.set_reshard_after_backward(sync, recurse=False)
+            unit.set_reshard_after_backward(sync if reshard is None else reshard, recurse=False)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         with record_function(f"meshpar::pp.forward[{self.stage_index},{fwd_chunk_id}]"):
@@ -201,7 +205,9 @@ class Stage(PipelineStage):
             if backward_type != "full":  # split pass: weights are read from the module, unsharded
                 for unit in self.units:
                     unit.unshard()
-            self._set_sync(backward_type == "full" and last_backward)
+            last = backward_type == "full" and last_backward
+            # reducing every microbatch keeps the parameters gathered until the last one all the same
+            self._set_sync(last or (backward_type == "full" and self.reduce_every_microbatch), reshard=last)
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
@@ -301,8 +307,11 @@ def _recv(peer: int, group: dist.ProcessGroup, device: torch.device) -> torch.Te
 
 def build_schedule(stages: list[tuple[int, nn.Module]], n_stages: int, pp_group: dist.ProcessGroup | DeviceMesh,
                    device: torch.device, name: str, n_microbatches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                   reduce_every_microbatch: bool = False) -> Pipeline:
     """This rank's schedule over its ``stages`` (``[(global index, module)]``, as ``split`` returns).
+    ``reduce_every_microbatch``: FSDP units reduce-scatter after each microbatch's backward
+    instead of once per step (``parallel.grad_reduce``; not for the zero-bubble schedules).
 
     ``loss_fn(outputs, targets)`` returns a microbatch's mean loss; the schedule divides it by
     ``n_microbatches`` before backward (see [Note: one reduce-scatter per step under pipelining]).
@@ -313,7 +322,9 @@ def build_schedule(stages: list[tuple[int, nn.Module]], n_stages: int, pp_group:
     spec = SCHEDULES[name]
     if n_stages != pp * len(stages):
         raise ValueError(f"{n_stages} stages over pp = {pp} ranks is not {len(stages)} per rank")
-    built = [Stage(module, index, n_stages, device, group) for index, module in stages]
+    if reduce_every_microbatch and name in ("zero_bubble", "zbv"):
+        raise ValueError(f"reduce_every_microbatch with the {name} schedule: its split backward reduces once per step")
+    built = [Stage(module, index, n_stages, device, group, reduce_every_microbatch) for index, module in stages]
 
     def scaled_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return loss_fn(outputs, targets) / n_microbatches

@@ -15,11 +15,16 @@
   It is calibrated on a published measurement, not on this repository: no GPU was
   available. torchtitan's Llama 3.1 8B with FSDP on 8 H100s (its docs/performance.md:
   5,762 tokens/s per GPU at local batch 2, sequence 8192, selective checkpointing, eager)
-  is 0.338 of the 17,039 this model predicts at efficiency 1. Out of sample, the same
+  is 0.342 of the 16,869 this model predicts at efficiency 1. Out of sample, the same
   figure predicts torchtitan's Llama 3.1 405B at FSDP 16 x TP 8 on 128 H100s (local batch
-  2, full checkpointing: 109 tokens/s per GPU published) at 86, 21% low; part of that is
-  meshpar's own tensor-parallel backward, which all-reduces where torchtitan's
-  reduce-scatters (twice the bytes), part larger matmuls running closer to peak.
+  2, full checkpointing: 109 tokens/s per GPU published) at 90, 17% low; larger matmuls
+  run closer to peak. Two differences from torchtitan sit inside the 0.34: its selective
+  checkpointing recomputes every second matmul (its op-count policy) where meshpar's keeps
+  every matmul output, so torchtitan executes up to a sixth more matmul FLOPs (half of
+  each block's forward matmuls again) than counted here and predictions for meshpar's
+  "selective" lean slow; and by the same token meshpar's selective keeps
+  more: the 8B configuration above plans at 87.5 GiB here, over an H100's 74.5 usable, which
+  torchtitan ran.
 - Tensor parallel and pipeline transfers sit on the critical path of every microbatch
   (sequence-parallel all-gathers and reduce-scatters run between the matmuls that need
   them; a stage waits for its input); data-parallel collectives (FSDP all-gathers and
@@ -28,11 +33,12 @@
 - The pipeline runs ``n + p - 1`` microbatch slots for n microbatches on p stages (1F1B
   and GPipe), so its bubble is ``(p - 1) / (n + p - 1)`` of the step.
 - Links: a mesh dim's groups stay inside a node when the dim's degree times the degrees
-  of every dim inside it is at most the GPUs per node (tp innermost, so it is the first to
-  stay inside); otherwise they cross nodes and run at the inter-node bandwidth, per GPU
-  per direction. Bytes are ring volumes per rank ([Note: bytes counted] in meshpar/comm.py),
-  counted in the simulated step, at the full link bandwidth, which collectives do not
-  reach: communication times are lower bounds.
+  of every dim inside it divides the GPUs per node (tp innermost, so it is the first to
+  stay inside; tp 3 on nodes of 8 would put a group across two nodes); otherwise they
+  cross nodes and run at the inter-node bandwidth, per GPU per direction. Bytes are ring
+  volumes per rank ([Note: bytes counted] in meshpar/comm.py), counted in the simulated
+  step, at the full link bandwidth, which collectives do not reach: communication times
+  are lower bounds.
 """
 
 from __future__ import annotations
@@ -86,7 +92,7 @@ def _link(dim: str, layout: Layout, gpus_per_node: int, profile: HardwareProfile
     degrees = dict(zip(DIMS, layout.degrees, strict=True))
     outermost = "dp_replicate" if dim == "dp" else dim  # dp: dp_replicate x dp_shard flattened
     span = math.prod(degrees[d] for d in DIMS[DIMS.index(outermost):])  # the dim and every dim inside it
-    if span <= gpus_per_node:
+    if gpus_per_node % span == 0:  # ranks are laid out row-major: a group is `span` consecutive ranks
         return "intra-node", profile.intra_node_gbps
     return "inter-node", profile.inter_node_gbps
 
@@ -103,6 +109,30 @@ def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: i
     return model, model + recomputed * per_block / 3  # a forward is a third of forward + backward
 
 
+def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
+                 profile: HardwareProfile) -> list[DimComm]:
+    """A stage's communication per mesh dim in one step: the bytes of its simulated step, plus
+    the pipeline's transfers by arithmetic: each microbatch a stage sends one fp32 [mb, T/tp, D]
+    to each neighbour (activations on, gradients back) and receives as many over the other
+    direction of the link; an end stage has one neighbour."""
+    t = recipe.train
+    per_dim: Counter = Counter()
+    for (_, dim), nbytes in r.measured.comm_bytes.items():
+        per_dim[dim] += nbytes
+    if layout.pp > 1:
+        hidden = t.micro_batch * (t.seq_len // layout.tp) * args.dim * 4
+        neighbours = (r.stage > 0) + (r.stage < layout.pp - 1)
+        per_dim["pp"] += hidden * accum * neighbours
+    comms = []
+    for dim, nbytes in sorted(per_dim.items(), key=lambda kv: DIMS.index(kv[0]) if kv[0] in DIMS else -1):
+        if dim not in DIMS and dim != "dp":
+            continue
+        link, gbps = _link(dim, layout, gpn, profile)
+        degree = layout.dp if dim == "dp" else getattr(layout, dim)
+        comms.append(DimComm(dim, degree, link, gbps, nbytes, nbytes / (gbps * 1e9), dim not in ("tp", "pp")))
+    return comms
+
+
 def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ranks, accum: int, *,
               gpus_per_node: int | None, efficiency: float, links: LinkDefaults) -> StepTime:
     """The step of the slowest pipeline stage; ``ranks`` are the planner's RankPlans (one per stage)."""
@@ -110,34 +140,15 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
     gpn = gpus_per_node or profile.devices_per_node or links.gpus_per_node
     peak = profile.peak_flops(getattr(torch, p.param_dtype))
     tokens_dp = t.global_batch * t.seq_len / layout.dp  # tokens per step on one data-parallel rank
-    slowest, worst = None, -1.0
+    stages = []  # (compute s, critical comm s, DimComms) per stage; the step is set by the largest sum
     for r in ranks:
         _, executed = _stage_flops_per_token(args, r.layers, r.stage == layout.pp - 1, p.activation_checkpoint,
                                              p.ac_every, t.seq_len)
-        seconds = executed * tokens_dp / layout.tp / (peak * efficiency)
-        if seconds > worst:
-            slowest, worst = r, seconds
-    compute = worst
-    # per mesh dim: bytes per step from the slowest rank's simulated step, pipeline p2p by arithmetic
-    per_dim: Counter = Counter()
-    for (_, dim), nbytes in slowest.measured.comm_bytes.items():
-        per_dim[dim] += nbytes
-    if layout.pp > 1:  # each microbatch: activations to the next stage, gradients back (fp32 [mb, T/tp, D])
-        hidden = t.micro_batch * (t.seq_len // layout.tp) * args.dim * 4
-        per_dim["pp"] += 2 * hidden * accum
-    comms, critical, overlappable = [], 0.0, 0.0
-    for dim, nbytes in sorted(per_dim.items(), key=lambda kv: DIMS.index(kv[0]) if kv[0] in DIMS else -1):
-        if dim not in DIMS and dim != "dp":
-            continue
-        link, gbps = _link(dim, layout, gpn, profile)
-        seconds = nbytes / (gbps * 1e9)
-        overlapped = dim not in ("tp", "pp")
-        degree = layout.dp if dim == "dp" else getattr(layout, dim)
-        comms.append(DimComm(dim, degree, link, gbps, nbytes, seconds, overlapped))
-        if overlapped:
-            overlappable += seconds
-        else:
-            critical += seconds
+        compute = executed * tokens_dp / layout.tp / (peak * efficiency)
+        comms = _stage_comms(r, recipe, layout, args, accum, gpn, profile)
+        stages.append((compute, sum(c.seconds for c in comms if not c.overlapped), comms, r))
+    compute, critical, comms, slowest = max(stages, key=lambda x: x[0] + x[1])
+    overlappable = sum(c.seconds for c in comms if c.overlapped)
     slots = accum + layout.pp - 1
     pipeline = (compute + critical) / accum * slots
     # the first all-gather and the last reduce-scatter of a step cannot hide behind compute

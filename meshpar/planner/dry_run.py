@@ -72,7 +72,6 @@ class RankPlan:
     rank: int
     coordinate: dict[str, int]
     stage: int
-    stages_alike: list[int]  # pipeline stages planned by this rank's simulation (same shapes)
     layers: range
     rows: list[ParamRow]
     n_params: int  # global elements of the parameters of this stage, each counted once
@@ -91,11 +90,6 @@ class RankPlan:
     def actions(self) -> list[tuple[str, int]]:
         """This stage's step as (simulated phase, other microbatches in flight) per forward/backward."""
         return schedule_actions(self.schedule, self.n_microbatches, self.n_stages, self.stage, self.measured.n_run)
-
-    @property
-    def in_flight(self) -> int:
-        """The most microbatches this stage holds at once."""
-        return 1 + max(others for _, others in self.actions)
 
     @property
     def peak_phase(self) -> str:
@@ -182,7 +176,9 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
     simulated: dict[tuple, Measured] = {}
     for s in range(layout.pp):
         rank = s * (world_size // layout.pp)
-        role = (len(layers[s]), s == 0, s == layout.pp - 1)
+        # stages alike in blocks, ends and which blocks are checkpointed (ac_every counts global indices)
+        checkpointed = tuple(i % p.ac_every == 0 for i in layers[s]) if p.activation_checkpoint != "none" else ()
+        role = (len(layers[s]), s == 0, s == layout.pp - 1, checkpointed)
         with fake_world(rank, world_size):
             mesh = meshlib.build(layout, "cpu")
             stages = _build(family, args, mesh, recipe)
@@ -191,8 +187,6 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
                 simulated[role] = simulate(stages, mesh, recipe, accum, nccl=nccl)
             rank_plan.measured = simulated[role]
         ranks.append(rank_plan)
-    for r in ranks:
-        r.stages_alike = [q.stage for q in ranks if q.measured is r.measured]
     n_params = sum(r.n_params for r in ranks)
     time = step_time(recipe, layout, args, profile, ranks, accum, gpus_per_node=gpus_per_node,
                      efficiency=efficiency, links=links or LinkDefaults())
@@ -268,5 +262,5 @@ def _describe(rank: int, mesh: meshlib.Mesh, stages: list[tuple[int, torch.nn.Mo
     p2p = accum * hidden * ends
     optim = 2 * param_bytes + 4 * n_tensors
     schedule = p.pp_schedule if layout.pp > 1 else None
-    return RankPlan(rank, coordinate, index, [index], layers, rows, n_global, param_bytes, param_bytes, optim,
+    return RankPlan(rank, coordinate, index, layers, rows, n_global, param_bytes, param_bytes, optim,
                     _units(stage), p2p, None, schedule, layout.pp, accum)  # measured: set by plan()

@@ -142,9 +142,9 @@ def advice(plan: Plan, r: RankPlan) -> str:
                   f"parameters, best within a node of {plan.time.gpus_per_node})"))
     fixes.append((states, f"raise parallel.dp_shard (now {layout.dp_shard}; shards parameters, gradients and AdamW "
                   f"state, {_g(states)} GiB here) or parallel.pp"))
-    if plan.accum > 1 and layout.pp == 1 and at["Gradient"]:
-        fixes.append((at["Gradient"], f"accumulating {plan.accum} microbatches keeps every unit's unsharded "
-                      f"gradients ({_g(at['Gradient'])} GiB): set train.micro_batch = train.global_batch / "
-                      f"{layout.dp} for one microbatch per step"))
+    if plan.accum > 1 and layout.dp_shard > 1 and p.grad_reduce == "step" and at["Gradient"] > r.grad_bytes:
+        fixes.append((at["Gradient"] - r.grad_bytes, f"accumulating {plan.accum} microbatches keeps every unit's "
+                      f"unsharded gradients ({_g(at['Gradient'])} GiB): set parallel.grad_reduce = \"microbatch\" "
+                      f"(reduce-scatter after each microbatch; gradients stay sharded, {_g(r.grad_bytes)} GiB)"))
     fixes.sort(key=lambda f: -f[0])
     return "to fit: " + "; or ".join(text for _, text in fixes[:3])

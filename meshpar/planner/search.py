@@ -5,7 +5,8 @@
 
 Candidates are every combination of pipeline, tensor and data-parallel degrees (FSDP across
 the data-parallel ranks, or hybrid: sharded within a node, replicated across), micro batch,
-activation checkpointing and, without pipelining, reshard_after_forward, that multiplies to
+activation checkpointing, reshard_after_forward (without pipelining) and when gradients are
+reduced (``parallel.grad_reduce``, with several microbatches under FSDP), that multiplies to
 the GPU count, divides the model's dimensions (the family's own layout check) and splits the
 global batch. None of them is trusted to arithmetic alone.
 
@@ -17,13 +18,14 @@ bounds its tokens/s from above, without a dry run. Candidates are dry-run best b
 best tokens/s among candidates that fit, since no later candidate can beat it, or when the
 time budget is spent (the table then says so). A candidate is skipped without a dry run when
 a variant of the same layout that needs no more memory (a micro batch no larger, at least as
-much checkpointing, resharding if it reshards) did not fit.
+much checkpointing, resharding if it reshards, reducing every microbatch if it does) did not fit.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import multiprocessing
 import time
 from collections.abc import Callable
@@ -35,6 +37,7 @@ from meshpar import recipe as recipelib
 from meshpar.hardware import HardwareProfile
 from meshpar.mesh import resolve
 from meshpar.models import get_family
+from meshpar.parallelize import check_mixed_precision
 from meshpar.pipeline import check_microbatches, stage_layers
 from meshpar.planner.cost import _stage_flops_per_token
 from meshpar.recipe import Recipe, RecipeError
@@ -67,12 +70,14 @@ class Result:
             return f"{' '.join(self.overrides)}: refused: {self.error}"
         o = dict(x.removeprefix("--").split("=", 1) for x in self.overrides)
         ac = o["parallel.activation_checkpoint"].strip('"')
+        reduce = o["parallel.grad_reduce"].strip('"')
         return (f"{self.layout:<42} {o['train.micro_batch']:>3} {ac:<13} {o['parallel.reshard_after_forward']:<7} "
-                f"{self.peak_bytes / 2**30:>9.2f} {self.tokens_per_s:>10,.0f} {100 * self.mfu:>5.1f}%"
+                f"{reduce:<10} {self.peak_bytes / 2**30:>9.2f} {self.tokens_per_s:>10,.0f} {100 * self.mfu:>5.1f}%"
                 + ("" if self.fits else "  does not fit"))
 
 
-HEAD = f"{'layout':<42} {'mb':>3} {'checkpointing':<13} {'reshard':<7} {'peak GiB':>9} {'tokens/s':>10} {'MFU':>6}"
+HEAD = (f"{'layout':<42} {'mb':>3} {'checkpointing':<13} {'reshard':<7} {'grads':<10} {'peak GiB':>9} "
+        f"{'tokens/s':>10} {'MFU':>6}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -99,14 +104,19 @@ def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_no
                         continue
                     n = t.global_batch // (dp * mb)
                     for ac in AC_MODES:
-                        for reshard in ((True, False) if pp == 1 and dp // replicate > 1 else (True,)):
+                        sharded = dp // replicate > 1
+                        for reshard, reduce in itertools.product(
+                                (True, False) if pp == 1 and sharded else (True,),
+                                ("step", "microbatch") if n > 1 and sharded else ("step",)):
                             layout = [f"--parallel.tp={tp}", f"--parallel.pp={pp}",
                                       f"--parallel.dp_replicate={replicate}", f"--parallel.dp_shard={dp // replicate}",
                                       f"--train.micro_batch={mb}", f'--parallel.activation_checkpoint="{ac}"',
-                                      f"--parallel.reshard_after_forward={str(reshard).lower()}"]
+                                      f"--parallel.reshard_after_forward={str(reshard).lower()}",
+                                      f'--parallel.grad_reduce="{reduce}"']
                             try:
                                 cand = recipelib.load(None, [*base, *layout])
                                 family.check_layout(args, resolve(cand.parallel, gpus))
+                                check_mixed_precision(cand.parallel, dp // replicate)
                                 if pp > 1:
                                     check_microbatches("1f1b", n, pp, local_batch=t.global_batch // dp)
                             except RecipeError:
@@ -139,7 +149,8 @@ def _memory_key(overrides: tuple[str, ...]) -> tuple:
     """Orders candidates of one layout by the memory they need, least first."""
     o = dict(x.removeprefix("--").split("=", 1) for x in overrides)
     ac = AC_MODES.index(o["parallel.activation_checkpoint"].strip('"'))
-    return (int(o["train.micro_batch"]), -ac, o["parallel.reshard_after_forward"] == "false")
+    return (int(o["train.micro_batch"]), -ac, o["parallel.reshard_after_forward"] == "false",
+            o["parallel.grad_reduce"].strip('"') == "step")
 
 
 def _same_layout(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
@@ -148,9 +159,10 @@ def _same_layout(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
 
 def _needs_more(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     """Candidate ``a`` needs at least the memory of ``b``: the same layout, a micro batch at least
-    as large, no more checkpointing, and it keeps parameters gathered if ``b`` does."""
+    as large, no more checkpointing, it keeps parameters gathered if ``b`` does, and it holds
+    unsharded gradients across microbatches if ``b`` does."""
     ka, kb = _memory_key(a), _memory_key(b)
-    return _same_layout(a, b) and ka[0] >= kb[0] and ka[1] >= kb[1] and ka[2] >= kb[2]
+    return _same_layout(a, b) and all(x >= y for x, y in zip(ka, kb, strict=True))
 
 
 def evaluate(base: list[str], overrides: tuple[str, ...], gpus: int, profile: HardwareProfile,

@@ -8,8 +8,9 @@ The stages come from meshpar's own parallelize path, built on meta in a fake pro
 (``dry_run.py``). Here they are materialized as ``FakeTensor``s (``to_empty`` under
 ``FakeTensorMode``: shapes, dtypes and storages of the real sizes, no memory, no arithmetic)
 and run through the steps ``meshpar.train`` runs: forward and backward per microbatch with
-gradient sync only on the last (FSDP units all-gather, prefetch, reshard and reduce-scatter
-as they do on a GPU), the pipeline's own sync switches per microbatch, the data-parallel and
+gradient sync only on the last, or on each (``parallel.grad_reduce``) (FSDP units all-gather,
+prefetch, reshard and reduce-scatter as they do on a GPU), the pipeline's own sync switches per
+microbatch, the data-parallel and
 tensor-parallel gradient reductions, and gradient clipping. A tracker (meshpar's
 ``AllocationTracker``) follows every storage created, freed or resized, phase by phase.
 
@@ -31,10 +32,10 @@ tensor-parallel gradient reductions, and gradient clipping. A tracker (meshpar's
   once by ``torch.distributed.pipelining`` and kept) are arithmetic from the stage's shapes.
 
 [Note: how close the simulated peak is]
-``tests/benchmarks/calibrate_plan.py`` trains the debug Llama on gloo in 12 layouts (1D, 2D,
-3D, hybrid, replicated, gradient accumulation, no/selective/full checkpointing, bf16, 1F1B
-and GPipe) and compares each stage's measured peak (AllocationTracker over a real step) with
-this one: within 0.01% without pipelining, +0.4% to +0.8% with it (the planned side higher).
+``tests/benchmarks/calibrate_plan.py`` trains the debug Llama on gloo in 14 layouts (1D, 2D,
+3D, hybrid, replicated, gradient accumulation reduced per step or per microbatch,
+no/selective/full checkpointing, bf16, 1F1B and GPipe) and compares each stage's measured peak
+(AllocationTracker over a real step) with this one: within 0.02% without pipelining, +0.4% to +0.8% with it (the planned side higher).
 That checks the simulation against the code it simulates, on CPU. What it cannot check is
 what only a GPU has: the caching allocator's fragmentation, cuBLAS and NCCL workspaces (left
 to the margin of [Note: usable device memory]), and kernels that save other tensors than the
@@ -254,7 +255,8 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
         (index, stage), = stages  # one stage per rank (checked by the planner)
         n_stages = layout.pp
         first, last = index == 0, index == n_stages - 1
-        pipe = Stage(stage, index, n_stages, device, mesh["pp"].get_group()) if n_stages > 1 else None
+        every = p.grad_reduce == "microbatch"  # reduce-scatter after every microbatch
+        pipe = Stage(stage, index, n_stages, device, mesh["pp"].get_group(), every) if n_stages > 1 else None
         tokens = torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long)
         dim = _hidden_dim(stage)
         seq = t.seq_len // layout.tp
@@ -268,7 +270,7 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
             for i in range(n_run):
                 sync = i == n_run - 1
                 if sharded and pipe is None:
-                    stage.set_requires_gradient_sync(sync)
+                    stage.set_requires_gradient_sync(sync or every)
                 with tracker.phase(phases.setdefault(f"F{i}", Phase())), loss_parallel_context(loss_parallel):
                     out = stage(tokens if first else inputs[i])
                     loss = cross_entropy(out, tokens) / accum if last else None

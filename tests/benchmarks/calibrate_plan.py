@@ -50,6 +50,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
                                 '--parallel.activation_checkpoint="full"']),
     "dp_shard 2, accum 2, keep": (2, ["--parallel.dp_shard=2", "--train.global_batch=16", "--train.micro_batch=4",
                                       "--parallel.reshard_after_forward=false"]),
+    "dp_shard 2, accum 4, reduce every microbatch": (2, ["--parallel.dp_shard=2", "--train.global_batch=16",
+                                                         "--train.micro_batch=2",
+                                                         '--parallel.grad_reduce="microbatch"']),
     "dp_replicate 2": (2, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--train.global_batch=8",
                            "--train.micro_batch=4"]),
     "hybrid 2 x 2, bf16": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.global_batch=16",
@@ -64,6 +67,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
                                     "--train.micro_batch=2"]),
     "pp 2 x dp_shard 2 x tp 2": (8, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2",
                                      "--train.global_batch=16", "--train.micro_batch=2"]),
+    "pp 2 x dp_shard 2, reduce every microbatch": (4, ["--parallel.pp=2", "--parallel.dp_shard=2",
+                                                       "--train.global_batch=16", "--train.micro_batch=2",
+                                                       '--parallel.grad_reduce="microbatch"']),
     "pp 2 x tp 2, gpipe, full AC": (4, ["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.tp=2",
                                         "--train.global_batch=8", "--train.micro_batch=2",
                                         '--parallel.pp_schedule="gpipe"', '--parallel.activation_checkpoint="full"']),
@@ -95,7 +101,8 @@ def measure_rank(overrides: list[str], steps: int) -> tuple[int, int]:
     stages = build(family.model_cls, args, family.parallelize, mesh, p, device, t.seed)
     pipeline = None
     if layout.pp > 1:
-        pipeline = build_schedule(stages, layout.pp, mesh["pp"], device, p.pp_schedule, accum, cross_entropy)
+        pipeline = build_schedule(stages, layout.pp, mesh["pp"], device, p.pp_schedule, accum, cross_entropy,
+                                  reduce_every_microbatch=p.grad_reduce == "microbatch")
     model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, layout.tp > 1 and p.loss_parallel)
     sharded = isinstance(model.stages[0], FSDPModule)
     optimizer = build_optimizer(model.stages, recipe.optim)
@@ -104,7 +111,7 @@ def measure_rank(overrides: list[str], steps: int) -> tuple[int, int]:
     pp_groups = [mesh["pp"].get_group()] if layout.pp > 1 else []
 
     def step() -> None:  # meshpar.train._train_loop's step, less metrics
-        _forward_backward(model, loader, accum, device, sharded)
+        _forward_backward(model, loader, accum, device, sharded, every_microbatch=p.grad_reduce == "microbatch")
         if not sharded:
             all_reduce_gradients(model.stages, mesh["dp_replicate"])
             if layout.tp > 1:
@@ -149,7 +156,7 @@ def main() -> None:
     args = ap.parse_args()
     names = list(LAYOUTS)
     chosen = names if args.layouts == "all" else [names[int(i) - 1] for i in args.layouts.split(",")]
-    print(f"{'layout':<36} {'ranks':>5} {'stage':>5} {'measured MiB':>13} {'planned MiB':>12} {'error':>8}")
+    print(f"{'layout':<46} {'ranks':>5} {'stage':>5} {'measured MiB':>13} {'planned MiB':>12} {'error':>8}")
     worst = 0.0
     for name in chosen:
         world, extra = LAYOUTS[name]
@@ -162,7 +169,7 @@ def main() -> None:
         for stage in sorted(measured):
             error = planned[stage] / measured[stage] - 1
             worst = max(worst, abs(error))
-            print(f"{name:<36} {world:>5} {stage:>5} {measured[stage] / 2**20:>13.2f} {planned[stage] / 2**20:>12.2f} "
+            print(f"{name:<46} {world:>5} {stage:>5} {measured[stage] / 2**20:>13.2f} {planned[stage] / 2**20:>12.2f} "
                   f"{100 * error:>+7.2f}%   ({time.perf_counter() - start:.0f} s)", flush=True)
     print(f"largest error: {100 * worst:.2f}% (goal: within 5%)")
 
