@@ -138,8 +138,9 @@ def advice(plan: Plan, r: RankPlan) -> str:
     if in_flight:
         fixes.append((in_flight, f"stage {r.stage} holds {r.others_at_peak + 1} microbatches at once under "
                       f"{p.pp_schedule}: fewer pipeline stages (parallel.pp, now {layout.pp}) hold fewer"))
-    fixes.append((activations + gathered, f"raise parallel.tp (now {layout.tp}; divides activations and gathered "
-                  f"parameters, best within a node of {plan.time.gpus_per_node})"))
+    if layout.tp < plan.time.gpus_per_node:  # past a node, tp's collectives would cross the network
+        fixes.append((activations + gathered, f"raise parallel.tp (now {layout.tp}; divides activations and "
+                      f"gathered parameters, best within a node of {plan.time.gpus_per_node})"))
     fixes.append((states, f"raise parallel.dp_shard (now {layout.dp_shard}; shards parameters, gradients and AdamW "
                   f"state, {_g(states)} GiB here) or parallel.pp"))
     if plan.accum > 1 and layout.dp_shard > 1 and p.grad_reduce == "step" and at["Gradient"] > r.grad_bytes:

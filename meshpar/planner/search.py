@@ -3,12 +3,13 @@
     results = search("llama", "70b", gpus=64, profile=profile, seq_len=8192, global_batch=16)
     results[0].recipe    # the best: a Recipe whose dry run fits, the highest predicted tokens/s
 
-Candidates are every combination of pipeline, tensor and data-parallel degrees (FSDP across
+Candidates are the combinations of pipeline, tensor and data-parallel degrees (tp a divisor of
+the GPUs per node, pp at most 16 and at most half the blocks; FSDP across
 the data-parallel ranks, or hybrid: sharded within a node, replicated across), micro batch,
 activation checkpointing, reshard_after_forward (without pipelining) and when gradients are
-reduced (``parallel.grad_reduce``, with several microbatches under FSDP), that multiplies to
-the GPU count, divides the model's dimensions (the family's own layout check) and splits the
-global batch. None of them is trusted to arithmetic alone.
+reduced (``parallel.grad_reduce``, with several microbatches under FSDP), micro batch 1, 2 or
+4, that multiply to the GPU count, divide the model's dimensions (the family's own layout
+check) and split the global batch. None of them is trusted to arithmetic alone.
 
 [Note: branch and bound over dry runs]
 A candidate's predicted step is at least its compute time stretched by the pipeline bubble
@@ -71,7 +72,8 @@ class Result:
         o = dict(x.removeprefix("--").split("=", 1) for x in self.overrides)
         ac = o["parallel.activation_checkpoint"].strip('"')
         reduce = o["parallel.grad_reduce"].strip('"')
-        return (f"{self.layout:<42} {o['train.micro_batch']:>3} {ac:<13} {o['parallel.reshard_after_forward']:<7} "
+        reshard = o["parallel.reshard_after_forward"] if o["parallel.pp"] == "1" else "kept"  # pp: units keep them
+        return (f"{self.layout:<42} {o['train.micro_batch']:>3} {ac:<13} {reshard:<7} "
                 f"{reduce:<10} {self.peak_bytes / 2**30:>9.2f} {self.tokens_per_s:>10,.0f} {100 * self.mfu:>5.1f}%"
                 + ("" if self.fits else "  does not fit"))
 

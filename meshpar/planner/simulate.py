@@ -35,7 +35,8 @@ tensor-parallel gradient reductions, and gradient clipping. A tracker (meshpar's
 ``tests/benchmarks/calibrate_plan.py`` trains the debug Llama on gloo in 14 layouts (1D, 2D,
 3D, hybrid, replicated, gradient accumulation reduced per step or per microbatch,
 no/selective/full checkpointing, bf16, 1F1B and GPipe) and compares each stage's measured peak
-(AllocationTracker over a real step) with this one: within 0.02% without pipelining, +0.4% to +0.8% with it (the planned side higher).
+(AllocationTracker over a real step) with this one: within 0.02% without pipelining, +0.4%
+to +0.8% with it (the planned side higher).
 That checks the simulation against the code it simulates, on CPU. What it cannot check is
 what only a GPU has: the caching allocator's fragmentation, cuBLAS and NCCL workspaces (left
 to the margin of [Note: usable device memory]), and kernels that save other tensors than the
