@@ -25,8 +25,9 @@ from pathlib import Path
 
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
+from meshpar.preflight import preflight
 from meshpar.recipe import RecipeError
-from meshpar.train import preflight, train
+from meshpar.train import train
 
 EPILOG = ("Override any recipe key as --section.key=value (e.g. --train.steps=50 --parallel.dp_replicate=2); "
           "see `meshpar recipe --keys`. Precedence: command line > recipe file > defaults.")

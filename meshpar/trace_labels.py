@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed.pipelining import schedules as _torch_schedules
+from torch.utils._pytree import tree_leaves
 
 
 def profiler_on() -> bool:
@@ -95,14 +96,8 @@ class _BackwardRange:
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:
-    """The tensors that need a gradient in a value, or a (nested) tuple / list / dict of values."""
-    if isinstance(values, torch.Tensor):
-        return [values] if values.requires_grad else []
-    if isinstance(values, tuple | list):
-        return [t for v in values for t in _tensors(v)]
-    if isinstance(values, dict):
-        return [t for v in values.values() for t in _tensors(v)]
-    return []
+    """The tensors that need a gradient among a (nested) tuple / list / dict of values."""
+    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _labelled(kind: str, where: str, fn: Callable[..., Any], inputs: Any, *args: Any) -> Any:
@@ -122,20 +117,13 @@ def run_labelled(kind: str, where: str, fn: Callable[[Any], Any], x: Any) -> Any
     return _labelled(kind, where, fn, x, x) if profiler_on() else fn(x)
 
 
-def _labelled_pre_hook(hook: Callable, kind: str, where: str) -> Callable:
-    def wrapped(module: nn.Module, args: tuple, *kwargs: dict):
-        if not profiler_on():
-            return hook(module, args, *kwargs)
-        return _labelled(kind, where, hook, (args, *kwargs), module, args, *kwargs)
-
-    return wrapped
-
-
-def _labelled_hook(hook: Callable, kind: str, where: str) -> Callable:
-    def wrapped(module: nn.Module, args: tuple, *rest: Any):
+def _labelled_hook(hook: Callable, kind: str, where: str, *, pre: bool) -> Callable:
+    """A forward pre-hook (``pre``) or forward hook run by ``_labelled`` while profiling; the
+    region's inputs are the module's inputs (pre) or the output the hook transforms."""
+    def wrapped(module: nn.Module, args: tuple, *rest: Any):  # rest: ([kwargs]) or ([kwargs,] output)
         if not profiler_on():
             return hook(module, args, *rest)
-        return _labelled(kind, where, hook, rest[-1], module, args, *rest)  # rest: ([kwargs,] output)
+        return _labelled(kind, where, hook, (args, *rest) if pre else rest[-1], module, args, *rest)
 
     return wrapped
 
@@ -152,10 +140,10 @@ def label_new_hooks(module: nn.Module, before: tuple[set[int], set[int]], dim: s
     where = path or "model"
     for hid, hook in list(module._forward_pre_hooks.items()):
         if hid not in before[0]:
-            module._forward_pre_hooks[hid] = _labelled_pre_hook(hook, f"{dim}.input", where)
+            module._forward_pre_hooks[hid] = _labelled_hook(hook, f"{dim}.input", where, pre=True)
     for hid, hook in list(module._forward_hooks.items()):
         if hid not in before[1]:
-            module._forward_hooks[hid] = _labelled_hook(hook, f"{dim}.output", where)
+            module._forward_hooks[hid] = _labelled_hook(hook, f"{dim}.output", where, pre=False)
 
 
 # --- pipeline point-to-point ----------------------------------------------------------------

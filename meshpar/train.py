@@ -39,20 +39,19 @@ from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
 from meshpar.checkpoint import Checkpointer, RunState, optimizer_state, param_names
 from meshpar.clip import clip_grad_norm_
-from meshpar.data import BatchLoader, Corpus, prepare
+from meshpar.data import BatchLoader
 from meshpar.fsdp import FSDPModule
 from meshpar.hardware import HardwareProfile, load_profile
 from meshpar.metrics import MetricsLogger, Progress, peak_memory_gb
-from meshpar.models import Family, get_family
 from meshpar.optim import build_lr_schedule, build_optimizer
-from meshpar.parallelize import build, check_mixed_precision
-from meshpar.pipeline import Pipeline, build_schedule, check_microbatches, stage_layers
+from meshpar.parallelize import build
+from meshpar.pipeline import Pipeline, build_schedule
+from meshpar.preflight import Preflight, preflight
 from meshpar.profiling import StepProfiler, label
-from meshpar.profiling import check as check_profile
 from meshpar.recipe import Recipe, RecipeError
 from meshpar.replicate import all_reduce_gradients
 from meshpar.runtime import RankInfo, init_process_group, rank_info, select_device
-from meshpar.tensor_parallel import check_seq_len, loss_parallel_context, reduce_partial_grads
+from meshpar.tensor_parallel import loss_parallel_context, reduce_partial_grads
 from meshpar.trace_labels import run_labelled
 
 
@@ -68,18 +67,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _plain(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (under loss parallel it is a replicated DTensor scalar)."""
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-
-def _check_batch(recipe: Recipe, layout: meshlib.Layout) -> int:
-    """Gradient-accumulation depth, or a RecipeError naming the batch keys and working values."""
-    t = recipe.train
-    per_step = t.micro_batch * layout.dp
-    if t.global_batch % per_step:
-        fits = [m for m in range(1, t.global_batch + 1) if t.global_batch % (m * layout.dp) == 0]
-        raise RecipeError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
-                          f"({t.micro_batch}) x data-parallel degree ({layout.dp}); micro_batch values that fit: "
-                          f"{fits or 'none: raise global_batch to a multiple of ' + str(layout.dp)}")
-    return t.global_batch // per_step
 
 
 @torch.no_grad()
@@ -109,64 +96,6 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
         dist.all_reduce(total, group=mesh["pp"].get_group())
     dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
     return total.item()
-
-
-@dataclass(frozen=True)
-class Preflight:
-    """What a run is made of, found before any process group exists."""
-
-    layout: meshlib.Layout
-    accum: int  # microbatches per optimizer step on each rank
-    family: Family
-    args: Any  # the family's model args
-    corpus: Corpus
-
-
-def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, Family, Any]:
-    """The checks of a recipe's layout against its model at ``world_size`` that need neither data
-    nor a process group (``meshpar plan`` runs them too): (layout, microbatches per step,
-    family, model args); raises RecipeError naming the key to change."""
-    t = recipe.train
-    layout = meshlib.resolve(recipe.parallel, world_size)
-    family = get_family(recipe.model.family)
-    family.check_degrees(dataclasses.asdict(layout))
-    accum = _check_batch(recipe, layout)
-    args = family.model_args(recipe.model)
-    family.check_layout(args, layout)
-    check_seq_len(t.seq_len, layout.tp)
-    check_mixed_precision(recipe.parallel, layout.dp_shard)
-    check_profile(recipe.profile, world_size)
-    if layout.pp > 1:
-        p = recipe.parallel
-        stage_layers(args.n_layers, layout.pp * p.pp_virtual_stages, p.pp_boundaries)  # raises naming the key
-        check_microbatches(p.pp_schedule, accum, layout.pp, p.pp_virtual_stages,
-                           local_batch=t.global_batch // layout.dp, key="train.micro_batch")
-        if p.grad_reduce == "microbatch" and p.pp_schedule in ("zero_bubble", "zbv"):
-            raise RecipeError(f"parallel.grad_reduce = 'microbatch' with parallel.pp_schedule = {p.pp_schedule!r}: "
-                              f"the zero-bubble schedules split backward into input and weight passes and reduce "
-                              f"once per step; use grad_reduce = 'step', or a 1f1b / gpipe / interleaved_1f1b "
-                              f"schedule", key="parallel.grad_reduce")
-    if t.seq_len > args.max_seq_len:
-        raise RecipeError(f"train.seq_len ({t.seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}) "
-                          f"for {family.name} {recipe.model.size}")
-    return layout, accum, family, args
-
-
-def preflight(recipe: Recipe, world_size: int) -> Preflight:
-    """Every check that needs no process group; raises RecipeError naming the key to change.
-
-    ``meshpar train`` runs it before starting ranks, and each rank again before it joins.
-    """
-    t = recipe.train
-    layout, accum, family, args = check_layout(recipe, world_size)
-    if t.eval_every and recipe.data.val_fraction == 0:
-        raise RecipeError("train.eval_every > 0 needs held-out data; set data.val_fraction > 0 or "
-                          "train.eval_every = 0")
-    corpus = prepare(recipe.data)
-    if corpus.vocab_size > args.vocab_size:
-        raise RecipeError(f"the data has {corpus.vocab_size} token ids but model.vocab_size is {args.vocab_size}; "
-                          f"set model.vocab_size = {corpus.vocab_size} (or a smaller data.vocab_size)")
-    return Preflight(layout, accum, family, args, corpus)
 
 
 @dataclass

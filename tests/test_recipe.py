@@ -18,8 +18,8 @@ import pytest
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
 from meshpar.models import FAMILIES, NOT_BUILT, get_family
+from meshpar.preflight import preflight
 from meshpar.recipe import SECTIONS, ParallelConfig, Recipe, RecipeError, dumps, load, parse_override
-from meshpar.train import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from meshpar import recipe as recipelib
-from meshpar.train import preflight, train
+from meshpar.preflight import preflight
+from meshpar.train import train
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,14 +47,15 @@ class ScheduleSpec:
     cls: type
     style: str  # stage placement, meshpar.pipeline.split.stage_ids: "loop" or "v"
     multi: bool  # takes a list of stages per rank (virtual stages) rather than exactly one
+    split_backward: bool = False  # backward as separate input and weight passes (gradients reduced once per step)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
     "gpipe": ScheduleSpec(ScheduleGPipe, "loop", multi=False),
     "1f1b": ScheduleSpec(Schedule1F1B, "loop", multi=False),
     "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "loop", multi=True),
-    "zero_bubble": ScheduleSpec(ScheduleInterleavedZeroBubble, "loop", multi=True),
-    "zbv": ScheduleSpec(ScheduleZBVZeroBubble, "v", multi=True),
+    "zero_bubble": ScheduleSpec(ScheduleInterleavedZeroBubble, "loop", multi=True, split_backward=True),
+    "zbv": ScheduleSpec(ScheduleZBVZeroBubble, "v", multi=True, split_backward=True),
 }
 
 # [Note: microbatch counts each schedule runs]
@@ -184,21 +185,20 @@ class Stage(PipelineStage):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     # point-to-point transfers, labelled meshpar::pp.<send|recv>_<forward|backward>[stage,microbatch]
+    def _tagged(self, ops: list[dist.P2POp], what: str, chunk: int) -> list[dist.P2POp]:
+        return label_p2p_ops(ops, f"pp.{what}[{self.stage_index},{chunk}]")
+
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return label_p2p_ops(super().get_fwd_recv_ops(fwd_chunk_id),
-                             f"pp.recv_forward[{self.stage_index},{fwd_chunk_id}]")
+        return self._tagged(super().get_fwd_recv_ops(fwd_chunk_id), "recv_forward", fwd_chunk_id)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return label_p2p_ops(super().get_fwd_send_ops(fwd_chunk_id),
-                             f"pp.send_forward[{self.stage_index},{fwd_chunk_id}]")
+        return self._tagged(super().get_fwd_send_ops(fwd_chunk_id), "send_forward", fwd_chunk_id)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return label_p2p_ops(super().get_bwd_recv_ops(bwd_chunk_id),
-                             f"pp.recv_backward[{self.stage_index},{bwd_chunk_id}]")
+        return self._tagged(super().get_bwd_recv_ops(bwd_chunk_id), "recv_backward", bwd_chunk_id)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return label_p2p_ops(super().get_bwd_send_ops(bwd_chunk_id),
-                             f"pp.send_backward[{self.stage_index},{bwd_chunk_id}]")
+        return self._tagged(super().get_bwd_send_ops(bwd_chunk_id), "send_backward", bwd_chunk_id)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if self.units:
@@ -322,7 +322,7 @@ def build_schedule(stages: list[tuple[int, nn.Module]], n_stages: int, pp_group:
     spec = SCHEDULES[name]
     if n_stages != pp * len(stages):
         raise ValueError(f"{n_stages} stages over pp = {pp} ranks is not {len(stages)} per rank")
-    if reduce_every_microbatch and name in ("zero_bubble", "zbv"):
+    if reduce_every_microbatch and spec.split_backward:
         raise ValueError(f"reduce_every_microbatch with the {name} schedule: its split backward reduces once per step")
     built = [Stage(module, index, n_stages, device, group, reduce_every_microbatch) for index, module in stages]
 

@@ -39,8 +39,8 @@ from meshpar.models import get_family
 from meshpar.pipeline import split, stage_layers
 from meshpar.planner.cost import LinkDefaults, StepTime, step_time
 from meshpar.planner.simulate import Measured, schedule_actions, simulate
+from meshpar.preflight import check_layout
 from meshpar.recipe import Recipe, RecipeError
-from meshpar.train import check_layout
 
 PLANNED_SCHEDULES = ("1f1b", "gpipe")
 

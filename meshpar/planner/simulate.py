@@ -10,8 +10,7 @@ The stages come from meshpar's own parallelize path, built on meta in a fake pro
 and run through the steps ``meshpar.train`` runs: forward and backward per microbatch with
 gradient sync only on the last, or on each (``parallel.grad_reduce``) (FSDP units all-gather,
 prefetch, reshard and reduce-scatter as they do on a GPU), the pipeline's own sync switches per
-microbatch, the data-parallel and
-tensor-parallel gradient reductions, and gradient clipping. A tracker (meshpar's
+microbatch, the data-parallel and tensor-parallel gradient reductions, and gradient clipping. A tracker (meshpar's
 ``AllocationTracker``) follows every storage created, freed or resized, phase by phase.
 
 [Note: what the simulation leaves to arithmetic]

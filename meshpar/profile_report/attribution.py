@@ -3,15 +3,16 @@
 [Note: the mesh dim of a collective]
 An issue op on the main thread (the outermost ``c10d::*`` / ``_c10d_functional::*`` op) takes
 its dim from the enclosing ``meshpar::comm.<op>[<dim>]`` label, or is ``tp`` inside a
-``meshpar::tp.*`` label and ``pp`` inside a ``meshpar::pp.send_* / recv_*`` one (meshpar/
-trace_labels.py); an unlabelled op is ``?`` (for example the loss all-reduce of a log step). The work itself runs on a
-gloo worker thread, which serves one process group, hence one dim: each of its events votes for
-the dim of the latest compatible issue op before it, the thread takes the majority, and its
-events then match that dim's issue ops first in, first out, for the op name (gloo runs a
-reduce-scatter as an all-to-all or an all-reduce; the report says reduce_scatter). Calls per
-(op, dim) are counted from the labels (plus unlabelled issue ops); bytes come from the
-header's accounting, since a trace records no sizes. Per-collective exposed times can overlap
-each other when two collectives run at once; the rank's exposed total counts each instant once.
+``meshpar::tp.*`` label and ``pp`` inside a ``meshpar::pp.send_* / recv_*`` one
+(meshpar/trace_labels.py); an unlabelled op is ``?`` (for example the loss all-reduce of a
+log step). The work itself runs on a gloo worker thread, which serves one process group,
+hence one dim: each of its events votes for the dim of the latest compatible issue op before
+it, the thread takes the majority, and its events then match that dim's issue ops first in,
+first out, for the op name (gloo runs a reduce-scatter as an all-to-all or an all-reduce; the
+report says reduce_scatter). Calls per (op, dim) are counted from the labels (plus unlabelled
+issue ops); bytes come from the header's accounting, since a trace records no sizes.
+Per-collective exposed times can overlap each other when two collectives run at once; the
+rank's exposed total counts each instant once.
 """
 
 from __future__ import annotations

@@ -34,9 +34,10 @@ from meshpar.parallelize import build
 from meshpar.pipeline import build_schedule
 from meshpar.plan import load_hardware
 from meshpar.planner import plan
+from meshpar.preflight import _check_batch
 from meshpar.replicate import all_reduce_gradients
 from meshpar.tensor_parallel import reduce_partial_grads
-from meshpar.train import Model, _check_batch, _forward_backward, cross_entropy
+from meshpar.train import Model, _forward_backward, cross_entropy
 from tests.distributed import run_distributed
 
 BASE = ["--model.size=debug", "--model.vocab_size=8192", "--train.seq_len=256", "--metrics.hardware=cpu",
