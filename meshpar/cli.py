@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from meshpar import profile_report
+    from meshpar.profiling import report as profile_report
 
     if args.action == "summarize":
         return profile_report.summarize_cli(args.dir, top=args.top)
@@ -163,8 +163,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["plan"]:  # its own argument parser (meshpar/plan.py)
-        from meshpar.plan import main as plan_main
+    if argv[:1] == ["plan"]:  # its own argument parser (meshpar/planner/cli.py)
+        from meshpar.planner.cli import main as plan_main
 
         sys.exit(plan_main(argv[1:]))
     parser = _parser()

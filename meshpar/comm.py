@@ -39,6 +39,7 @@ ideally counts ``3 * Psi * (N-1)/N * element_size`` bytes.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,7 +48,27 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from meshpar.memory import comm_buffers
+# [Note: communication buffers are tagged here, counted elsewhere]
+# Storages allocated inside ``comm_buffers()`` are collective buffers. Only a thread-local depth
+# lives here, so FSDP can mark its buffers without importing the memory tracker that reads the
+# mark (meshpar/profiling/memory.py, through ``in_comm_buffers()``).
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def comm_buffers() -> Iterator[None]:
+    """Storages allocated in this block (on this thread) are communication buffers."""
+    depth = getattr(_scope, "depth", 0)
+    _scope.depth = depth + 1
+    try:
+        yield
+    finally:
+        _scope.depth = depth
+
+
+def in_comm_buffers() -> bool:
+    """Whether this thread is inside a ``comm_buffers()`` block."""
+    return getattr(_scope, "depth", 0) > 0
 
 
 @dataclass(eq=False)  # compared by identity: nested count() blocks must each remove their own

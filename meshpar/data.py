@@ -50,6 +50,7 @@ import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from meshpar.checkpoint.atomic import fsync_dir, write_atomic
 from meshpar.recipe import DataConfig, RecipeError
 
 EOT = "<|endoftext|>"
@@ -206,19 +207,19 @@ def _build_entry(tmp: Path, docs: list[str], text: str, cfg: DataConfig, name: s
         tok = BPETokenizer.train(docs, cfg.vocab_size)
         trained = time.perf_counter()
         ids = tok.encode_stream(text)
-        _write(tmp / "tokenizer.json", tok.tok.to_str().encode())
+        write_atomic(tmp / "tokenizer.json", tok.tok.to_str().encode())
         vocab_size = tok.vocab_size
     else:
         trained = start
         ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         vocab_size = 256
     dtype = "<u2" if vocab_size <= 1 << 16 else "<u4"
-    _write(tmp / "tokens.bin", ids.astype(dtype).tobytes())
+    write_atomic(tmp / "tokens.bin", ids.astype(dtype).tobytes())
     meta = {"version": CACHE_VERSION, "source": name, "tokenizer": cfg.tokenizer, "vocab_size": vocab_size,
             "dtype": dtype, "n_tokens": len(ids), "n_docs": len(docs), "text_bytes": len(text.encode("utf-8")),
             "train_seconds": round(trained - start, 3), "tokenize_seconds": round(time.perf_counter() - trained, 3),
             "built_by": {"host": socket.gethostname(), "pid": os.getpid()}}
-    _write(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+    write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode())
 
 
 def _cached(root: Path, key: str, build) -> Path:
@@ -241,16 +242,10 @@ def _cached(root: Path, key: str, build) -> Path:
             try:
                 build(tmp)
                 os.replace(tmp, entry)
+                fsync_dir(root)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return entry
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _token_file(cfg: DataConfig) -> np.ndarray:

@@ -90,7 +90,7 @@ def build(model_cls: type[nn.Module], args, parallelize: Callable[..., nn.Module
           device: torch.device, seed: int) -> list[tuple[int, nn.Module]]:
     """This rank's stages of the model, parallelized and initialized: ``[(stage index, module)]``.
 
-    Every stage is initialized from the same base seed, so by meshpar.init's layout-independent
+    Every stage is initialized from the same base seed, so by meshpar.models.init's layout-independent
     initialization each holds exactly the values of the same layers of the whole model.
     """
     with torch.device("meta"):

@@ -18,7 +18,7 @@ from meshpar.data import Corpus, prepare
 from meshpar.models import Family, get_family
 from meshpar.parallelize import check_mixed_precision
 from meshpar.pipeline import SCHEDULES, check_microbatches, stage_layers
-from meshpar.profiling import check as check_profile
+from meshpar.profiling.capture import check as check_profile
 from meshpar.recipe import Recipe, RecipeError
 from meshpar.tensor_parallel import check_seq_len
 

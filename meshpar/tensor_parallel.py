@@ -46,8 +46,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshpar import comm
+from meshpar.profiling.labels import hook_ids, label_new_hooks, run_labelled
 from meshpar.recipe import RecipeError
-from meshpar.trace_labels import hook_ids, label_new_hooks, run_labelled
 
 # [Note: the residual stream is a DTensor]
 # Between blocks the hidden states h[B, T, D] are a DTensor placed Shard(1) on tp: each rank
@@ -143,7 +143,7 @@ class ReplicateParallel(ParallelStyle):
 # is [q_r | k_r | v_r] (3*D/tp rows), and the model's rearrange "(three h d)" then yields
 # its own H/tp heads of q, k and v. As a DTensor this is _StridedShard(0, split_factor=3):
 # split the rows into 3 chunks, shard each chunk over tp, concatenate a rank's pieces. The
-# global view (full_tensor(), checkpoints, meshpar.init) is the unsharded weight itself,
+# global view (full_tensor(), checkpoints, meshpar.models.init) is the unsharded weight itself,
 # so layouts stay interchangeable. DTensor's linear propagates the placement to the output
 # (_StridedShard(-1, 3)), whose local tensor is exactly [q_r | k_r | v_r] per token.
 
@@ -282,7 +282,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
     """Apply ``plan`` to ``model`` (a whole model or a pipeline stage) on the 1-D ``tp_mesh``, in place.
 
     Call it on the model as built on meta, before ``fully_shard``, ``to_empty`` and
-    ``init_weights`` (only local shards are allocated; meshpar.init fills them with the
+    ``init_weights`` (only local shards are allocated; meshpar.models.init fills them with the
     values one process would have). Tied parameters stay one Parameter. At a stage boundary
     (``plan.embedding`` or ``plan.output`` missing), the stage takes and returns local
     sequence-sharded hidden states [B, T/tp, D]; see [Note: the residual stream is a DTensor].

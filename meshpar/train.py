@@ -9,7 +9,7 @@ starts on each local rank. The data flow (shared/DESIGN.md):
       -> loop: batch -> forward/backward per microbatch (or the pipeline schedule)
       -> gradient sync -> clip across every mesh dim -> step -> metrics -> maybe save
     (a complete checkpoint in checkpoint.dir, or checkpoint.load_from, is loaded before the
-    first step, resharded to this layout: meshpar/checkpoint.py)
+    first step, resharded to this layout: meshpar/checkpoint/checkpointer.py)
 
 [Note: losses do not depend on the layout]
 Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
@@ -47,12 +47,12 @@ from meshpar.optim import build_lr_schedule, build_optimizer
 from meshpar.parallelize import build
 from meshpar.pipeline import Pipeline, build_schedule
 from meshpar.preflight import Preflight, preflight
-from meshpar.profiling import StepProfiler, label
+from meshpar.profiling.capture import StepProfiler, label
+from meshpar.profiling.labels import run_labelled
 from meshpar.recipe import Recipe, RecipeError
 from meshpar.replicate import all_reduce_gradients
 from meshpar.runtime import RankInfo, init_process_group, rank_info, select_device
 from meshpar.tensor_parallel import loss_parallel_context, reduce_partial_grads
-from meshpar.trace_labels import run_labelled
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -161,7 +161,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
               f"data {corpus.name} | {accum} microbatches/step\n--- resolved recipe "
               f"({output_dir / 'recipe.toml'}) ---\n{resolved}---", flush=True)
 
-    # layout-independent values (meshpar.init): every layout starts from the same model
+    # layout-independent values (meshpar.models.init): every layout starts from the same model
     stages = build(family.model_cls, args, family.parallelize, mesh, recipe.parallel, device, t.seed)
     p = recipe.parallel
     loss_parallel = mesh.layout.tp > 1 and p.loss_parallel

@@ -3,7 +3,7 @@ family, layout re-chunking, verification, errors that name the tensor, ``describ
 against transformers (when installed), peak memory while streaming, and ``load_hf_weights``
 into sharded DTensors on 2 gloo ranks.
 
-Test checkpoints are written the way meshpar/checkpoint.py writes them: a nested state dict
+Test checkpoints are written the way meshpar/checkpoint/checkpointer.py writes them: a nested state dict
 ``{"model": {fqn: t}, "optim": {fqn: {"exp_avg", "exp_avg_sq", "step"}}, "train": ..., ...}``
 saved by ``dcp.save(no_dist=True)``, plus meshpar.json.
 """

@@ -372,7 +372,7 @@ def _case_meta_init(ctx: Ctx) -> None:
             assert sum(rec.nbytes) < sum(full) and max(rec.nbytes) < max(full), (rec.nbytes, full)
         if task is GPT:
             assert model.lm_head.weight is model.wte.weight
-            # meshpar.init: seeded alike, the sharded init draws the single-process model's values
+            # meshpar.models.init: seeded alike, the sharded init draws the single-process model's values
             torch.manual_seed(0)
             model.init_weights()
             assert model.lm_head.weight is model.wte.weight

@@ -1,4 +1,4 @@
-"""Layout-independent initialization (meshpar.init): one process and every DTensor layout agree bit
+"""Layout-independent initialization (meshpar.models.init): one process and every DTensor layout agree bit
 for bit, a rank computes only the blocks its shard overlaps, and sharded models start equal to
 the single-process model. The multi-rank cases share a few spawned jobs (start-up dominates)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import meshpar.init as minit
+import meshpar.models.init as minit
 from tests.distributed import run_distributed
 from tests.test_models import FAMILIES, build
 

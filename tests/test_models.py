@@ -139,7 +139,7 @@ def test_meta_init_equals_cpu_init(family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pipeline_stage_initialized_alone_equals_the_whole_model(family):
-    """Values are keyed by parameter name (meshpar.init), so each stage, built on meta and
+    """Values are keyed by parameter name (meshpar.models.init), so each stage, built on meta and
     initialized on its own, starts as the same parameters of the whole model; the last stage's
     copy of a tied embedding starts equal to the embedding."""
     whole = dict(build(family, seed=5).named_parameters(remove_duplicate=False))

@@ -15,11 +15,11 @@ from unittest import mock
 import pytest
 import torch
 
-from meshpar import plan as planlib
 from meshpar import recipe as recipelib
 from meshpar.models import get_family
 from meshpar.models.llama import LLAMA_SIZES
 from meshpar.optim import build_optimizer
+from meshpar.planner import cli as planlib
 from meshpar.planner.search import candidates
 from meshpar.planner.simulate import schedule_actions
 from tests.benchmarks import calibrate_plan

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from meshpar import profile_report as pr
 from meshpar.mesh import DIMS
+from meshpar.profiling import report as pr
 from meshpar.train import train
 from tests.distributed import run_distributed
 from tests.test_train import _load

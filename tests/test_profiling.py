@@ -1,4 +1,4 @@
-"""Trace capture (meshpar/profiling.py): which ranks trace, which steps, the header, the size cap."""
+"""Trace capture (meshpar/profiling/capture.py): which ranks trace, which steps, the header, the size cap."""
 
 import gzip
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshpar.profiling import cap_trace, traced_ranks
+from meshpar.profiling.capture import cap_trace, traced_ranks
 from meshpar.recipe import RecipeError
 from tests.distributed import run_distributed
 from tests.test_train import _load, _train_on_rank
@@ -63,7 +63,8 @@ def test_pipeline_stages_trace_one_rank_each(tmp_path, data_cache):
 def test_allocation_tracker_categories_and_timeline():
     import torch
 
-    from meshpar.memory import AllocationTracker, comm_buffers
+    from meshpar.comm import comm_buffers
+    from meshpar.profiling.memory import AllocationTracker
 
     model = torch.nn.Linear(64, 64)
     with AllocationTracker(model, timeline=True) as tracker:
@@ -99,7 +100,7 @@ def _train_with_a_stand_in_for_cuda(recipe):
     observer the profiler attached is fired as the allocator would."""
     import torch
 
-    from meshpar import profiling
+    from meshpar.profiling import capture as profiling
     from meshpar.train import train
 
     calls, observers = [], []

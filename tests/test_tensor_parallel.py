@@ -3,7 +3,7 @@
 Each case builds the model on meta with a seed, applies the family's plan (and, on 4 ranks,
 meshpar.fully_shard per block then the root on dp_shard), materializes it with to_empty +
 init_weights, and trains 5 AdamW steps next to a single-process reference built on CPU
-with the same seed (meshpar.init makes the starting values equal). Compared: the loss at
+with the same seed (meshpar.models.init makes the starting values equal). Compared: the loss at
 every step and every gathered parameter at the end, which also checks that the gradients
 of replicated parameters (sequence-parallel norms, row-wise biases, per-head norms,
 positions) are summed over the tp ranks; gradients are also compared at every step.

@@ -1,4 +1,4 @@
-"""Trace labels for tensor-parallel collectives (meshpar/trace_labels.py), on 2 gloo ranks.
+"""Trace labels for tensor-parallel collectives (meshpar/profiling/labels.py), on 2 gloo ranks.
 
 A 2-layer Llama under TP (loss parallel) runs forward and backward three times: with the
 profiler off, on, and off again. Checked: every collective DTensor issues on the main thread

@@ -5,6 +5,7 @@ DCP's FileSystemReader, and a sink written chunk by chunk for a target layout in
 from __future__ import annotations
 
 import io
+import json
 import math
 import shutil
 from collections.abc import Mapping, Sequence
@@ -26,7 +27,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from meshpar.convert.files import _fresh, _fsync, _now, _read_json, _write_meshpar_json
+from meshpar.checkpoint.atomic import fsync, write_atomic
+from meshpar.convert.files import _fresh, _now, _read_json
 from meshpar.convert.layout import layout_chunks
 from meshpar.convert.spec import ConvertError, ModelSpec, spec_from_info
 
@@ -185,9 +187,9 @@ class DCPSink:
         self.md[key] = BytesStorageMetadata()
 
     def finish(self, planner_data: Mapping[str, Any] | None = None) -> None:
-        _fsync(*(self.path / f"__{rank}_0.distcp" for rank, size in enumerate(self.load) if size))
+        fsync(*(self.path / f"__{rank}_0.distcp" for rank, size in enumerate(self.load) if size))
         metadata = Metadata(state_dict_metadata=self.md, planner_data=planner_data or _planner_data(list(self.md)))
         FileSystemWriter(self.path).finish(metadata, [self.results])  # .metadata, atomically
         if self.recipe is not None and self.recipe.exists():  # the run's recipe, as saved (layout: meshpar.json)
             shutil.copyfile(self.recipe, self.path / "recipe.toml")
-        _write_meshpar_json(self.path, self.info)
+        write_atomic(self.path / "meshpar.json", json.dumps(self.info, indent=2) + "\n")  # last: marks it complete

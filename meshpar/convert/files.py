@@ -4,8 +4,6 @@ raw tensor bytes, and the ``step_*`` folders of a checkpoint directory."""
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,20 +25,6 @@ def _fresh(path: Path) -> None:
     """Refuse to write into an existing file or non-empty folder: mixing outputs corrupts both."""
     if path.exists() and (path.is_file() or any(path.iterdir())):
         raise ConvertError(f"{path}: already exists; remove it or choose another destination")
-
-
-def _fsync(*paths: Path) -> None:
-    """Flush written files to disk: a conversion is finished when its output would survive a crash."""
-    for path in paths:
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-
-
-def _write_meshpar_json(path: Path, info: Mapping[str, Any]) -> None:
-    """meshpar.json goes last and atomically: its presence marks the checkpoint complete."""
-    tmp = path / "meshpar.json.tmp"
-    tmp.write_text(json.dumps(info, indent=2) + "\n")
-    os.replace(tmp, path / "meshpar.json")
 
 
 def _now() -> str:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from meshpar.convert.files import _bytes_view, _fresh, _fsync, _now, _read_json
+from meshpar.checkpoint.atomic import fsync
+from meshpar.convert.files import _bytes_view, _fresh, _now, _read_json
 from meshpar.convert.layout import parse_layout
 from meshpar.convert.spec import ADAPTERS, ConvertError, ModelSpec
 
@@ -187,7 +188,7 @@ class HFSink:
     def finish(self, planner_data: Any = None) -> None:
         if self.file is not None:
             self.file.close()
-        _fsync(*(self.path / name for name in set(self.weight_map.values())))
+        fsync(*(self.path / name for name in set(self.weight_map.values())))
         index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
         (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         config = self.spec.adapter.hf_config(self.spec.family, self.spec.args, self.dtype)

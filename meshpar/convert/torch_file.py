@@ -4,7 +4,6 @@ loaded with mmap, and a sink that holds the whole output in memory for its one t
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from meshpar.convert.files import _fresh, _fsync, _read_json
+from meshpar.checkpoint.atomic import atomic_path
+from meshpar.convert.files import _fresh, _read_json
 from meshpar.convert.spec import ConvertError, spec_from_info
 
 
@@ -72,8 +72,6 @@ class TorchSink:
         self.state[key] = blob
 
     def finish(self, planner_data: Any = None) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        torch.save(self.state, tmp)
-        _fsync(tmp)
-        os.replace(tmp, self.path)
+        with atomic_path(self.path) as tmp:
+            torch.save(self.state, tmp)
         _sidecar(self.path).write_text(json.dumps(self.info, indent=2) + "\n")

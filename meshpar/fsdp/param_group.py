@@ -25,9 +25,9 @@ from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from meshpar import comm
+from meshpar.comm import comm_buffers
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
-from meshpar.memory import comm_buffers
 
 # [Note: one reduction in flight]
 # A unit's reduce-scatter holds up to two buffers of the unit's full gradient size until it

@@ -36,8 +36,8 @@ from torch.distributed.pipelining import (
 )
 
 from meshpar.fsdp import FSDPModule
+from meshpar.profiling.labels import install_p2p_labels, label_p2p_ops
 from meshpar.recipe import RecipeError
-from meshpar.trace_labels import install_p2p_labels, label_p2p_ops
 
 install_p2p_labels()  # [Note: labelling collectives meshpar does not issue]
 

@@ -60,10 +60,11 @@ from torch.distributed.tensor import _sharding_prop as sharding_prop
 
 from meshpar import comm
 from meshpar.clip import clip_grad_norm_
+from meshpar.comm import comm_buffers
 from meshpar.fsdp import FSDPModule
-from meshpar.memory import AllocationTracker, comm_buffers
 from meshpar.mesh import DIMS, Mesh
 from meshpar.pipeline import Stage
+from meshpar.profiling.memory import AllocationTracker
 from meshpar.recipe import Recipe
 from meshpar.replicate import all_reduce_gradients
 from meshpar.tensor_parallel import loss_parallel_context, reduce_partial_grads

@@ -5,7 +5,7 @@
 Each layout trains the debug Llama (4 blocks, dim 256; vocabulary 8192 so the loss is a real
 part of the peak) on gloo ranks (``tests/distributed.py``) through meshpar's own code: the
 parallelize path (``meshpar.parallelize.build``), the pipeline schedule, ``meshpar.train``'s
-forward/backward and gradient steps, fused AdamW. ``meshpar.memory.AllocationTracker``
+forward/backward and gradient steps, fused AdamW. ``meshpar.profiling.memory.AllocationTracker``
 follows every tensor storage from before the first step; the measured peak is the second
 step's (the steady state: AdamW state exists, FSDP has recorded its prefetch order, the
 pipeline has its receive buffers), the largest over each pipeline stage's ranks. The
@@ -27,14 +27,14 @@ from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
 from meshpar.clip import clip_grad_norm_
 from meshpar.fsdp import FSDPModule
-from meshpar.memory import AllocationTracker
 from meshpar.models import get_family
 from meshpar.optim import build_optimizer
 from meshpar.parallelize import build
 from meshpar.pipeline import build_schedule
-from meshpar.plan import load_hardware
 from meshpar.planner import plan
+from meshpar.planner.cli import load_hardware
 from meshpar.preflight import _check_batch
+from meshpar.profiling.memory import AllocationTracker
 from meshpar.replicate import all_reduce_gradients
 from meshpar.tensor_parallel import reduce_partial_grads
 from meshpar.train import Model, _forward_backward, cross_entropy

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpar.comm import CommCounter
-from meshpar.memory import AllocationTracker
+from meshpar.profiling.memory import AllocationTracker
 
 
 def _nbytes(x: Any) -> int:

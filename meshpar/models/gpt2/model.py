@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from meshpar.init import ParamInit
+from meshpar.models.init import ParamInit
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class GPT2(nn.Module):
 
     Init (``init_weights``): normal std 0.02 for embeddings and weights, the residual
     projections (``c_proj``) 0.02 / sqrt(2 * n_layers), biases zero, LayerNorm ones/zeros.
-    Random values are layout-independent (meshpar.init): a function of one base seed drawn
+    Random values are layout-independent (meshpar.models.init): a function of one base seed drawn
     from the global RNG, the parameter's name and the position, so a pipeline stage or any
     sharding starts equal to the whole single-process model.
     """

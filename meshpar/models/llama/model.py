@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from meshpar.init import ParamInit
+from meshpar.models.init import ParamInit
 from meshpar.models.llama.args import ModelArgs, RopeScaling
 
 # [Note: RoPE layout]
@@ -154,7 +154,7 @@ class TransformerBlock(nn.Module):
 # untied output (the first RMSNorm rescales) but with tied embeddings the same matrix is
 # the output projection and std 1.0 would start the logits at std ~sqrt(D); 0.02 suits
 # both cases, and small models train stably with it. Norms are ones, biases zero.
-# Random values come from meshpar.init ([Note: layout-independent init]): init_weights()
+# Random values come from meshpar.models.init ([Note: layout-independent init]): init_weights()
 # draws one base seed from the global RNG, and each value is a function of that seed, the
 # parameter's name and the value's position. So after torch.manual_seed(s), a model built
 # on meta equals one built on CPU, a pipeline stage equals the same layers of the whole

@@ -1,5 +1,5 @@
 """Finding a run's trace files and checking that each is a meshpar one (written by
-meshpar/profiling.py: a Chrome trace with a ``meshpar`` header)."""
+meshpar/profiling/capture.py: a Chrome trace with a ``meshpar`` header)."""
 
 from __future__ import annotations
 

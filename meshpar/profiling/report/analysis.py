@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshpar.profile_report.attribution import _attribute, _is_comm
-from meshpar.profile_report.intervals import Intervals, _intersect, _length, _subtract, _union
-from meshpar.profile_report.traces import ProfileReportError, find_traces, load_trace
+from meshpar.profiling.report.attribution import _attribute, _is_comm
+from meshpar.profiling.report.intervals import Intervals, _intersect, _length, _subtract, _union
+from meshpar.profiling.report.traces import ProfileReportError, find_traces, load_trace
 
 BUCKETS = ("compute", "exposed_comm", "bubble", "data", "optimizer")  # partition the step: [Note: where step time goes]
 _WAIT_LABELS = ("meshpar::fsdp.all_gather_wait", "meshpar::fsdp.reduce_scatter_wait", "_c10d_functional::wait_tensor")
@@ -46,7 +46,7 @@ _SHORT = {"pp": "pp", "dp_replicate": "dpr", "dp_shard": "dps", "cp": "cp", "tp"
 
 def _is_p2p_wait(name: str, kind: str) -> bool:
     """A wait on a pipeline transfer batch holding a ``kind`` (``recv_`` or ``send_``) op:
-    ``meshpar::pp.recv_forward[1,0].wait`` (meshpar/trace_labels.py); a batch holding a receive
+    ``meshpar::pp.recv_forward[1,0].wait`` (meshpar/profiling/labels.py); a batch holding a receive
     is a receive wait."""
     if not (name.startswith("meshpar::pp.") and name.endswith(".wait")):
         return False

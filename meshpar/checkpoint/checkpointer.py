@@ -28,7 +28,7 @@ next run removes; ``latest()`` takes the newest folder that has both ``meshpar.j
 ``.metadata``. Older checkpoints beyond ``checkpoint.keep`` are removed only after the
 rename, so the last good checkpoint is never at risk.
 
-The files themselves (per-chunk CRCs, fused projections as chunks): meshpar/checkpoint_io.py.
+The files themselves (per-chunk CRCs, fused projections as chunks): meshpar/checkpoint/format.py.
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.tensor import DTensor
 
-from meshpar.checkpoint_io import (  # noqa: F401 - _Writer: tests patch it here
+from meshpar.checkpoint.atomic import fsync_dir, write_atomic
+from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it here
     CheckpointError,
     _CheckedLoadPlanner,
     _SavePlanner,
     _strided_as_pieces,
     _StridedPieces,
     _Writer,
-    write_atomic,
 )
 from meshpar.recipe import CheckpointConfig, RecipeError
 
@@ -248,7 +248,7 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(partial, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
         seconds = time.perf_counter() - start
         self.log(f"checkpoint: saved {final} ({size / 2**20:,.1f} MiB in {seconds:.2f} s, "
@@ -370,16 +370,3 @@ def _find_checkpoint_error(e: CheckpointException) -> CheckpointError | None:
         if isinstance(inner, CheckpointError):
             return inner
     return None
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -26,7 +26,7 @@ meshpar's own collectives (FSDP, replicate, partial-gradient reduction) run insi
   meshpar/pipeline/ (its docstring lists the others).
 
 ``meshpar profile summarize`` reads these labels to put every collective on its mesh dim
-(meshpar/profile_report/attribution.py).
+(meshpar/profiling/report/attribution.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How meshpar's checkpoints meet DCP's files: fused projections as chunks, per-chunk CRCs.
 
-DCP (``torch.distributed.checkpoint``) plans, writes and reads; meshpar/checkpoint.py decides
+DCP (``torch.distributed.checkpoint``) plans, writes and reads; meshpar/checkpoint/checkpointer.py decides
 what a checkpoint holds and when it becomes visible. This module is the layer between: a save
 planner and file writer that record a CRC-32 per chunk, a load planner that checks the chunks
 a rank reads, and the chunk protocol for DTensors DCP cannot describe on its own.
@@ -20,7 +20,6 @@ truncated files only.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from meshpar.checkpoint.atomic import write_atomic
 
 
 class CheckpointError(RuntimeError):
@@ -221,13 +222,3 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
                 raise CheckpointError(f"{where} is corrupted: CRC-32 {got:08x}, {crcs[key]:08x} when written; "
                                       f"load an earlier checkpoint")
         return plan
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so a reader sees the old file or the whole new one (fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

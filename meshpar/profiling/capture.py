@@ -9,7 +9,7 @@ whose top level carries ``distributedInfo`` (rank, world size, backend: what Hol
 Analysis and Perfetto's tooling read) and ``meshpar`` (the layout, this rank's coordinate on
 every mesh dim, its pipeline stage, the steps covered, and the communication meshpar's
 engine counted over those steps: calls and bytes per collective and mesh dim). The
-``meshpar profile`` commands (meshpar/profile_report/) read these files.
+``meshpar profile`` commands (meshpar/profiling/report/) read these files.
 
 Names in a trace follow the design (every label starts ``meshpar::``)::
 
@@ -26,13 +26,13 @@ Names in a trace follow the design (every label starts ``meshpar::``)::
                                (``+``-joined when torch batches several); ``....wait`` waiting on it
     meshpar::checkpoint.save   a checkpoint save (the synchronous part)
 
-The tp and pp labels come from meshpar/trace_labels.py (the collectives are PyTorch's own).
+The tp and pp labels come from meshpar/profiling/labels.py (the collectives are PyTorch's own).
 
 [Note: memory in the profiled steps]
 With ``profile.profile_memory``, each traced window also gets a memory record, on any device:
 ``<stem>.memory.json``, live tensor bytes per category (parameters, buffers, gradients,
 activations, temporaries, optimizer state, communication buffers) at the peak and over
-time, from ``meshpar.memory.AllocationTracker`` (it slows the traced steps: it sees every
+time, from ``meshpar.profiling.memory.AllocationTracker`` (it slows the traced steps: it sees every
 op). On CUDA also the caching allocator's own history, ``<stem>.cuda_memory_snapshot.pickle``
 (open it in https://pytorch.org/memory_viz: blocks, segments, fragmentation, the stack of
 every allocation), recorded from the first step so that an out-of-memory error also leaves
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +58,9 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction
 
 from meshpar import comm
-from meshpar.checkpoint_io import write_atomic
-from meshpar.memory import AllocationTracker
+from meshpar.checkpoint.atomic import atomic_path, write_atomic
 from meshpar.mesh import DIMS, Mesh
+from meshpar.profiling.memory import AllocationTracker
 from meshpar.recipe import ProfileConfig, RecipeError
 
 
@@ -206,10 +205,8 @@ class StepProfiler:
         trace.setdefault("distributedInfo", {}).update(rank=self.rank, world_size=self.meta["world_size"])
         cap_trace(trace, int(self.cfg.max_trace_mb * 2**20))
         final = self.folder / f"rank{self.rank}.steps{first}-{last}.json.gz"
-        tmp = final.with_name(final.name + ".tmp")
-        with gzip.open(tmp, "wt", compresslevel=6) as f:
+        with atomic_path(final) as tmp, gzip.open(tmp, "wt", compresslevel=6) as f:
             json.dump(trace, f)
-        os.replace(tmp, final)
         for s in list(self._counts):
             if s < first:
                 del self._counts[s]

@@ -8,9 +8,9 @@ from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
-from meshpar.profile_report.analysis import Report, summarize
-from meshpar.profile_report.attribution import _is_comm
-from meshpar.profile_report.traces import ProfileReportError
+from meshpar.profiling.report.analysis import Report, summarize
+from meshpar.profiling.report.attribution import _is_comm
+from meshpar.profiling.report.traces import ProfileReportError
 
 
 def _layout_text(report: Report) -> str:

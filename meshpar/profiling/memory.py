@@ -19,15 +19,14 @@ caching allocator's own history.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Iterator
 from functools import wraps
 from typing import Any
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType, _UpdateType, _WeakRefInfo
+
+from meshpar.comm import in_comm_buffers
 
 
 class Category(_RefType):
@@ -42,20 +41,6 @@ class Category(_RefType):
     OPT = "Optstate"
     OTH = "Other"
     COMM = "Communication"
-
-
-_scope = threading.local()
-
-
-@contextlib.contextmanager
-def comm_buffers() -> Iterator[None]:
-    """Storages allocated in this block (on this thread) are communication buffers."""
-    depth = getattr(_scope, "depth", 0)
-    _scope.depth = depth + 1
-    try:
-        yield
-    finally:
-        _scope.depth = depth
 
 
 class AllocationTracker(MemTracker):
@@ -94,7 +79,7 @@ class AllocationTracker(MemTracker):
 
     # --- categories ---------------------------------------------------------------------------------
     def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
-        if getattr(_scope, "depth", 0):
+        if in_comm_buffers():
             reftype = Category.COMM
         super()._track(reftype, t)
 

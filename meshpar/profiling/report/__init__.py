@@ -4,7 +4,7 @@
     print(format_table(report)); write_json(report, "summary.json"); write_chart(report, "summary.png")
     merge("runs/llama_debug_3d")                   # -> traces/merged.json.gz, open in ui.perfetto.dev
 
-The input is what meshpar/profiling.py writes: one gzipped Chrome trace per traced rank and
+The input is what meshpar/profiling/capture.py writes: one gzipped Chrome trace per traced rank and
 profiled window, ``traces/rank<r>.steps<a>-<b>.json.gz``, with a ``meshpar`` header (layout,
 coordinates, steps, the engine's own communication accounting). Any subset of ranks may be
 traced (``profile.ranks``); the report covers the ranks it finds.
@@ -16,11 +16,11 @@ and checking trace files), ``output.py`` (table, JSON, chart, ``meshpar profile 
 ``merge.py`` (one timeline; [Note: one clock for all ranks]).
 """
 
-from meshpar.profile_report.analysis import BUCKETS, CommLine, RankSummary, Report, rank_label, summarize
-from meshpar.profile_report.intervals import _intersect, _length, _subtract, _union  # noqa: F401 - tests
-from meshpar.profile_report.merge import merge
-from meshpar.profile_report.output import format_table, summarize_cli, write_chart, write_json
-from meshpar.profile_report.traces import ProfileReportError, find_traces, load_trace
+from meshpar.profiling.report.analysis import BUCKETS, CommLine, RankSummary, Report, rank_label, summarize
+from meshpar.profiling.report.intervals import _intersect, _length, _subtract, _union  # noqa: F401 - tests
+from meshpar.profiling.report.merge import merge
+from meshpar.profiling.report.output import format_table, summarize_cli, write_chart, write_json
+from meshpar.profiling.report.traces import ProfileReportError, find_traces, load_trace
 
 __all__ = [
     "BUCKETS", "CommLine", "ProfileReportError", "RankSummary", "Report", "find_traces", "format_table", "load_trace",

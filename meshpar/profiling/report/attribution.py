@@ -4,7 +4,7 @@
 An issue op on the main thread (the outermost ``c10d::*`` / ``_c10d_functional::*`` op) takes
 its dim from the enclosing ``meshpar::comm.<op>[<dim>]`` label, or is ``tp`` inside a
 ``meshpar::tp.*`` label and ``pp`` inside a ``meshpar::pp.send_* / recv_*`` one
-(meshpar/trace_labels.py); an unlabelled op is ``?`` (for example the loss all-reduce of a
+(meshpar/profiling/labels.py); an unlabelled op is ``?`` (for example the loss all-reduce of a
 log step). The work itself runs on a gloo worker thread, which serves one process group,
 hence one dim: each of its events votes for the dim of the latest compatible issue op before
 it, the thread takes the majority, and its events then match that dim's issue ops first in,
@@ -21,7 +21,7 @@ import bisect
 import re
 from collections import Counter, defaultdict
 
-from meshpar.profile_report.intervals import Intervals
+from meshpar.profiling.report.intervals import Intervals
 
 _COMM_LABEL = re.compile(r"meshpar::comm\.(\w+)\[(.+)\]")
 _DIM_LABEL = re.compile(r"meshpar::(tp)\..*|meshpar::(pp)\.(?:send|recv)_.*")  # trace_labels.py
