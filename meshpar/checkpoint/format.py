@@ -134,6 +134,18 @@ def _crc_of_range(path: Path, offset: int, length: int, block: int = 1 << 24) ->
     return crc
 
 
+def crc_key(relative_path: str, offset: int, length: int) -> str:
+    """The key of one written chunk in ``crc/<rank>.json``."""
+    return f"{relative_path}:{offset}:{length}"
+
+
+def write_crcs(root: Path, rank: int, crcs: dict[str, int | None]) -> None:
+    """``crc/<rank>.json``: the CRC-32 of every chunk ``rank`` wrote, by ``crc_key``. Checkpoints
+    saved by training and by ``meshpar convert`` both write it, so loads check both alike."""
+    (root / "crc").mkdir(exist_ok=True)
+    write_atomic(root / "crc" / f"{rank}.json", json.dumps(crcs))
+
+
 class _Writer(FileSystemWriter):
     """DCP's file writer, plus a CRC-32 per written chunk in ``crc/<rank>.json``."""
 
@@ -150,10 +162,9 @@ class _Writer(FileSystemWriter):
         crcs = {}
         for r in results:
             info = r.storage_data
-            crc = _crc_of_range(root / info.relative_path, info.offset, info.length)
-            crcs[f"{info.relative_path}:{info.offset}:{info.length}"] = crc
-        (root / "crc").mkdir(exist_ok=True)
-        write_atomic(root / "crc" / f"{self.rank}.json", json.dumps(crcs))
+            crcs[crc_key(info.relative_path, info.offset, info.length)] = _crc_of_range(
+                root / info.relative_path, info.offset, info.length)
+        write_crcs(root, self.rank, crcs)
         return future
 
 
@@ -192,8 +203,8 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self):
         plan = super().create_local_plan()
-        # A checkpoint written by another tool (meshpar convert, PyTorch's own DCP saves) has no
-        # crc/: its chunks are checked for presence and length only.
+        # A checkpoint written by another tool (PyTorch's own DCP saves) has no crc/: its chunks
+        # are checked for presence and length only.
         checked = (self.path / "crc").is_dir()
         crcs: dict[str, int | None] = {}
         for f in sorted((self.path / "crc").glob("*.json")):

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import shutil
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 
 from meshpar.checkpoint.atomic import fsync, write_atomic
+from meshpar.checkpoint.format import crc_key, write_crcs
 from meshpar.convert.files import _fresh, _now, _read_json
 from meshpar.convert.layout import layout_chunks
 from meshpar.convert.spec import ConvertError, ModelSpec, spec_from_info
@@ -141,6 +143,7 @@ class DCPSink:
         self.load = [0] * world  # bytes per rank file, to spread replicated chunks
         self.md: dict[str, Any] = {}
         self.results: list[WriteResult] = []
+        self.crcs: list[dict[str, int]] = [{} for _ in range(world)]  # per rank file, as training writes them
 
     def select(self, tensors: Mapping[str, Any]) -> list[str]:
         return list(tensors)
@@ -154,13 +157,15 @@ class DCPSink:
     def _append(self, ranks: Sequence[int], index: MetadataIndex, data: Tensor | bytes) -> None:
         rank = min(ranks, key=self.load.__getitem__)
         name = f"__{rank}_0.distcp"
+        if isinstance(data, Tensor):  # serialized first for its CRC: one tensor (chunk) at a time
+            buf = io.BytesIO()
+            torch.save(data, buf)
+            data = buf.getbuffer()
         with open(self.path / name, "ab") as f:  # opened per item: a 1024-rank layout needs no 1024 handles
             offset = f.tell()
-            if isinstance(data, Tensor):
-                torch.save(data, f)
-            else:
-                f.write(data)
-            length = f.tell() - offset
+            f.write(data)
+        length = len(data)
+        self.crcs[rank][crc_key(name, offset, length)] = zlib.crc32(data)
         self.load[rank] += length
         self.results.append(WriteResult(index=index, size_in_bytes=length,
                                         storage_data=_StorageInfo(name, offset, length)))
@@ -189,6 +194,9 @@ class DCPSink:
     def finish(self, planner_data: Mapping[str, Any] | None = None) -> None:
         fsync(*(self.path / f"__{rank}_0.distcp" for rank, size in enumerate(self.load) if size))
         metadata = Metadata(state_dict_metadata=self.md, planner_data=planner_data or _planner_data(list(self.md)))
+        for rank, crcs in enumerate(self.crcs):
+            if crcs:
+                write_crcs(self.path, rank, crcs)
         FileSystemWriter(self.path).finish(metadata, [self.results])  # .metadata, atomically
         if self.recipe is not None and self.recipe.exists():  # the run's recipe, as saved (layout: meshpar.json)
             shutil.copyfile(self.recipe, self.path / "recipe.toml")
