@@ -9,7 +9,7 @@ SiLU/GELU, residual adds): most of the memory saving for a fraction of the recom
 
 The block's ``forward`` is replaced on the instance, so parameter names do not change
 (no ``_checkpoint_wrapped_module`` in checkpoint keys). It runs after tensor parallelism
-and before ``fully_shard`` (shared/DESIGN.md): FSDP's hooks wrap ``__call__``, so a block's
+and before ``fully_shard`` (docs/architecture.md): FSDP's hooks wrap ``__call__``, so a block's
 parameters are unsharded around the checkpointed forward and, in backward, before the
 recomputation starts.
 

@@ -1,6 +1,6 @@
 """Apply parallelism to a model from outside, in one fixed order.
 
-The order (shared/DESIGN.md) is: pipeline split -> tensor parallel -> activation
+The order (docs/architecture.md) is: pipeline split -> tensor parallel -> activation
 checkpointing -> torch.compile per block -> fully_shard per block, then the stage root ->
 to_empty + init_weights -> optimizer. It runs on the model as built on the meta device, so
 only local shards are ever allocated. Model files hold no parallel code; this module, the

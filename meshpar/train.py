@@ -1,7 +1,7 @@
 """The training loop, one rank's view: ``python -m meshpar.train RECIPE [--section.key=value ...]``.
 
 This is what ``torchrun ... -m meshpar.train`` runs on a cluster and what ``meshpar train``
-starts on each local rank. The data flow (shared/DESIGN.md):
+starts on each local rank. The data flow (docs/architecture.md):
 
     recipe -> layout (checked before any process group) -> data (cached tokens)
       -> process group + mesh -> model on meta -> pipeline split -> parallelize (TP, activation
