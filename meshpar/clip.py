@@ -4,7 +4,8 @@ Each gradient contributes ``sum |g|^p`` of its local shard; contributions are su
 the mesh dims the gradient is sharded on (``Shard`` placements) and not over the dims it is
 replicated on, then over the groups given in ``extra_groups`` (pipeline stages, which hold
 disjoint parameters). The result is the norm a single process would compute over the full
-gradients, up to fp32 summation order.
+gradients, up to summation order: accumulated in fp32, or in fp64 when the gradients are fp64
+(a float64 model, as in the parity tests, would otherwise be clipped with fp32 rounding).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from meshpar import comm
 @torch.no_grad()
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0,
                extra_groups: Iterable[dist.ProcessGroup] = ()) -> torch.Tensor:
-    """Global ``norm_type``-norm of ``grads`` (plain tensors or DTensors), as an fp32 scalar."""
+    """Global ``norm_type``-norm of ``grads`` (plain tensors or DTensors), as an fp32 scalar (fp64
+    when any gradient is fp64: a model's gradients share one dtype, so every rank picks the same)."""
     is_inf = math.isinf(norm_type)
     reduce_op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     # group the local contributions by the set of (mesh, dim) they must be reduced over
-    partial: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
+    partial: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=acc_dtype))
     for g in grads:
         local, key = g, ()
         if isinstance(g, DTensor):
@@ -37,13 +40,13 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0,
             key = tuple((g.device_mesh, i) for i, pl in enumerate(g.placements)
                         if isinstance(pl, (Shard, _StridedShard)))
         acc = partial[key]  # touch the entry even for an empty shard: every rank reduces the same keys
-        x = local.detach().float().abs()
+        x = local.detach().to(acc_dtype).abs()
         if x.numel() == 0:
             continue
         value = x.max() if is_inf else x.pow(norm_type).sum()
         acc = acc.to(value.device)
         partial[key] = torch.maximum(acc, value) if is_inf else acc + value
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=acc_dtype)
     for key, value in partial.items():
         for mesh, dim in key:
             names = mesh.mesh_dim_names

@@ -56,12 +56,15 @@ from meshpar.tensor_parallel import loss_parallel_context, reduce_partial_grads
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # logits[B, T, V] targets[B, T] -> mean over B*T tokens, computed in fp32; with loss parallel
-    # logits are a DTensor sharded on V and the loss is computed on the shards
+    # logits[B, T, V] targets[B, T] -> mean over B*T tokens, computed in fp32 (fp64 logits, a float64
+    # model's, stay fp64); with loss parallel logits are a DTensor sharded on V and the loss is
+    # computed on the shards
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(x.flatten(0, 1).to(torch.promote_types(x.dtype, torch.float32)), targets.flatten())
+
     if isinstance(logits, DTensor):  # its all-reduces (max, sum) run on the tp mesh
-        return run_labelled("tp.loss_parallel", "cross_entropy",
-                            lambda x: F.cross_entropy(x.flatten(0, 1).float(), targets.flatten()), logits)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return run_labelled("tp.loss_parallel", "cross_entropy", loss, logits)
+    return loss(logits)
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:
