@@ -223,7 +223,9 @@ class ParamGroup:
 
     def _start_reduce(self) -> None:
         grads = {id(p): p.take_unsharded_grad() for p in self.all_params}
-        reduce_dtype = self.mp.reduce_dtype or (self.params[0].orig_dtype if self.params else torch.float32)
+        # the parameters' own dtype (a unit whose parameters are all below shard_threshold has only
+        # replicated ones: those set it too, else a float64 unit would reduce in float32)
+        reduce_dtype = self.mp.reduce_dtype or (self.all_params[0].orig_dtype if self.all_params else torch.float32)
         if self.alias:  # [Note: one data-parallel rank]: the gradient is already the reduced one
             factor = self._divide_factor()
             for p in self.params:
