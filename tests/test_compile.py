@@ -2,11 +2,13 @@
 
 Compiling replaces each block's ``forward`` on the instance, so parameter names do not change
 and hooks on ``__call__`` (FSDP's) stay outside the compiled graph. One small model, one step:
-compilation dominates the time (~10 s here).
+compilation dominates the time (~10 s here). In float64, so inductor's fused kernels, which
+add in other orders than eager's, agree to ~1e-15 and the tolerance is tests/parity.py's 1e-9.
 """
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -14,10 +16,13 @@ from meshpar.activation_checkpoint import apply_activation_checkpointing
 from meshpar.models.llama import Transformer
 from meshpar.models.llama.args import ModelArgs
 from meshpar.parallelize import apply_compile
+from tests.parity import TOL, default_dtype
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=32)
 
 
+@pytest.mark.parity
+@default_dtype()
 def test_compiled_blocks_match_eager_with_checkpointing():
     torch.manual_seed(0)
     eager = Transformer(ARGS)
@@ -32,6 +37,7 @@ def test_compiled_blocks_match_eager_with_checkpointing():
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         losses.append(loss.item())
-    assert abs(losses[0] - losses[1]) <= 1e-5 * losses[0]
+    assert abs(losses[0] - losses[1]) <= TOL * losses[0]
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        assert q.dtype == torch.float64, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=TOL, atol=TOL, msg=name)
