@@ -9,6 +9,12 @@ come back in rank order. If any rank raises, the error lists every failing rank'
 traceback; if the ranks do not finish within ``timeout`` seconds (a hang in a collective,
 typically), they are killed and the error names the ranks that never reported.
 Spawned processes start slowly on two cores, so loop sub-cases inside one call.
+
+Most distributed tests are many small cases at a few world sizes: register them in a
+``CaseSet`` (below), which runs every case of one world size inside one spawned job and
+lets each ``test_*`` read its own case's outcome. Call ``run_distributed`` directly only
+for a genuinely one-off job (a crash or hang on purpose, a run whose processes the test
+controls). tests/README.md says more.
 """
 
 from __future__ import annotations
@@ -17,10 +23,14 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import shutil
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -99,19 +109,114 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
-def once_per_world(run: Callable[[int], Any]) -> Callable[[int], Any]:
-    """``run(world)`` at most once per world size: later calls return the first result, or
-    raise its failure again, so one spawned job serves (or fails) every test that reads it."""
-    done: dict[int, Any] = {}
+class CaseSet:
+    """Named test cases that run inside one spawned job per world size.
 
-    def results(world: int) -> Any:
-        if world not in done:
+        CASES = CaseSet({"units": (_case_units, (1, 2, 4)), "hybrid": (_case_hybrid, 4)},
+                        setup=_setup, timeout=240)
+
+        @pytest.mark.parametrize("world", CASES.worlds("units"))
+        def test_units(world):
+            CASES.check("units", world)
+
+    A case is a callable run on every rank of a job of each of its world sizes, in
+    registration order; it gets ``setup``'s return value (``setup(tmp)`` runs once per rank
+    before the cases, ``tmp`` being a scratch folder shared by the job's ranks), or no
+    argument when there is no ``setup``. Its return value comes back to the test. A case
+    that raises is recorded with its traceback and the job goes on to the next case (a rank
+    left waiting in a collective by a peer's failure hangs the job until ``timeout``, which
+    then fails every case of that world size, naming the ranks that never reported).
+
+    The first ``check`` at a world size spawns that world's job; its outcomes are kept on
+    this object, so the rest of the session's tests read them without another spawn. Cases
+    may be closures or partials: the spawned ranks find this object by importing the module
+    that created it and looking it up by name, so it must be a module-level global.
+    """
+
+    def __init__(self, cases: dict[str, tuple[Callable, int | tuple[int, ...]]] | None = None, *,
+                 timeout: float, setup: Callable[[Path], Any] | None = None) -> None:
+        self.timeout = timeout  # seconds for one whole job
+        self.setup = setup
+        self.module = sys._getframe(1).f_globals["__name__"]  # where the ranks look this set up
+        self._cases: dict[str, tuple[Callable, tuple[int, ...]]] = {}
+        self._outcomes: dict[int, list[dict[str, tuple[bool, Any]]] | AssertionError] = {}
+        self.spawned: list[int] = []  # the world size of each job started, in order
+        for name, (fn, worlds) in (cases or {}).items():
+            self.add(name, fn, worlds)
+
+    def add(self, name: str, fn: Callable, worlds: int | tuple[int, ...]) -> None:
+        """Register case ``name`` to run at each world size in ``worlds``."""
+        if name in self._cases:
+            raise ValueError(f"case {name!r} is registered twice")
+        self._cases[name] = (fn, (worlds,) if isinstance(worlds, int) else tuple(worlds))
+
+    def worlds(self, name: str) -> tuple[int, ...]:
+        """The world sizes case ``name`` runs at, for ``pytest.mark.parametrize("world", ...)``."""
+        return self._cases[name][1]
+
+    def names(self, world: int | None = None) -> list[str]:
+        """The cases (at ``world``, or all), in registration order."""
+        return [n for n, (_, worlds) in self._cases.items() if world is None or world in worlds]
+
+    def params(self) -> list:
+        """Every (case, world) pair as ``pytest.param``s, for ``parametrize(("case", "world"), ...)``."""
+        import pytest
+
+        return [pytest.param(n, w, id=f"{n}-{w}") for n, (_, worlds) in self._cases.items() for w in worlds]
+
+    def check(self, name: str, world: int) -> list[Any]:
+        """Case ``name``'s return value on each rank of the ``world``-rank job, in rank order;
+        the test fails with every failing rank's traceback (or the job's hang or crash)."""
+        import pytest
+
+        if world not in self.worlds(name):
+            raise ValueError(f"case {name!r} is not registered at {world} ranks, only {self.worlds(name)}")
+        outcomes = self._job(world)
+        if isinstance(outcomes, AssertionError):
+            pytest.fail(f"{name} at {world} ranks: the job failed\n{outcomes}", pytrace=False)
+        failures = [f"--- rank {r}:\n{out[name][1]}" for r, out in enumerate(outcomes) if not out[name][0]]
+        if failures:
+            pytest.fail(f"{name} at {world} ranks:\n" + "\n".join(failures), pytrace=False)
+        return [out[name][1] for out in outcomes]
+
+    def _job(self, world: int) -> list[dict[str, tuple[bool, Any]]] | AssertionError:
+        if world not in self._outcomes:
+            self.spawned.append(world)
+            tmp = tempfile.mkdtemp(prefix=f"meshpar-cases{world}-")
             try:
-                done[world] = run(world)
-            except AssertionError as e:
-                done[world] = e
-        if isinstance(done[world], AssertionError):
-            raise done[world]
-        return done[world]
+                self._outcomes[world] = run_distributed(_run_cases, world, self.module, self._attr(), tmp,
+                                                        timeout=self.timeout)
+            except AssertionError as e:  # a hang or a crash: every case of this world fails with it
+                self._outcomes[world] = e
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return self._outcomes[world]
 
-    return results
+    def _attr(self) -> str:
+        names = [k for k, v in vars(sys.modules[self.module]).items() if v is self]
+        if not names:
+            raise RuntimeError(f"a CaseSet must be a global of its module ({self.module}) for the ranks to find it")
+        return names[0]
+
+
+def _run_cases(module: str, attr: str, tmp: str) -> dict[str, tuple[bool, Any]]:
+    """On one rank: every case of this world size, each ``(True, its return value)`` or
+    ``(False, its traceback)``; a failed ``setup`` fails every case with its traceback."""
+    import importlib
+
+    import torch.distributed as dist
+
+    cases: CaseSet = getattr(importlib.import_module(module), attr)
+    world = dist.get_world_size()
+    outcomes: dict[str, tuple[bool, Any]] = {}
+    try:
+        arg = (cases.setup(Path(tmp)),) if cases.setup is not None else ()
+    except Exception:  # noqa: BLE001 - reported by every test of this world size
+        error = traceback.format_exc()
+        return {name: (False, f"setup failed:\n{error}") for name in cases.names(world)}
+    for name in cases.names(world):
+        try:
+            outcomes[name] = (True, cases._cases[name][0](*arg))
+        except Exception:  # noqa: BLE001 - reported by the test that owns the case
+            outcomes[name] = (False, traceback.format_exc())
+    return outcomes

@@ -2,20 +2,21 @@
 
 Parity (STYLE #13): the same model, seed and global batch; each rank trains on its slice
 (mean loss per rank, gradients averaged over the data-parallel world by the engine); after
-five AdamW steps in fp32 the loss of every step and every gathered parameter match the
-reference to 1e-5 (``fsdp_models.assert_parity``). Mixed precision is measured against
+five AdamW steps in float64 the loss of every step and every gathered parameter match the
+reference to 1e-9 (``fsdp_models.assert_parity``; tests/parity.py [Note: parity in float64]),
+and ``test_parity_catches_planted_bugs`` shows that a wrong gradient fails that. Mixed
+precision (bf16 compute, fp32 masters) is measured bit for bit against
 PyTorch's own ``fully_shard`` instead, and checkpoints are moved between the two engines.
 
 Process start-up dominates on two cores, so every case runs inside one spawned job per
-world size (``_job``); each ``test_*`` below reads its case's outcome from that job and
-fails with every rank's traceback. Models and the training loop: tests/fsdp_models.py.
+world size (``CASES``, a tests/distributed.py ``CaseSet``); each ``test_*`` below reads its
+case's outcome from that job and fails with every rank's traceback. Models and the training loop: tests/fsdp_models.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,8 +44,10 @@ from torch.utils._pytree import tree_flatten
 
 from meshpar import comm
 from meshpar.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from meshpar.fsdp.param_group import ParamGroup
+from meshpar.fsdp.sharded_param import ShardedParam
 from meshpar.models.gpt2.model import GPT2
-from tests.distributed import once_per_world, run_distributed
+from tests.distributed import CaseSet
 from tests.fsdp_models import (
     GPT,
     HIDDEN,
@@ -59,8 +62,9 @@ from tests.fsdp_models import (
     train,
     unit_params,
 )
+from tests.parity import TOL, default_dtype, must_fail
 
-F32 = 4  # bytes per fp32 element
+ELEM = torch.float64.itemsize  # bytes per element: the jobs run in float64 (see _setup)
 
 
 @dataclass
@@ -103,10 +107,10 @@ def _assert_layout(model: nn.Module, ref: nn.Module, placements: tuple, index: i
 
 def _expected_bytes(model: nn.Module, world: int, units: list[int], times: list[int] | None = None) -> int:
     """Per-rank bytes of gathering (or reduce-scattering) ``units`` of ``unit_params(model)``
-    ``times`` each: per rank, each parameter's torch.chunk rows, (N-1) peers, fp32."""
+    ``times`` each: per rank, each parameter's torch.chunk rows, (N-1) peers, float64."""
     groups = unit_params(model)
     times = times or [1] * len(units)
-    return sum(k * sum(chunk_numel(p, world) for p in groups[u]) * (world - 1) * F32
+    return sum(k * sum(chunk_numel(p, world) for p in groups[u]) * (world - 1) * ELEM
                for u, k in zip(units, times, strict=True))
 
 
@@ -166,7 +170,7 @@ def _case_reshard_after_forward(ctx: Ctx) -> None:
                 assert c.calls == {("all_gather", "dp_shard"): units, ("all_gather", "dp_shard_inner"): units,
                                    ("reduce_scatter", "dp_shard"): units}, (raf, c.calls)
                 every = sum(chunk_numel(p, ctx.world) for b in unit_params(ref) for p in b)
-                _eq(c.bytes[("all_gather", "dp_shard_inner")], every * (ctx.world // raf) * (raf - 1) * F32,
+                _eq(c.bytes[("all_gather", "dp_shard_inner")], every * (ctx.world // raf) * (raf - 1) * ELEM,
                     f"backward all-gather bytes, reshard_after_forward={raf}")
 
 
@@ -214,10 +218,10 @@ def _case_accumulation(ctx: Ctx) -> None:
 # Per step of Net (3 blocks + root = 4 units): (all_gather calls, all_gather bytes, reduce_scatter bytes).
 # Per rank padded numel: block 130 / root 44 at 2 ranks, block 75 / root 29 at 4 ranks.
 _ACCOUNTING = {
-    True: {1: (8, 0, 0), 2: (8, 2 * (3 * 130 + 44) * 1 * F32, (3 * 130 + 44) * 1 * F32),
-           4: (8, 2 * (3 * 75 + 29) * 3 * F32, (3 * 75 + 29) * 3 * F32)},
-    False: {1: (4, 0, 0), 2: (4, (3 * 130 + 44) * 1 * F32, (3 * 130 + 44) * 1 * F32),
-            4: (4, (3 * 75 + 29) * 3 * F32, (3 * 75 + 29) * 3 * F32)},
+    True: {1: (8, 0, 0), 2: (8, 2 * (3 * 130 + 44) * 1 * ELEM, (3 * 130 + 44) * 1 * ELEM),
+           4: (8, 2 * (3 * 75 + 29) * 3 * ELEM, (3 * 75 + 29) * 3 * ELEM)},
+    False: {1: (4, 0, 0), 2: (4, (3 * 130 + 44) * 1 * ELEM, (3 * 130 + 44) * 1 * ELEM),
+            4: (4, (3 * 75 + 29) * 3 * ELEM, (3 * 75 + 29) * 3 * ELEM)},
 }
 
 
@@ -265,6 +269,7 @@ def _case_tied_gpt2(ctx: Ctx) -> None:
 
 
 # --- 7. bf16 mixed precision against PyTorch's fully_shard --------------------------------------------
+@default_dtype(torch.float32)  # fp32 masters, as in training; compared bit for bit, so no tolerance to derive
 def _case_bf16(ctx: Ctx) -> None:
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for task in (NET, GPT):
@@ -323,7 +328,7 @@ def _case_threshold(ctx: Ctx) -> None:
             assert c.total_calls("reduce_scatter") == _n(ctx, sharded_units), c.calls
             # one all-reduce of the unit's small gradients: 2 * numel * (N-1)/N per rank
             numel = sum(p.numel() for s in small for p in s)
-            _eq(c.bytes[("all_reduce", "dp_shard")], 2 * numel * F32 * (ctx.world - 1) / ctx.world, "all-reduce bytes")
+            _eq(c.bytes[("all_reduce", "dp_shard")], 2 * numel * ELEM * (ctx.world - 1) / ctx.world, "all-reduce bytes")
 
 
 # --- 9. meta init: only local shards are ever allocated -----------------------------------------------
@@ -363,10 +368,10 @@ def _case_meta_init(ctx: Ctx) -> None:
             p = model.get_parameter(name)
             assert isinstance(p, DTensor) and p.device.type == "cpu" and p.to_local().device.type == "cpu", name
             assert p.to_local().shape == _expected_local(ref_p, ctx.rank, ctx.world).shape, name
-        full = [p.numel() * F32 for p in ref.parameters()]
+        full = [p.numel() * ELEM for p in ref.parameters()]
         # exactly the local shards, nothing more; to_empty visits each module, so a tied shard is
         # allocated once per module holding it (the engine keeps the first and re-ties)
-        local = sum(p.to_local().numel() * F32 for _, p in model.named_parameters(remove_duplicate=False))
+        local = sum(p.to_local().numel() * ELEM for _, p in model.named_parameters(remove_duplicate=False))
         assert sum(rec.nbytes) == local, (rec.nbytes, local)
         if ctx.world > 1:
             assert sum(rec.nbytes) < sum(full) and max(rec.nbytes) < max(full), (rec.nbytes, full)
@@ -492,7 +497,7 @@ def _case_dcp(ctx: Ctx) -> None:
         # and both continue alike: the optimizer state was really restored
         train(src, None, NET, steps=2, optims=(src_opt, None))
         train(dst, None, NET, steps=2, optims=(dst_opt, None))
-        _assert_same(gather_params(dst), gather_params(src), f"{tag} after 2 more steps", tol=1e-5)
+        _assert_same(gather_params(dst), gather_params(src), f"{tag} after 2 more steps", tol=TOL)
 
 
 # --- 12. bad input ----------------------------------------------------------------------------------------
@@ -597,7 +602,7 @@ def _case_eval(ctx: Ctx) -> None:
             assert not plain, f"still unsharded after a {mode.__name__} forward: {plain}"
             assert c.calls == _comm(ctx, {("all_gather", "dp_shard"): units}), c.calls
             with torch.no_grad():
-                assert_close(out, ref(x), rtol=1e-5, atol=1e-5)
+                assert_close(out, ref(x), rtol=TOL, atol=TOL)
             model.train()
         assert_parity(model, ref, train(model, ref, NET, steps=5, optims=(opt, ref_opt)))
         # a no_grad forward records no forward order; training afterwards still prefetches
@@ -614,8 +619,37 @@ def _case_one_rank_exact(ctx: Ctx) -> None:
         assert_parity(model, ref, train(model, ref, task), rtol=0, atol=0)
 
 
+# --- 16. the parity comparison fails on planted bugs -----------------------------------------------------
+def _case_catches_bugs(ctx: Ctx) -> None:
+    """``assert_parity`` at its float64 tolerance fails when the engine skips its divide by the
+    data-parallel size (every gradient 2x: AdamW is nearly scale-free, so only its eps shows it,
+    ~1e-7 on the parameters after five steps) and when one rank's gradient is doubled before the
+    reduce-scatter (the average tilts toward that rank's half of the batch)."""
+    take = ShardedParam.take_unsharded_grad
+
+    def doubled_on_rank_1(self: ShardedParam):
+        grad = take(self)
+        return grad * 2 if grad is not None and ctx.rank == 1 else grad
+
+    bugs = {"no divide by the data-parallel size": mock.patch.object(ParamGroup, "_divide_factor", lambda self: 1.0),
+            "rank 1's gradient doubled": mock.patch.object(ShardedParam, "take_unsharded_grad", doubled_on_rank_1)}
+    for bug, patch in bugs.items():
+        ref = NET.build()
+        model = copy.deepcopy(ref)
+        shard_units(model, fully_shard, mesh=ctx.mesh)
+        with patch:
+            run = train(model, ref, NET)
+        must_fail(lambda model=model, ref=ref, run=run: assert_parity(model, ref, run), bug)
+
+
 # --- the jobs ----------------------------------------------------------------------------------------------
-CASES: dict[str, tuple[Callable[[Ctx], None], tuple[int, ...]]] = {
+def _setup(tmp: Path) -> Ctx:
+    torch.set_default_dtype(torch.float64)  # models and batches: tests/parity.py [Note: parity in float64]
+    world = dist.get_world_size()
+    return Ctx(dist.get_rank(), world, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)), tmp)
+
+
+CASES = CaseSet({
     "units": (_case_units, (1, 2, 4)),
     "reshard_after_forward": (_case_reshard_after_forward, (1, 2, 4)),
     "hybrid": (_case_hybrid, (4,)),
@@ -631,117 +665,100 @@ CASES: dict[str, tuple[Callable[[Ctx], None], tuple[int, ...]]] = {
     "prefetch": (_case_prefetch, (1, 2, 4)),
     "eval": (_case_eval, (1, 2, 4)),
     "one_rank_exact": (_case_one_rank_exact, (1,)),
+    "catches_bugs": (_case_catches_bugs, (2,)),
     "nested_counts": (_case_nested_counts, (1,)),  # last: when it fails it leaves a stale counter behind
-}
+}, setup=_setup, timeout=240)
 
 
-def _job(tmp: str) -> dict[str, str | None]:
-    """Run this world size's cases on every rank; each case's traceback, or None when it passed."""
-    world = dist.get_world_size()
-    ctx = Ctx(dist.get_rank(), world, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)), Path(tmp))
-    outcomes: dict[str, str | None] = {}
-    for name, (case, worlds) in CASES.items():
-        if world in worlds:
-            try:
-                case(ctx)
-                outcomes[name] = None
-            except Exception:  # noqa: BLE001 - reported by the test that owns the case
-                outcomes[name] = traceback.format_exc()
-    return outcomes
+_NOT_PARITY = ("nested_counts", "bad_input", "state_dict")  # they check structure, not numbers
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory) -> Callable[[int], list[dict[str, str | None]]]:
-    """One spawned job per world size, run on first use; a failed job fails each of its tests."""
-    return once_per_world(lambda world: run_distributed(_job, world, str(tmp_path_factory.mktemp(f"fsdp{world}")),
-                                                        timeout=240))
-
-
-def _check(jobs: Callable, world: int, case: str) -> None:
-    failures = [f"--- rank {r}:\n{out[case]}" for r, out in enumerate(jobs(world)) if out[case] is not None]
-    if failures:
-        pytest.fail(f"{case} at {world} ranks:\n" + "\n".join(failures), pytrace=False)
-
-
-def _worlds(case: str) -> pytest.MarkDecorator:
-    return pytest.mark.parametrize("world", CASES[case][1])
+def _worlds(case: str) -> Callable:
+    """Parametrize over the case's world sizes; a case that compares numbers is marked ``parity``."""
+    worlds = pytest.mark.parametrize("world", CASES.worlds(case))
+    return worlds if case in _NOT_PARITY else lambda test: pytest.mark.parity(worlds(test))
 
 
 @_worlds("units")
-def test_uneven_shapes_nested_units_and_root_only(jobs, world):
-    _check(jobs, world, "units")
+def test_uneven_shapes_nested_units_and_root_only(world):
+    CASES.check("units", world)
 
 
 @_worlds("reshard_after_forward")
-def test_reshard_after_forward(jobs, world):
-    _check(jobs, world, "reshard_after_forward")
+def test_reshard_after_forward(world):
+    CASES.check("reshard_after_forward", world)
 
 
 @_worlds("hybrid")
-def test_hybrid_2x2(jobs, world):
-    _check(jobs, world, "hybrid")
+def test_hybrid_2x2(world):
+    CASES.check("hybrid", world)
 
 
 @_worlds("accumulation")
-def test_gradient_accumulation_reduces_once_per_step(jobs, world):
-    _check(jobs, world, "accumulation")
+def test_gradient_accumulation_reduces_once_per_step(world):
+    CASES.check("accumulation", world)
 
 
 @_worlds("comm_accounting")
-def test_comm_accounting_per_step(jobs, world):
-    _check(jobs, world, "comm_accounting")
+def test_comm_accounting_per_step(world):
+    CASES.check("comm_accounting", world)
 
 
 @_worlds("nested_counts")
-def test_comm_count_blocks_nest(jobs, world):
-    _check(jobs, world, "nested_counts")
+def test_comm_count_blocks_nest(world):
+    CASES.check("nested_counts", world)
 
 
 @_worlds("tied_gpt2")
-def test_tied_embeddings_gpt2(jobs, world):
-    _check(jobs, world, "tied_gpt2")
+def test_tied_embeddings_gpt2(world):
+    CASES.check("tied_gpt2", world)
 
 
 @_worlds("bf16")
-def test_bf16_matches_pytorch_fully_shard(jobs, world):
-    _check(jobs, world, "bf16")
+def test_bf16_matches_pytorch_fully_shard(world):
+    CASES.check("bf16", world)
 
 
 @_worlds("threshold")
-def test_shard_threshold_replicates_small_parameters(jobs, world):
-    _check(jobs, world, "threshold")
+def test_shard_threshold_replicates_small_parameters(world):
+    CASES.check("threshold", world)
 
 
 @_worlds("meta_init")
-def test_meta_init_allocates_only_local_shards(jobs, world):
-    _check(jobs, world, "meta_init")
+def test_meta_init_allocates_only_local_shards(world):
+    CASES.check("meta_init", world)
 
 
 @_worlds("state_dict")
-def test_state_dict_is_dtensors_without_collectives(jobs, world):
-    _check(jobs, world, "state_dict")
+def test_state_dict_is_dtensors_without_collectives(world):
+    CASES.check("state_dict", world)
 
 
 @_worlds("dcp")
-def test_dcp_checkpoints_move_between_engines(jobs, world):
-    _check(jobs, world, "dcp")
+def test_dcp_checkpoints_move_between_engines(world):
+    CASES.check("dcp", world)
 
 
 @_worlds("bad_input")
-def test_bad_input_is_rejected(jobs, world):
-    _check(jobs, world, "bad_input")
+def test_bad_input_is_rejected(world):
+    CASES.check("bad_input", world)
 
 
 @_worlds("prefetch")
-def test_explicit_prefetch_lists(jobs, world):
-    _check(jobs, world, "prefetch")
+def test_explicit_prefetch_lists(world):
+    CASES.check("prefetch", world)
 
 
 @_worlds("eval")
-def test_no_grad_forward_reshards_every_unit(jobs, world):
-    _check(jobs, world, "eval")
+def test_no_grad_forward_reshards_every_unit(world):
+    CASES.check("eval", world)
 
 
 @_worlds("one_rank_exact")
-def test_one_rank_matches_plain_training_exactly(jobs, world):
-    _check(jobs, world, "one_rank_exact")
+def test_one_rank_matches_plain_training_exactly(world):
+    CASES.check("one_rank_exact", world)
+
+
+@_worlds("catches_bugs")
+def test_parity_catches_planted_bugs(world):
+    CASES.check("catches_bugs", world)

@@ -1,10 +1,13 @@
-"""The multi-process harness itself: results in rank order, readable failures, hangs caught."""
+"""The multi-process harness itself: results in rank order, readable failures, hangs caught,
+and a CaseSet spawns one job per world size however many cases and tests read it."""
+
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
+from tests.distributed import CaseSet, run_distributed
 
 
 def _sum_ranks() -> int:
@@ -37,3 +40,56 @@ def test_failure_names_rank_and_traceback():
 def test_hang_is_killed_at_the_deadline():
     with pytest.raises(AssertionError, match=r"ranks \[0\] never reported"):
         run_distributed(_rank0_hangs, 2, timeout=8)
+
+
+# --- CaseSet ----------------------------------------------------------------------------------------
+
+def _setup(tmp) -> dict:
+    return {"world": dist.get_world_size(), "tmp": tmp}
+
+
+def _case_sum(ctx: dict) -> tuple[int, int]:
+    assert ctx["tmp"].is_dir()  # the job's scratch folder, shared by its ranks
+    return _sum_ranks()
+
+
+def _case_rank1_fails(ctx: dict) -> None:
+    if dist.get_rank() == 1:
+        raise ValueError(f"rank one is broken at world {ctx['world']}")
+
+
+CASES = CaseSet({"sum": (_case_sum, (1, 2)), "rank1_fails": (_case_rank1_fails, 2),
+                 "after_a_failure": (_case_sum, 2)}, setup=_setup, timeout=120)
+HANGS = CaseSet({"rank0_hangs": (_rank0_hangs, 2)}, timeout=8)
+
+
+@pytest.mark.parametrize("world", CASES.worlds("sum"))
+def test_case_returns_each_ranks_value(world):
+    assert CASES.check("sum", world) == [(r, world * (world + 1) // 2) for r in range(world)]
+
+
+def test_failing_case_reports_its_rank_and_traceback_and_the_next_case_runs():
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)rank1_fails at 2 ranks:\n--- rank 1:\nTraceback.*"
+                                                    r"ValueError: rank one is broken at world 2") as e:
+        CASES.check("rank1_fails", 2)
+    assert "--- rank 0" not in str(e.value)
+    assert CASES.check("after_a_failure", 2) == [(0, 3), (1, 3)]
+
+
+def test_hung_case_fails_at_the_deadline():
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)rank0_hangs at 2 ranks: the job failed.*"
+                                                    r"ranks \[0\] never reported"):
+        HANGS.check("rank0_hangs", 2)
+    assert time.monotonic() - start < 40  # the 8 s deadline plus start-up, not the rank's 60 s sleep
+
+
+def test_cases_at_two_world_sizes_spawn_two_jobs():
+    for case, world in [(p.values[0], p.values[1]) for p in CASES.params()]:
+        try:
+            CASES.check(case, world)
+        except pytest.fail.Exception:
+            assert case == "rank1_fails"
+    assert sorted(CASES.spawned) == [1, 2]
+    with pytest.raises(ValueError, match="not registered at 4 ranks"):
+        CASES.check("sum", 4)

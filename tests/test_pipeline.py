@@ -3,19 +3,21 @@
 Parity (STYLE #13): the debug Llama (4 blocks) built on meta, split into stages, each stage
 materialized with ``to_empty`` + ``init_weights`` after ``torch.manual_seed(0)``; the
 reference is the whole model on CPU initialized the same way. Both take five AdamW steps on
-the same global batches; the loss of every step (from the last stage's rank) and every
-parameter of every stage (against the reference's parameter of the same name) match to
-1e-5. With ``dp_shard`` 2 each pipeline sees half the batch and meshpar's FSDP engine shards
-every stage; there each FSDP unit must reduce-scatter exactly once per step.
+the same global batches in float64; the loss of every step (from the last stage's rank), the
+gradient norm and every parameter of every stage (against the reference's parameter of the
+same name) match to 1e-9 (tests/parity.py [Note: parity in float64]), and
+``test_two_ranks[catches_bugs]`` plants wrong gradients to show that this fails. With
+``dp_shard`` 2 each pipeline sees half the batch and meshpar's FSDP engine shards every
+stage; there each FSDP unit must reduce-scatter exactly once per step.
 
 Process start-up dominates on two cores, so the cases of a world size run in one spawned
-job (``_job``); each ``test_*`` reads its case's outcome from it.
+job (``CASES``, a tests/distributed.py ``CaseSet``); each ``test_*`` reads its case's outcome
+from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from collections.abc import Callable
 
 import pytest
@@ -33,11 +35,12 @@ from meshpar.models.gpt2 import GPT2, GPT2Args
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.pipeline import SCHEDULES, Stage, build_schedule, check_microbatches, split, stage_ids, stage_layers
 from meshpar.recipe import RecipeError
-from tests.distributed import once_per_world, run_distributed
+from tests.distributed import CaseSet
+from tests.parity import TOL, default_dtype, must_fail, upcast
 
 ARGS = dataclasses.replace(LLAMA_SIZES["debug"], n_layers=4, max_seq_len=16)
 BATCH, SEQ, MICRO, STEPS = 8, 16, 4, 5
-LR = 1e-3  # see tests/fsdp_models.py [Note: GPT-2's key bias and Adam]: small enough for 1e-5 parity
+LR = 1e-3
 CLIP = 0.5  # below every step's gradient norm, so clipping is active
 EVAL_AFTER = 2  # steps before a forward-only evaluation, after which training goes on
 
@@ -50,7 +53,7 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
 
 
 def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten())
 
 
 # [Note: the reference accumulates the same microbatches]
@@ -58,9 +61,10 @@ def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
 # dp_shard each replica's sum is then averaged over replicas by the reduce-scatter.
 # Mathematically that is the mean over the batch, but rounding differs from one
 # cross_entropy over all the tokens, and AdamW turns rounding noise on a near-zero gradient
-# element into an update of ~lr (its step is scale-free): one embedding element drifted
-# 1.5e-4 in five steps. So the reference adds the same terms in the same order: each
-# replica's slice in microbatches, accumulated, then the replicas' sums averaged; and
+# element into an update of ~lr (its step is scale-free): in float32 one embedding element
+# drifted 1.5e-4 in five steps (float64 shrinks that to ~1e-12, but exact is simpler). So
+# the reference adds the same terms in the same order: each replica's slice in microbatches,
+# accumulated, then the replicas' sums averaged; and
 # test_microbatch_accumulation_is_the_batch_mean checks, once, that this equals the gradient
 # of the mean over the whole batch. A wrong loss scale would not show in AdamW's updates
 # (scale-free), so parity also compares the loss and the gradient norm of every step.
@@ -131,8 +135,10 @@ def _stages(name: str, pp_rank: int, pp: int, virtual: int, shard: Callable[[nn.
 
 
 def _train(name: str, pp_mesh, virtual: int, *, dp_mesh=None, max_norm: float | None = None,
-           shard: Callable[[nn.Module], None] | None = None) -> dict:
-    """Five steps of ``name``; returns losses and norms per step, collectives per step, parameters."""
+           shard: Callable[[nn.Module], None] | None = None,
+           bug: Callable[[int, list[Tensor]], None] | None = None) -> dict:
+    """Five steps of ``name``; returns losses and norms per step, collectives per step, parameters.
+    ``bug(pp_rank, params)``: a planted error applied to the gradients after each step's backward."""
     pp_group, pp, pp_rank = pp_mesh.get_group(), pp_mesh.size(), pp_mesh.get_local_rank()
     stages = _stages(name, pp_rank, pp, virtual, shard)
     pipe = build_schedule(stages, pp * virtual, pp_mesh, torch.device("cpu"), name, MICRO, cross_entropy)
@@ -153,6 +159,8 @@ def _train(name: str, pp_mesh, virtual: int, *, dp_mesh=None, max_norm: float | 
         inputs, targets = (t.chunk(dp)[dp_rank] for t in _batch(step))
         with comm.count() as c:
             out["losses"].append(loss_everywhere(pipe.step(inputs, targets)))
+        if bug is not None:
+            bug(pp_rank, params)
         norm = clip_grad_norm_(params, max_norm or float("inf"), extra_groups=[pp_group])
         out["norms"].append(norm.item())
         opt.step()
@@ -170,24 +178,27 @@ def _train(name: str, pp_mesh, virtual: int, *, dp_mesh=None, max_norm: float | 
 
 def _assert_parity(out: dict, max_norm: float | None = None, dp: int = 1) -> None:
     losses, norms, params = _reference(dp, max_norm)
-    assert_close(torch.tensor(out["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-5,
+    assert_close(torch.tensor(out["losses"]), torch.tensor(losses), rtol=TOL, atol=TOL,
                  msg=lambda m: f"losses {out['losses']} vs reference {losses}: {m}")
-    assert_close(torch.tensor(out["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-5,
+    assert_close(torch.tensor(out["norms"]), torch.tensor(norms), rtol=TOL, atol=TOL,
                  msg=lambda m: f"grad norms {out['norms']} vs reference {norms}: {m}")
     assert out["params"], "this rank holds no parameters"
     for name, p in out["params"].items():
-        assert_close(p, params[name], rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        assert p.dtype == torch.float64, f"{name} is {p.dtype}: parity runs in float64"
+        assert_close(p, params[name], rtol=TOL, atol=TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # --- 2 ranks: one process per pipeline rank -----------------------------------------------------
 
 def _case_schedule(name: str, virtual: int) -> Callable[[], None]:
+    @default_dtype()  # every case runs in float64: tests/parity.py
     def case() -> None:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
         _assert_parity(_train(name, mesh, virtual))
     return case
 
 
+@default_dtype()
 def _case_clip() -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     out = _train("1f1b", mesh, 1, max_norm=CLIP)
@@ -195,6 +206,28 @@ def _case_clip() -> None:
     _assert_parity(out, CLIP)
 
 
+@default_dtype()
+def _case_catches_bugs() -> None:
+    """The parity comparison fails on planted bugs: the last stage's gradients doubled (its
+    microbatches accumulated twice), and every gradient n_microbatches times too large (the
+    schedule's loss not divided by the microbatch count; AdamW is nearly scale-free, so this
+    shows in the gradient norm and, through eps, in the parameters)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+
+    def last_stage_doubled(pp_rank: int, params: list[Tensor]) -> None:
+        for p in params if pp_rank == 1 else ():
+            p.grad.mul_(2)
+
+    def not_divided_by_microbatches(pp_rank: int, params: list[Tensor]) -> None:
+        for p in params:
+            p.grad.mul_(MICRO)
+
+    for bug in (last_stage_doubled, not_divided_by_microbatches):
+        out = _train("1f1b", mesh, 1, bug=bug)
+        must_fail(lambda out=out: _assert_parity(out), bug.__name__)
+
+
+@default_dtype()
 def _case_microbatch_counts() -> None:
     """check_microbatches accepts exactly the counts each schedule runs (at pp 2, 1..6), here on a
     2-block model so that a rejected count costs a constructor and an accepted one a step."""
@@ -228,16 +261,8 @@ def _case_microbatch_counts() -> None:
 
 # --- 4 ranks: pp 2 x dp_shard 2, meshpar FSDP inside every stage ---------------------------------
 
-# [Note: clipping and AdamW in the interleaved layout]
-# Clipping scales every gradient by max_norm / norm, and the norm's fp32 sums group by stage
-# and shard here but by tensor in the reference (2e-6 relative apart). Without clipping the
-# interleaved pp 2 x dp_shard 2 run ends bitwise equal to the reference; with it, AdamW
-# magnifies that difference on one embedding element (a token seen in one batch only) to
-# 1.2e-5 after five steps. So that layout runs unclipped; clipping is checked in the others.
-
-
-def _case_fsdp(name: str, virtual: int, reshard_after_forward: bool,
-               max_norm: float | None = CLIP) -> Callable[[], None]:
+def _case_fsdp(name: str, virtual: int, reshard_after_forward: bool) -> Callable[[], None]:
+    @default_dtype()
     def case() -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
         dp = mesh["dp_shard"]
@@ -250,8 +275,8 @@ def _case_fsdp(name: str, virtual: int, reshard_after_forward: bool,
             has_end = stage.tok_embeddings is not None or stage.output is not None
             units.append(len(stage.layers) + has_end)  # the units with parameters
 
-        out = _train(name, mesh["pp"], virtual, dp_mesh=dp, max_norm=max_norm, shard=shard)
-        _assert_parity(out, max_norm, dp=dp.size())
+        out = _train(name, mesh["pp"], virtual, dp_mesh=dp, max_norm=CLIP, shard=shard)
+        _assert_parity(out, CLIP, dp=dp.size())
         for step, c in enumerate(out["counts"]):
             got = c.calls[("reduce_scatter", "dp_shard")]
             assert got == sum(units), f"step {step}: {got} reduce-scatters for {sum(units)} FSDP units"
@@ -263,54 +288,32 @@ def _case_fsdp(name: str, virtual: int, reshard_after_forward: bool,
     return case
 
 
-CASES: dict[str, tuple[Callable[[], None], int]] = {
+CASES = CaseSet({
     "gpipe": (_case_schedule("gpipe", 1), 2),
     "1f1b": (_case_schedule("1f1b", 1), 2),
     "interleaved_1f1b": (_case_schedule("interleaved_1f1b", 2), 2),
     "zero_bubble": (_case_schedule("zero_bubble", 2), 2),
     "zbv": (_case_schedule("zbv", 2), 2),
     "clip": (_case_clip, 2),
+    "catches_bugs": (_case_catches_bugs, 2),
     "microbatch_counts": (_case_microbatch_counts, 2),
     "fsdp_1f1b": (_case_fsdp("1f1b", 1, False), 4),
-    "fsdp_interleaved_1f1b": (_case_fsdp("interleaved_1f1b", 2, False, max_norm=None), 4),  # see the note above
+    "fsdp_interleaved_1f1b": (_case_fsdp("interleaved_1f1b", 2, False), 4),
     "fsdp_zero_bubble_reshard": (_case_fsdp("zero_bubble", 2, True), 4),
     "fsdp_zbv": (_case_fsdp("zbv", 2, False), 4),
-}
+}, timeout=240)
 
 
-def _job() -> dict[str, str | None]:
-    world = dist.get_world_size()
-    outcomes: dict[str, str | None] = {}
-    for name, (case, size) in CASES.items():
-        if size == world:
-            try:
-                case()
-                outcomes[name] = None
-            except Exception:  # noqa: BLE001 - reported by the test that owns the case
-                outcomes[name] = traceback.format_exc()
-    return outcomes
+@pytest.mark.parity
+@pytest.mark.parametrize("case", CASES.names(world=2))
+def test_two_ranks(case):
+    CASES.check(case, 2)
 
 
-@pytest.fixture(scope="module")
-def jobs() -> Callable[[int], list[dict[str, str | None]]]:
-    """One spawned job per world size, run on first use; a failed job fails each of its tests."""
-    return once_per_world(lambda world: run_distributed(_job, world, timeout=240))
-
-
-@pytest.mark.parametrize("case", [name for name, (_, world) in CASES.items() if world == 2])
-def test_two_ranks(jobs, case):
-    _check(jobs, 2, case)
-
-
-@pytest.mark.parametrize("case", [name for name, (_, world) in CASES.items() if world == 4])
-def test_pp2_x_dp_shard2(jobs, case):
-    _check(jobs, 4, case)
-
-
-def _check(jobs: Callable, world: int, case: str) -> None:
-    failures = [f"--- rank {r}:\n{out[case]}" for r, out in enumerate(jobs(world)) if out[case] is not None]
-    if failures:
-        pytest.fail(f"{case} at {world} ranks:\n" + "\n".join(failures), pytrace=False)
+@pytest.mark.parity
+@pytest.mark.parametrize("case", CASES.names(world=4))
+def test_pp2_x_dp_shard2(case):
+    CASES.check(case, 4)
 
 
 # --- one process ------------------------------------------------------------------------------------
@@ -369,11 +372,14 @@ def test_microbatch_count_errors():
         check_microbatches("gpipe", 4, 2, local_batch=6)
 
 
+@pytest.mark.parity
+@default_dtype()
 def test_microbatch_accumulation_is_the_batch_mean():
-    """The reference's (and the pipeline's) sum of microbatch means / n is the whole batch's mean."""
+    """The reference's (and the pipeline's) sum of microbatch means / n is the whole batch's mean
+    (in float64: equal up to summation order, 1e-16 relative)."""
     inputs, targets = _batch(0)
     whole, micro = _reference_model(), _reference_model()
     cross_entropy(whole(inputs), targets).backward()
     _accumulate(micro, inputs, targets, MICRO)
     for (name, p), q in zip(whole.named_parameters(), micro.parameters(), strict=True):
-        assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-8, msg=lambda m, name=name: f"{name}: {m}")
+        assert_close(q.grad, p.grad, rtol=TOL, atol=TOL, msg=lambda m, name=name: f"{name}: {m}")

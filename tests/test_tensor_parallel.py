@@ -12,12 +12,13 @@ Everything runs in float64: TP changes the order of float sums, and AdamW's firs
 each element by about lr whatever its gradient's size, so in float32 elements whose gradient
 is rounding noise differ by ~lr after 5 steps (seen: 7e-5 at lr 1e-3) although the gradients
 agree to 1e-6 of their scale. In float64 that noise is ~1e-13, so the tolerance (1e-9) can
-be tight and still tell a wrong gradient from rounding. Sub-cases loop inside one spawned
-job per world size.
+be tight and still tell a wrong gradient from rounding (tests/parity.py [Note: parity in
+float64]); ``test_parity_catches_planted_bugs`` shows that it does. Sub-cases loop inside one spawned
+job per world size (``JOBS``, a tests/distributed.py ``CaseSet``).
 """
 
 import dataclasses
-import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +35,8 @@ from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.parallelize import check_llama_tp, llama_tp_plan
 from meshpar.recipe import RecipeError
 from meshpar.tensor_parallel import apply_tp, check_seq_len, loss_parallel_context, reduce_partial_grads
-from tests.distributed import run_distributed
+from tests.distributed import CaseSet
+from tests.parity import must_fail
 
 STEPS, BATCH, SEQ_LEN, LR, TOL, GRAD_TOL = 5, 4, 32, 1e-3, 1e-9, 1e-9
 
@@ -89,7 +91,8 @@ def _build(case: str, mesh, loss_parallel: bool, fsdp: bool) -> tuple[nn.Module,
     return model, ref
 
 
-def _train_case(case: str, mesh, loss_parallel: bool, fsdp: bool) -> dict:
+def _train_case(case: str, mesh, loss_parallel: bool, fsdp: bool, bug=None) -> dict:
+    """5 steps next to the reference; ``bug(model)``, a planted error, replaces reduce_partial_grads."""
     model, ref = _build(case, mesh, loss_parallel, fsdp)
     init_diff = max((_full(p) - ref.get_parameter(n)).abs().max().item() for n, p in model.named_parameters())
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR) for m in (model, ref))
@@ -100,7 +103,7 @@ def _train_case(case: str, mesh, loss_parallel: bool, fsdp: bool) -> dict:
     for _ in range(STEPS):
         tokens = torch.randint(0, ref.args.vocab_size, (BATCH, SEQ_LEN + 1), generator=data)
         loss = _loss(model, tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank], loss_parallel)
-        reduce_partial_grads(model)  # pure TP: replicated parameters' grads are partial sums
+        (bug or reduce_partial_grads)(model)  # pure TP: replicated parameters' grads are partial sums
         ref_loss = _loss(ref, tokens, False)
         grad_norms.append((total_norm([p.grad for p in model.parameters()]).item(),
                            total_norm([p.grad for p in ref.parameters()]).item()))
@@ -121,6 +124,29 @@ def _train_case(case: str, mesh, loss_parallel: bool, fsdp: bool) -> dict:
             "tied": _is_tied(model), "ref_tied": _is_tied(ref),
             "diffs": {n: (p - ref_params[n]).abs().max().item() for n, p in params.items()},
             "names": (sorted(params), sorted(ref_params))}
+
+
+def _partial_grads_not_summed(model: nn.Module) -> None:
+    """Bug: replicated parameters (sequence-parallel norms) keep this rank's partial gradient."""
+    for p in model.parameters():
+        if p.grad.placements != p.placements:
+            p.grad = DTensor.from_local(p.grad.to_local(), p.grad.device_mesh, p.placements, run_check=False)
+
+
+def _doubled_on_rank_1(model: nn.Module) -> None:
+    """Bug: tp rank 1's gradients (its shards of the sharded parameters) are twice what they should be."""
+    reduce_partial_grads(model)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.to_local().mul_(2)
+
+
+def _catches_bugs(mesh) -> None:
+    """The parity comparison below fails on each planted bug (2 ranks, pure TP, Llama)."""
+    for bug in (_partial_grads_not_summed, _doubled_on_rank_1):
+        result = _train_case("llama", mesh, False, fsdp=False, bug=bug)
+        must_fail(lambda result=result, bug=bug: _assert_parity({bug.__name__: result}), bug.__name__)
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -156,21 +182,27 @@ def _stage_case(mesh) -> float:
         return (stages[1](hidden) - ref(tokens)).abs().max().item()
 
 
-def _tp_only_job() -> dict:
+def _setup(tmp: Path):
+    """TP over both ranks at 2; at 4, dp_shard 2 x tp 2 (FSDP over TP)."""
     torch.set_default_dtype(torch.float64)  # see the module docstring
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    out = {}
-    for case, loss_parallel in (("llama", True), ("llama", False), ("qwen3", True), ("qwen2", False),
-                                ("gpt2", True), ("gpt2", False)):
-        out[case, loss_parallel] = _train_case(case, mesh, loss_parallel, fsdp=False)
-    out["stages"] = _stage_case(mesh)
-    return out
+    if dist.get_world_size() == 2:
+        return init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
 
 
-def _tp_fsdp_job() -> dict:
-    torch.set_default_dtype(torch.float64)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-    return {(case, lp): _train_case(case, mesh, lp, fsdp=True) for case, lp in (("llama", True), ("qwen2", False))}
+def _trained(case: str, loss_parallel: bool):
+    def run(mesh) -> dict:
+        return _train_case(case, mesh, loss_parallel, fsdp="dp_shard" in mesh.mesh_dim_names)
+    return run
+
+
+TRAIN = {  # job case -> (model case, loss parallel, world sizes)
+    "llama-loss_parallel": ("llama", True, (2, 4)), "llama": ("llama", False, 2),
+    "qwen3-loss_parallel": ("qwen3", True, 2), "qwen2": ("qwen2", False, (2, 4)),
+    "gpt2-loss_parallel": ("gpt2", True, 2), "gpt2": ("gpt2", False, 2),
+}
+JOBS = CaseSet({**{name: (_trained(case, lp), worlds) for name, (case, lp, worlds) in TRAIN.items()},
+                "stages": (_stage_case, 2), "catches_bugs": (_catches_bugs, 2)}, setup=_setup, timeout=240)
 
 
 def _assert_parity(results: dict) -> None:
@@ -187,28 +219,41 @@ def _assert_parity(results: dict) -> None:
         assert worst[1] <= TOL, (key, "parameter", worst)
 
 
-@functools.cache
-def _results(world_size: int) -> dict:
-    """One spawned job per world size, shared by the tests below."""
-    return run_distributed(_tp_only_job if world_size == 2 else _tp_fsdp_job, world_size, timeout=240)[0]
+def _results(case: str, world_size: int) -> dict:
+    """Rank 0's result of ``case`` in the ``world_size``-rank job (one spawn per world size)."""
+    return JOBS.check(case, world_size)[0]
 
 
-def test_tensor_parallel_matches_one_process():
-    results = dict(_results(2))
-    stage_diff = results.pop("stages")
-    _assert_parity(results)
+@pytest.mark.parity
+@pytest.mark.parametrize("case", [name for name in JOBS.names(world=2) if name in TRAIN])
+def test_tensor_parallel_matches_one_process(case):
+    _assert_parity({case: _results(case, 2)})
+
+
+@pytest.mark.parity
+def test_pipeline_stage_slices_under_tensor_parallel():
+    stage_diff = _results("stages", 2)
     assert stage_diff <= TOL
 
 
-def test_tensor_parallel_with_fsdp_matches_one_process():
-    _assert_parity(_results(4))
+@pytest.mark.parity
+@pytest.mark.parametrize("case", [name for name in JOBS.names(world=4) if name in TRAIN])
+def test_tensor_parallel_with_fsdp_matches_one_process(case):
+    _assert_parity({case: _results(case, 4)})
 
 
-def test_gradient_norm_over_tensor_parallel_gradients():
-    for world_size in (2, 4):
-        for key, r in _results(world_size).items():
-            for step, (norm, ref_norm) in enumerate(r["grad_norms"] if key != "stages" else ()):
-                assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (key, step, norm, ref_norm)  # summed in fp32
+@pytest.mark.parity
+@pytest.mark.parametrize(("case", "world_size"), [p for p in JOBS.params() if p.values[0] in TRAIN])
+def test_gradient_norm_over_tensor_parallel_gradients(case, world_size):
+    r = _results(case, world_size)
+    assert len(r["grad_norms"]) == STEPS, case
+    for step, (norm, ref_norm) in enumerate(r["grad_norms"]):
+        assert abs(norm - ref_norm) <= TOL * ref_norm, (case, step, norm, ref_norm)  # fp64 gradients: summed in fp64
+
+
+@pytest.mark.parity
+def test_parity_catches_planted_bugs():
+    JOBS.check("catches_bugs", 2)
 
 
 # --- divisibility checks: no processes -------------------------------------------------------
@@ -242,10 +287,11 @@ def test_check_seq_len():
 
 def test_gpt2_refuses_tensor_parallel_with_fsdp():
     from meshpar.mesh import Layout, Mesh
-    from meshpar.models.gpt2.parallelize import parallelize_gpt2
+    from meshpar.models import get_family
+    from meshpar.parallelize import parallelize_transformer
     from meshpar.recipe import ParallelConfig
 
     mesh = Mesh(Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2), world=None, dp=None)
     with pytest.raises(RecipeError, match="fused c_attn cannot be FSDP-sharded") as err:
-        parallelize_gpt2(nn.Module(), mesh, ParallelConfig(tp=2, dp_shard=2))
+        parallelize_transformer(nn.Module(), mesh, ParallelConfig(tp=2, dp_shard=2), get_family("gpt2").tp_plan)
     assert err.value.key == "parallel.dp_shard"
