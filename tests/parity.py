@@ -42,6 +42,13 @@ def default_dtype(dtype: torch.dtype = PARITY_DTYPE) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
+def in_float64(fn: Callable, *args: object) -> object:
+    """``fn(*args)`` with float64 as the default dtype; for a spawned rank:
+    ``run_distributed(in_float64, world, train_on_rank, recipe)``."""
+    with default_dtype():
+        return fn(*args)
+
+
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """Logits for a loss in at least float32: bf16 goes up, a float64 model stays float64."""
     return x if x.dtype == torch.float64 else x.float()
