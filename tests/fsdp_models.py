@@ -1,6 +1,8 @@
 """Tiny models, data and the parity loop behind tests/test_fsdp.py.
 
-A ``Task`` is a model builder, a global batch per step and a loss. ``train`` steps a
+A ``Task`` is a model builder, a global batch per step and a loss; models and batches take
+the default dtype, which the FSDP jobs set to float64 (tests/parity.py [Note: parity in
+float64]), so ``assert_parity`` holds them to 1e-9. ``train`` steps a
 sharded model (each data-parallel rank on its slice of the global batch, mean loss per
 rank) next to a single-process reference that sees the whole batch, with AdamW on both,
 and returns the global losses and one ``comm.count()`` per step and per microbatch.
@@ -26,6 +28,7 @@ from torch.testing import assert_close
 
 from meshpar import comm
 from meshpar.models.gpt2.model import GPT2, GPT2Args
+from tests.parity import TOL, upcast
 
 IN, DIM, HIDDEN, OUT, BATCH = 7, 6, 19, 3, 8
 
@@ -71,11 +74,10 @@ class Task:
 # [Note: GPT-2's key bias and Adam]
 # Softmax ignores a constant added to every score of a query, so the gradient of the key
 # bias (c_attn.bias[D:2D]) is zero in exact arithmetic: what remains is rounding noise,
-# ~1e-11, which differs with the reduction order of any data-parallel layout. Adam divides
-# it by its own root mean square (eps 1e-8), turning noise into updates of ~1e-3 * lr per
-# step. At lr 1e-2 a 2x2 hybrid run drifts 1.4e-5 from the reference on that bias alone;
-# lr 1e-3 keeps the noise ten times under the tolerance while a wrong gradient still moves
-# a parameter by ~lr per step, a hundred times over it.
+# ~1e-11 in float32, which differs with the reduction order of any data-parallel layout.
+# Adam divides it by its own root mean square (eps 1e-8), turning noise into updates of
+# ~1e-3 * lr per step: in float32 at lr 1e-2 a 2x2 hybrid run drifted 1.4e-5 from the
+# reference on that bias alone. In float64 the noise is ~1e-20 and harmless; lr 1e-3 stays.
 
 
 def _build_net() -> Net:
@@ -90,7 +92,7 @@ def _net_batch(step: int) -> tuple[Tensor, Tensor]:
 
 def _net_loss(model: nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
     x, y = batch
-    return F.mse_loss(model(x).float(), y)
+    return F.mse_loss(upcast(model(x)), y)
 
 
 def _build_gpt2() -> GPT2:
@@ -108,7 +110,7 @@ def _gpt2_batch(step: int) -> tuple[Tensor]:
 def _gpt2_loss(model: nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
     (tokens,) = batch
     logits = model(tokens[:, :-1])  # [B, T, V]
-    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    return F.cross_entropy(upcast(logits).flatten(0, 1), tokens[:, 1:].flatten())
 
 
 NET = Task(_build_net, _net_batch, _net_loss)
@@ -195,8 +197,8 @@ def gather_params(model: nn.Module) -> dict[str, Tensor]:
     return {name: p.full_tensor().detach() for name, p in params.items()}
 
 
-def assert_parity(model: nn.Module, ref: nn.Module, run: Run, *, rtol: float = 1e-5, atol: float = 1e-5) -> None:
-    """The loss at every step and every gathered parameter match the reference."""
+def assert_parity(model: nn.Module, ref: nn.Module, run: Run, *, rtol: float = TOL, atol: float = TOL) -> None:
+    """The loss at every step and every gathered parameter match the reference (float64: 1e-9)."""
     full = gather_params(model)
     ref_params = {name: p.detach() for name, p in ref.named_parameters()}
     assert full.keys() == ref_params.keys()
