@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from meshpar._torch import attention_ops, c10d_functional_ops
+
 MODES = ("none", "full", "selective")
 
 # [Note: what selective checkpointing keeps]
@@ -40,11 +42,8 @@ _SAVE = {
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    *attention_ops(),
+    c10d_functional_ops().reduce_scatter_tensor.default,
 }
 
 

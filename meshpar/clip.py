@@ -17,9 +17,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshpar import comm
+from meshpar._torch import StridedShard
 
 
 @torch.no_grad()
@@ -36,9 +36,9 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0,
         local, key = g, ()
         if isinstance(g, DTensor):
             local = g.to_local()
-            # _StridedShard (FSDP over a column-wise tp shard, GPT-2's fused q|k|v) is not a Shard subclass
+            # StridedShard (FSDP over a column-wise tp shard, GPT-2's fused q|k|v) is not a Shard subclass
             key = tuple((g.device_mesh, i) for i, pl in enumerate(g.placements)
-                        if isinstance(pl, (Shard, _StridedShard)))
+                        if isinstance(pl, (Shard, StridedShard)))
         acc = partial[key]  # touch the entry even for an empty shard: every rank reduces the same keys
         x = local.detach().to(acc_dtype).abs()
         if x.numel() == 0:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshpar._torch import flatten_mesh
 from meshpar.recipe import ParallelConfig, RecipeError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -101,4 +102,4 @@ class Mesh:
 def build(layout: Layout, device_type: str) -> Mesh:
     """Create the mesh over the default process group (one sub-group per dim, plus ``dp``)."""
     world = init_device_mesh(device_type, layout.degrees, mesh_dim_names=DIMS)
-    return Mesh(layout, world, world["dp_replicate", "dp_shard"]._flatten("dp"))
+    return Mesh(layout, world, flatten_mesh(world["dp_replicate", "dp_shard"], "dp"))

@@ -4,16 +4,15 @@ The order (docs/architecture.md) is: pipeline split -> tensor parallel -> activa
 checkpointing -> torch.compile per block -> fully_shard per block, then the stage root ->
 to_empty + init_weights -> optimizer. It runs on the model as built on the meta device, so
 only local shards are ever allocated. Model files hold no parallel code; this module, the
-pipeline package and each family's plan table (``models/<family>/parallelize.py``) do.
+pipeline package and each family's plan table (``models/<family>/parallelize.py``, data this
+module applies: ``family.tp_plan``) do.
 
-    stages = build(family, args, mesh, recipe.parallel, device, seed)   # [(stage index, module)]
+    stages = build(family.model_cls, args, family.tp_plan, mesh, recipe.parallel, device, seed)
 
 With ``pp = 1`` there is one stage: the whole model.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,9 +22,7 @@ from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
 from meshpar.mesh import Mesh
 from meshpar.pipeline import SCHEDULES, split
 from meshpar.recipe import ParallelConfig, RecipeError
-from meshpar.tensor_parallel import TPPlan, apply_tp
-
-TPPlanFn = Callable[[bool], TPPlan]  # loss_parallel -> the family's plan
+from meshpar.tensor_parallel import TPPlan, apply_tp, check_fsdp_over_tp
 
 
 def mixed_precision(cfg: ParallelConfig, *, root: bool) -> MixedPrecisionPolicy:
@@ -71,13 +68,15 @@ def check_mixed_precision(cfg: ParallelConfig, dp_shard: int) -> None:
                               key=f"parallel.{key}")
 
 
-def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, tp_plan: TPPlanFn) -> nn.Module:
+def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, tp_plan: TPPlan) -> nn.Module:
     """Tensor parallel -> activation checkpointing -> compile -> FSDP on one stage (or the whole
-    model) built on meta. ``tp_plan`` is the family's plan table. With ``dp_shard = 1`` no FSDP
-    unit is made and the training step averages gradients over ``dp_replicate`` (meshpar.replicate)."""
+    model) built on meta. ``tp_plan`` is the family's plan table (``family.tp_plan``). With
+    ``dp_shard = 1`` no FSDP unit is made and the training step averages gradients over
+    ``dp_replicate`` (meshpar.replicate)."""
     layout = mesh.layout
+    check_fsdp_over_tp(tp_plan, layout.tp, layout.dp_shard)  # a plan that cannot be sharded yet
     if layout.tp > 1:
-        apply_tp(model, mesh["tp"], tp_plan(cfg.loss_parallel))
+        apply_tp(model, mesh["tp"], tp_plan.with_loss_parallel(cfg.loss_parallel))
     apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every)
     if cfg.compile:
         apply_compile(model)
@@ -86,9 +85,10 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
     return model
 
 
-def build(model_cls: type[nn.Module], args, parallelize: Callable[..., nn.Module], mesh: Mesh, cfg: ParallelConfig,
+def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: ParallelConfig,
           device: torch.device, seed: int) -> list[tuple[int, nn.Module]]:
     """This rank's stages of the model, parallelized and initialized: ``[(stage index, module)]``.
+    ``tp_plan``: the family's plan table, ``family.tp_plan``.
 
     Every stage is initialized from the same base seed, so by meshpar.models.init's layout-independent
     initialization each holds exactly the values of the same layers of the whole model.
@@ -104,7 +104,7 @@ def build(model_cls: type[nn.Module], args, parallelize: Callable[..., nn.Module
         stages = [(0, whole)]
     built = []
     for index, stage in stages:
-        stage = parallelize(stage, mesh, cfg)  # still on meta: shards only from here on
+        stage = parallelize_transformer(stage, mesh, cfg, tp_plan)  # still on meta: shards only from here on
         stage.to_empty(device=device)
         torch.manual_seed(seed)
         stage.init_weights()

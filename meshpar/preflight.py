@@ -5,6 +5,8 @@
 
 ``meshpar train`` runs ``preflight`` before starting ranks, and each rank again before it
 joins; ``meshpar plan`` runs ``check_layout`` (everything but the data) at the target size.
+The checks against the model registry live here, not in meshpar.recipe, which imports
+nothing else of meshpar; ``check_model`` is the part that needs no world size.
 """
 
 from __future__ import annotations
@@ -46,16 +48,24 @@ class Preflight:
     corpus: Corpus
 
 
+def check_model(recipe: Recipe) -> tuple[Family, Any]:
+    """The recipe's model against the registry, before any world size: (family, model args).
+    Raises RecipeError naming the families, the sizes, or a parallel dim the family cannot run yet."""
+    family = get_family(recipe.model.family)  # raises naming the families
+    args = family.model_args(recipe.model)  # raises naming the sizes
+    family.check_degrees({dim: getattr(recipe.parallel, dim) for dim in meshlib.DIMS})
+    return family, args
+
+
 def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, Family, Any]:
     """The checks of a recipe's layout against its model at ``world_size`` that need neither data
     nor a process group (``meshpar plan`` runs them too): (layout, microbatches per step,
     family, model args); raises RecipeError naming the key to change."""
     t = recipe.train
+    family, args = check_model(recipe)
     layout = meshlib.resolve(recipe.parallel, world_size)
-    family = get_family(recipe.model.family)
-    family.check_degrees(dataclasses.asdict(layout))
+    family.check_degrees(dataclasses.asdict(layout))  # dp_shard = -1 resolved
     accum = _check_batch(recipe, layout)
-    args = family.model_args(recipe.model)
     family.check_layout(args, layout)
     check_seq_len(t.seq_len, layout.tp)
     check_mixed_precision(recipe.parallel, layout.dp_shard)

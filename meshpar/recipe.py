@@ -5,9 +5,11 @@ data, checkpointing, profiling and metrics. Precedence is command line > recipe 
 the defaults declared below, and every field is documented where it is declared, so
 ``meshpar recipe --keys`` prints this file's documentation.
 
-Everything that can be checked without a process group is checked here, and every problem
+Every key's type and range, and the rules across keys, are checked here, and every problem
 raises :class:`RecipeError` naming the file (or the command-line override), the key and
-what is allowed. The CLI turns it into one line on stderr and exit code 2.
+what is allowed. The CLI turns it into one line on stderr and exit code 2. Checks against
+the model registry and the world size (family, size, which parallel dims a family can run,
+divisibility) are meshpar.preflight's: this module imports nothing else of meshpar.
 
 Each part of meshpar receives its own section (``ParallelConfig`` for the mesh,
 ``DataConfig`` for the loader, ...), never the whole recipe.
@@ -31,17 +33,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-
-class RecipeError(ValueError):
-    """A recipe problem the user can fix: the message names the key and the remedy.
-
-    ``key`` ("section.key") lets the loader say where the offending value came from: the
-    recipe file or a command-line override.
-    """
-
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
-        self.key = key
+from meshpar.errors import RecipeError  # re-exported: meshpar.recipe.RecipeError stays importable
 
 
 def option(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None,
@@ -368,17 +360,12 @@ def load(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
 
 
 def check(recipe: Recipe) -> None:
-    """Checks across keys and against the model registry; world-size checks live in mesh.py."""
-    from meshpar.models import get_family  # deferred: the registry imports torch and every model
-
+    """Checks across keys. Those against the model registry (family, size, the parallel dims a
+    family runs) and the world size are meshpar.preflight's."""
     t = recipe.train
     if t.global_batch % t.micro_batch:
         raise RecipeError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
                           f"({t.micro_batch})", "train.micro_batch")
-    family = get_family(recipe.model.family)  # raises RecipeError naming the families
-    family.model_args(recipe.model)  # raises RecipeError naming the sizes
-    family.check_degrees({dim: getattr(recipe.parallel, dim) for dim in ("pp", "dp_replicate", "dp_shard",
-                                                                        "cp", "tp")})
     if recipe.metrics.tensorboard:
         import importlib.util
 

@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism: apply a model family's plan table on the ``tp`` mesh.
 
-    plan = llama_tp_plan(loss_parallel=True)        # meshpar/models/llama/parallelize.py
+    plan = LLAMA_TP_PLAN                             # meshpar/models/llama/parallelize.py
     apply_tp(model, mesh["tp"], plan)                # on the meta model, before fully_shard
     ...
     with loss_parallel_context(plan.loss_parallel):  # logits are vocab-sharded DTensors
@@ -10,7 +10,8 @@
 
 A plan (``TPPlan``) is two tables of PyTorch ``ParallelStyle``s (torch.distributed.tensor.parallel):
 ``root`` for the modules outside the blocks (embedding, final norm, output) and ``block``,
-applied to every block in ``model.layers``. Entries naming a module the model lacks are
+applied to every block in ``model.layers``; each family declares its plan as data
+(``models/<family>/parallelize.py``) and meshpar.parallelize applies it. Entries naming a module the model lacks are
 skipped (a pipeline stage has no embedding, or no norm and output). This module adds the
 machinery the tables need beyond PyTorch's styles: ``VocabParallelEmbedding``,
 ``FusedColwiseParallel`` (GPT-2's fused q/k/v projection), ``ReplicateParallel``
@@ -26,6 +27,7 @@ Limits: 1-D ``tp`` mesh; the residual stream between blocks is sharded on the se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -43,11 +45,11 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshpar import comm
+from meshpar._torch import StridedShard, module_parameters
+from meshpar.errors import RecipeError
 from meshpar.profiling.labels import hook_ids, label_new_hooks, run_labelled
-from meshpar.recipe import RecipeError
 
 # [Note: the residual stream is a DTensor]
 # Between blocks the hidden states h[B, T, D] are a DTensor placed Shard(1) on tp: each rank
@@ -84,14 +86,24 @@ class TPPlan:
     pipeline stage boundary: a stage without ``embedding`` receives hidden states
     ``[B, T/tp, D]`` (local, sequence-sharded) and one without ``output`` returns them.
     ``loss_parallel``: the output's logits are a DTensor sharded on the vocabulary, so the
-    loss must run under ``loss_parallel_context(True)``.
+    loss must run under ``loss_parallel_context(True)`` (``with_loss_parallel`` switches it).
+    ``no_fsdp``: why the plan cannot be FSDP-sharded over its tp shard yet (dp_shard > 1 with
+    tp > 1 is refused, naming it), or None.
     """
 
     root: Mapping[str, ParallelStyle]
     block: Mapping[str, ParallelStyle]
     embedding: str
     output: str
-    loss_parallel: bool
+    loss_parallel: bool = True
+    no_fsdp: str | None = None
+
+    def with_loss_parallel(self, enabled: bool) -> TPPlan:
+        """This plan with the output projection's logits vocab-sharded (``enabled``) or gathered."""
+        if enabled == self.loss_parallel:
+            return self
+        root = {**self.root, self.output: vocab_parallel_output(enabled)}
+        return dataclasses.replace(self, root=root, loss_parallel=enabled)
 
 
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None) -> None:
@@ -141,11 +153,11 @@ class ReplicateParallel(ParallelStyle):
 # Dh. A plain column-wise shard (Shard(0) of the weight) would give rank 0 all of q and half
 # of k. Rank r must instead hold heads r*H/tp .. (r+1)*H/tp of each third: its local weight
 # is [q_r | k_r | v_r] (3*D/tp rows), and the model's rearrange "(three h d)" then yields
-# its own H/tp heads of q, k and v. As a DTensor this is _StridedShard(0, split_factor=3):
+# its own H/tp heads of q, k and v. As a DTensor this is StridedShard(0, split_factor=3):
 # split the rows into 3 chunks, shard each chunk over tp, concatenate a rank's pieces. The
 # global view (full_tensor(), checkpoints, meshpar.models.init) is the unsharded weight itself,
 # so layouts stay interchangeable. DTensor's linear propagates the placement to the output
-# (_StridedShard(-1, 3)), whose local tensor is exactly [q_r | k_r | v_r] per token.
+# (StridedShard(-1, 3)), whose local tensor is exactly [q_r | k_r | v_r] per token.
 
 
 class FusedColwiseParallel(ParallelStyle):
@@ -156,7 +168,7 @@ class FusedColwiseParallel(ParallelStyle):
 
     def __init__(self, n_fused: int) -> None:
         super().__init__()
-        self.placement = _StridedShard(0, split_factor=n_fused)
+        self.placement = StridedShard(0, split_factor=n_fused)
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if not isinstance(module, nn.Linear):
@@ -253,7 +265,7 @@ def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str, str]]]:
     """Parameters held by more than one (module, attribute): [(module, attr, name), ...] per parameter."""
     places: dict[int, list[tuple[nn.Module, str, str]]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
+        for attr, param in module_parameters(module).items():
             if param is not None:
                 places.setdefault(id(param), []).append((module, attr, f"{mod_name}.{attr}".lstrip(".")))
     return [group for group in places.values() if len(group) > 1]
@@ -265,9 +277,9 @@ def _retie(groups: list[list[tuple[nn.Module, str, str]]]) -> None:
     column-wise output projection, Shard(0))."""
     for group in groups:
         first_module, first_attr, first_name = group[0]
-        param = first_module._parameters[first_attr]
+        param = module_parameters(first_module)[first_attr]
         for module, attr, name in group[1:]:
-            other = module._parameters[attr]
+            other = module_parameters(module)[attr]
             if other is param:
                 continue
             layout = lambda p: tuple(p.placements) if isinstance(p, DTensor) else "not a DTensor"  # noqa: E731
@@ -275,7 +287,7 @@ def _retie(groups: list[list[tuple[nn.Module, str, str]]]) -> None:
                 raise ValueError(f"tied parameters {first_name} and {name} are placed differently by the tensor-"
                                  f"parallel plan ({layout(param)} vs {layout(other)}); give both uses the same "
                                  f"placement, or untie them")
-            module._parameters[attr] = param
+            module_parameters(module)[attr] = param
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
@@ -377,6 +389,15 @@ def check_tp_degree(tp: int, sizes: Mapping[str, int], fixes: Mapping[str, str] 
     fix = f"; {fixes[name]}" if fixes and name in fixes else ""
     raise RecipeError(f"parallel.tp = {tp}: {name} ({sizes[name]}) is not divisible by {tp}; tp degrees that "
                       f"divide every sharded dimension: {', '.join(map(str, working))}{fix}", key="parallel.tp")
+
+
+def check_fsdp_over_tp(plan: TPPlan, tp: int, dp_shard: int) -> None:
+    """Raise RecipeError (key ``parallel.dp_shard``) when ``plan`` cannot be FSDP-sharded over its
+    tp shard yet (``plan.no_fsdp``) and the layout asks for both."""
+    if plan.no_fsdp and tp > 1 and dp_shard > 1:
+        raise RecipeError(f"parallel.tp = {tp} with parallel.dp_shard = {dp_shard}: {plan.no_fsdp}; use "
+                          f"dp_replicate instead of dp_shard (and set dp_shard = 1), or tp = 1",
+                          key="parallel.dp_shard")
 
 
 def check_seq_len(seq_len: int, tp: int) -> None:

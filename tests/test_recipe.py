@@ -18,7 +18,7 @@ import pytest
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
 from meshpar.models import FAMILIES, NOT_BUILT, get_family
-from meshpar.preflight import preflight
+from meshpar.preflight import check_model, preflight
 from meshpar.recipe import SECTIONS, ParallelConfig, Recipe, RecipeError, dumps, load, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,13 +131,7 @@ BAD_FILES = [
     # TOML syntax
     ("bad-syntax", "[train\nsteps = 3\n", r"not valid TOML \(UTF-8\): "),
     ("duplicate-key", "[train]\nsteps = 1\nsteps = 2\n", r"not valid TOML \(UTF-8\): "),
-    # across keys and against the model registry
-    ("unknown-family", '[model]\nfamily = "mistral"\n',
-     rf"model\.family = 'mistral': unknown family; choose one of {', '.join(FAMILIES)}$"),
-    ("unknown-size", '[model]\nsize = "3b"\n',
-     rf"model\.size = '3b': no such size for family 'llama'; choose one of {', '.join(FAMILIES['llama'].sizes)}$"),
-    ("unknown-size-gpt2", '[model]\nfamily = "gpt2"\nsize = "8b"\n',
-     rf"model\.size = '8b': no such size for family 'gpt2'; choose one of {', '.join(FAMILIES['gpt2'].sizes)}$"),
+    # across keys
     ("batch-multiple", "[train]\nglobal_batch = 10\nmicro_batch = 4\n",
      r"train\.global_batch \(10\) must be a multiple of train\.micro_batch \(4\)$"),
 ]
@@ -150,13 +144,33 @@ def test_malformed_recipe(tmp_path, text, message):
         load(path)
 
 
+# Against the model registry: meshpar.preflight's checks (meshpar.recipe imports no model), so
+# the message names the key but not the file or override it came from.
+BAD_MODELS = [
+    ("unknown-family", '[model]\nfamily = "mistral"\n',
+     rf"model\.family = 'mistral': unknown family; choose one of {', '.join(FAMILIES)}$"),
+    ("unknown-size", '[model]\nsize = "3b"\n',
+     rf"model\.size = '3b': no such size for family 'llama'; choose one of {', '.join(FAMILIES['llama'].sizes)}$"),
+    ("unknown-size-gpt2", '[model]\nfamily = "gpt2"\nsize = "8b"\n',
+     rf"model\.size = '8b': no such size for family 'gpt2'; choose one of {', '.join(FAMILIES['gpt2'].sizes)}$"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), [c[1:] for c in BAD_MODELS], ids=[c[0] for c in BAD_MODELS])
+def test_model_not_in_the_registry(tmp_path, text, message):
+    recipe = load(_write(tmp_path, text))  # the recipe itself is well-formed
+    with pytest.raises(RecipeError, match="^" + message):
+        check_model(recipe)
+
+
 @pytest.mark.parametrize("dim", NOT_BUILT_DIMS)
 def test_parallel_dim_not_built_yet(tmp_path, dim):
-    path = _write(tmp_path, f"[parallel]\n{dim} = 2\n")
-    message = (rf"{re.escape(str(path))}: parallel\.{dim} = 2: {re.escape(NOT_BUILT[dim])} is not built yet for "
+    message = (rf"^parallel\.{dim} = 2: {re.escape(NOT_BUILT[dim])} is not built yet for "
                rf"model family 'llama' \(built: .*\); set parallel\.{dim} = 1$")
-    with pytest.raises(RecipeError, match=message):
-        load(path)
+    for recipe in (load(_write(tmp_path, f"[parallel]\n{dim} = 2\n")), load(None, [f"--parallel.{dim}=2"])):
+        with pytest.raises(RecipeError, match=message) as err:
+            check_model(recipe)
+        assert err.value.key == f"parallel.{dim}"
 
 
 def test_missing_file(tmp_path):
@@ -188,8 +202,8 @@ BAD_OVERRIDES = [
     ("[parallel]\npp = 1\n", ["--parallel.dp_shard=0"], "--parallel.dp_shard=0", r".*dp_shard = 0: must be -1"),
     ("[optim]\nlr = 1e-3\n", ["--optim.betas=[0.9,1.0]"], "--optim.betas=[0.9,1.0]",
      r".*betas = \[0\.9, 1\.0\]: must be two numbers in \[0, 1\)$"),
-    ("[model]\nsize = \"debug\"\n", ["--parallel.cp=2"], "--parallel.cp=2",
-     r".*parallel\.cp = 2: context parallelism is not built yet"),
+    ("[train]\nglobal_batch = 8\n", ["--train.micro_batch=3"], "--train.micro_batch=3",
+     r"train\.global_batch \(8\) must be a multiple of train\.micro_batch \(3\)$"),
     ("[parallel]\npp = 2\n", ["--parallel.pp_schedule=2f2b"], "--parallel.pp_schedule=2f2b",
      r'.*parallel\.pp_schedule = "2f2b": must be one of "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"$'),
     ("", ["--parallel.activation_checkpoint=all"], "--parallel.activation_checkpoint=all",
@@ -376,7 +390,10 @@ def test_preflight_default_dp_shard_takes_every_rank(byte_recipe):
     (1, ["--data.path=/nonexistent/meshpar.txt"], r"data\.path = '/nonexistent/meshpar\.txt': no such file or folder$"),
     (3, ["--parallel.dp_replicate=2"], r"\[parallel\] dp_shard = -1 takes the ranks left over, but .*= 2 does not "
                                        r"divide the world size 3"),
-], ids=["batch-dp", "batch-dp-none", "seq-len", "eval-no-val", "vocab", "data-path", "world-indivisible"])
+    (2, ["--model.family=mistral"], r"^model\.family = 'mistral': unknown family; choose one of "),
+    (2, ["--parallel.cp=2"], r"^parallel\.cp = 2: context parallelism is not built yet for model family 'llama'"),
+], ids=["batch-dp", "batch-dp-none", "seq-len", "eval-no-val", "vocab", "data-path", "world-indivisible", "family",
+        "cp"])
 def test_preflight_errors(byte_recipe, world_size, overrides, message):
     with pytest.raises(RecipeError, match=message):
         preflight(byte_recipe(*overrides), world_size)

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshpar._torch import StridedShard
 from meshpar.checkpoint.atomic import write_atomic
 
 
@@ -42,7 +42,7 @@ class CheckpointError(RuntimeError):
 # --- fused projections ([Note: strided shards as chunks]) ----------------------------------------------
 # [Note: strided shards as chunks]
 # A fused projection sharded for tensor parallelism (GPT-2's q|k|v ``c_attn``,
-# meshpar.tensor_parallel.FusedColwiseParallel) is a DTensor with ``_StridedShard(0,
+# meshpar.tensor_parallel.FusedColwiseParallel) is a DTensor with ``StridedShard(0,
 # split_factor=3)``: rank r holds [q_r; k_r; v_r], three separate row blocks of the global
 # tensor. DCP describes every DTensor shard as one block (torch 2.13), so it would record
 # overlapping chunks and refuse the save. In the checkpoint's state dict such a tensor is a
@@ -51,11 +51,11 @@ class CheckpointError(RuntimeError):
 # tensor, and it loads into any layout, and a plain one loads into it.
 class _StridedPieces:
     def __init__(self, name: str, t: DTensor):
-        strided = [(i, p) for i, p in enumerate(t.placements) if isinstance(p, _StridedShard)]
+        strided = [(i, p) for i, p in enumerate(t.placements) if isinstance(p, StridedShard)]
         others_ok = all(isinstance(p, Replicate) for i, p in enumerate(t.placements) if i != strided[0][0])
         if len(strided) != 1 or not others_ok:
             raise CheckpointError(f"{name}: placements {t.placements} are not supported in checkpoints (one "
-                                  f"_StridedShard beside Replicate is); save from a layout without it")
+                                  f"strided shard beside Replicate is); save from a layout without it")
         mesh_dim, placement = strided[0]
         dim, k = placement.dim, placement.split_factor
         n, r = t.device_mesh.size(mesh_dim), t.device_mesh.get_local_rank(mesh_dim)
@@ -97,15 +97,15 @@ class _StridedPieces:
 
 
 def _strided_as_pieces(tree: Any, prefix: str = "") -> Any:
-    """``tree`` with every fused-projection DTensor (one _StridedShard, the rest Replicate)
-    wrapped as _StridedPieces. FSDP over tensor parallelism also uses _StridedShard (on the
+    """``tree`` with every fused-projection DTensor (one StridedShard, the rest Replicate)
+    wrapped as _StridedPieces. FSDP over tensor parallelism also uses StridedShard (on the
     data-parallel dim, beside a Shard on tp): each rank's piece is then one block, which DCP
     describes correctly, so those stay DTensors."""
     if isinstance(tree, dict):
         return {k: _strided_as_pieces(v, f"{prefix}.{k}" if prefix else k) for k, v in tree.items()}
     if isinstance(tree, DTensor):
-        strided = [p for p in tree.placements if isinstance(p, _StridedShard)]
-        if strided and all(isinstance(p, (_StridedShard, Replicate)) for p in tree.placements):
+        strided = [p for p in tree.placements if isinstance(p, StridedShard)]
+        if strided and all(isinstance(p, (StridedShard, Replicate)) for p in tree.placements):
             return _StridedPieces(prefix, tree)
     return tree
 

@@ -7,8 +7,8 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 
 from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshpar._torch import StridedShard
 from meshpar.convert.spec import ConvertError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # meshpar.mesh.DIMS, outermost first
@@ -23,11 +23,11 @@ def _chunks(seq: Sequence[int], n: int) -> list[Sequence[int]]:
 def index_lists(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
                 placements: Sequence[Placement]) -> list[Sequence[int]]:
     """The global indices, per tensor dim, of the local shard at mesh ``coord``: DTensor's
-    left-to-right sharding with torch.chunk sizes. ``_StridedShard(d, sf)`` cuts dim d in sf
+    left-to-right sharding with torch.chunk sizes. ``StridedShard(d, sf)`` cuts dim d in sf
     pieces and gives this rank its chunk of each (GPT-2's fused q|k|v, FSDP over a TP shard)."""
     idx: list[Sequence[int]] = [range(n) for n in shape]
     for n, c, placement in zip(mesh_shape, coord, placements, strict=True):
-        if isinstance(placement, _StridedShard):
+        if isinstance(placement, StridedShard):
             pieces = _chunks(idx[placement.dim], placement.split_factor)
             idx[placement.dim] = [i for piece in pieces for i in _chunks(piece, n)[c]]
         elif isinstance(placement, Shard):
@@ -68,9 +68,9 @@ def boxes(idx: Sequence[Sequence[int]]) -> Iterator[tuple[tuple[int, ...], tuple
 # that layout reads exactly its own chunks, each from its own rank's file __<rank>_0.distcp.
 # A parameter (and its exp_avg, exp_avg_sq) is placed as meshpar's engine and PyTorch's
 # fully_shard place it: the family's TP plan table gives the tp placement (column-wise
-# Shard(0), row-wise Shard(1), GPT-2's fused c_attn _StridedShard(0, 3), the rest replicated),
+# Shard(0), row-wise Shard(1), GPT-2's fused c_attn StridedShard(0, 3), the rest replicated),
 # then FSDP cuts dim 0 of the TP-local tensor in dp_shard torch.chunk pieces (for a Shard(0)
-# TP weight that is DTensor's _StridedShard(0, tp) on dp_shard: tp-major, then dp; equal to it
+# TP weight that is DTensor's StridedShard(0, tp) on dp_shard: tp-major, then dp; equal to it
 # where tp divides the dim, which meshpar checks before launch; dp pieces may be uneven). A
 # non-contiguous local shard (fused c_attn) is written as one chunk per contiguous run.
 # Replicas (dp_replicate, replicated tp) are written once, like DCP's dedup, in the file of

@@ -22,7 +22,7 @@ from meshpar.convert.spec import ConvertError, ModelSpec
 def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike, family: str, args: Any) -> None:
     """Fill a meshpar model's state dict in place from a Hugging Face folder, one tensor at a time.
 
-    Values may be plain tensors or DTensors (any mix of Shard, _StridedShard and Replicate on
+    Values may be plain tensors or DTensors (any mix of Shard, StridedShard and Replicate on
     any mesh, e.g. after tensor parallelism and ``meshpar.fully_shard``): each rank reads only
     the rows and columns of its local shard (``safe_open(...).get_slice``), so no rank ever
     holds a whole tensor. ``config.json`` must describe the same model as ``family``/``args``

@@ -117,7 +117,7 @@ class ModelSpec:
         m = re.match(r"layers\.\d+\.(.+)", module)
         style = self.plan.block.get(m.group(1)) if m else self.plan.root.get(module)
         if isinstance(style, FusedColwiseParallel):
-            return style.placement  # _StridedShard(0, 3): [Note: fused projections]
+            return style.placement  # StridedShard(0, 3): [Note: fused projections]
         if isinstance(style, (ColwiseParallel, VocabParallelEmbedding)):
             return Shard(0)  # Linear weight [out/tp, in] and bias [out/tp]; embedding rows [V/tp, D]
         if isinstance(style, RowwiseParallel):

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from meshpar._torch import module_parameters, unflatten_mesh
 from meshpar.fsdp.param_group import ParamGroup
 from meshpar.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ShardedParam
@@ -118,7 +119,7 @@ def _managed(module: nn.Module, ignored: set[int]) -> tuple[dict[int, list[tuple
             if m._fsdp_state.group is not None:
                 nested_ids.update(p.orig_id for p in m._fsdp_state.group.all_params)
             continue
-        for attr, p in m._parameters.items():
+        for attr, p in module_parameters(m).items():
             if p is not None and id(p) not in ignored:
                 places.setdefault(id(p), []).append((m, attr))
         stack.extend(m.children())
@@ -151,7 +152,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: b
             raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: an int must divide the shard group "
                              f"size {n} (e.g. the GPUs per node)")
     places, nested_ids = _managed(module, {id(p) for p in ignored_params or ()})
-    params = {pid: pl[0][0]._parameters[pl[0][1]] for pid, pl in places.items()}
+    params = {pid: module_parameters(pl[0][0])[pl[0][1]] for pid, pl in places.items()}
     devices = {p.device for p in params.values()}
     if len(devices) > 1:
         raise ValueError(f"{type(module).__name__} has parameters on several devices ({sorted(map(str, devices))}); "
@@ -195,7 +196,7 @@ def _post_forward_group(info: MeshInfo, k: int) -> tuple:
     collective over the whole mesh, so every rank must make the same fully_shard calls.
     """
     name = info.shard_dim_name
-    sub = info.mesh._unflatten(info.shard_dim, (info.shard_size // k, k), (f"{name}_outer", f"{name}_inner"))
+    sub = unflatten_mesh(info.mesh, info.shard_dim, (info.shard_size // k, k), (f"{name}_outer", f"{name}_inner"))
     inner = f"{name}_inner"
     return sub[inner].get_group(), k, inner
 

@@ -25,6 +25,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from meshpar import comm
+from meshpar._torch import preserve_version_counter
 from meshpar.comm import comm_buffers
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
@@ -152,7 +153,7 @@ class ParamGroup:
                 pieces = recv.view(world, -1).split(sizes, dim=1)
                 for p, piece in zip(self.params, pieces, strict=True):
                     out = p.alloc_unsharded(recv.dtype, self.world).view(world, -1)
-                    with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
+                    with preserve_version_counter(p.unsharded):
                         out.copy_(piece)
         for p in self.replicated + (self.params if self.alias else []):  # the local tensor is the whole parameter
             dtype = self.mp.param_dtype or p.orig_dtype

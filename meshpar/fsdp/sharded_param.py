@@ -14,8 +14,8 @@ sends ``c`` rows ("padded"); the padding rows are never read back.
 A parameter that is already a DTensor on a ``tp`` mesh is sharded on dim 0 of its TP-local
 tensor; the sharded DTensor lives on the joint mesh ``(dp..., tp)`` (one parent mesh).
 When TP splits dim 0 too (column-wise), rank (d, t) holds rows ``d*c`` of TP shard t: in
-global terms, dp's chunks interleave with tp's, which is ``_StridedShard(0,
-split_factor=tp)`` on the dp dim, the placement PyTorch's fully_shard uses, so the two
+global terms, dp's chunks interleave with tp's, which is ``StridedShard(0,
+split_factor=tp)`` (meshpar._torch) on the dp dim, the placement PyTorch's fully_shard uses, so the two
 engines' checkpoints stay interchangeable. Unsharding rebuilds the TP-local tensor and
 hands the module the TP DTensor over it.
 
@@ -25,7 +25,7 @@ dropping our reference would not free memory, since autograd still holds it. So 
 unsharded parameter is created once, over its own storage, and is freed with
 ``storage.resize_(0)`` and refilled in place before backward: the tensor autograd saved is
 the one we refill. The refill is a copy into a view of the same storage, which bumps the
-version counter autograd checks, so it runs under ``_unsafe_preserve_version_counter``:
+version counter autograd checks, so it runs under ``preserve_version_counter``:
 the values written are the ones forward used.
 """
 
@@ -40,8 +40,8 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshpar._torch import StridedShard, concatenate_meshes, local_tensor, module_parameters
 from meshpar.fsdp.policies import CPUOffloadPolicy
 
 
@@ -166,8 +166,8 @@ class ShardedParam:
         tp_shards_dim0 = math.prod(self.tp.mesh.size(i) for i, pl in enumerate(self.tp.placements)
                                    if isinstance(pl, Shard) and pl.dim == 0)
         if self.is_sharded and tp_shards_dim0 > 1:
-            dp = (*dp[:-1], _StridedShard(0, split_factor=tp_shards_dim0))
-        return DeviceMesh._concatenate([self.mesh_info.mesh, self.tp.mesh]), (*dp, *self.tp.placements)
+            dp = (*dp[:-1], StridedShard(0, split_factor=tp_shards_dim0))
+        return concatenate_meshes([self.mesh_info.mesh, self.tp.mesh]), (*dp, *self.tp.placements)
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(local, self._mesh, self._placements, run_check=False, shape=self.global_shape,
@@ -176,13 +176,13 @@ class ShardedParam:
     # --- module attributes ---------------------------------------------------------------------
     def set_on_modules(self, param: nn.Parameter) -> None:
         for module, attr in self.places:
-            module._parameters[attr] = param
+            module_parameters(module)[attr] = param
 
     def refresh_after_apply(self) -> None:
         """After ``module._apply`` (``to_empty``, ``.to``) replaced our sharded parameter, adopt the
         new one and make every tied place hold it again."""
         module, attr = self.places[0]
-        new = module._parameters[attr]
+        new = module_parameters(module)[attr]
         if new is not self.sharded:
             if not isinstance(new, DTensor):
                 raise RuntimeError(f"{type(module).__name__}.{attr} is no longer a sharded DTensor after a module "
@@ -242,4 +242,4 @@ class ShardedParam:
         if self.sharded.grad is None:
             self.sharded.grad = self._to_dtensor(local_grad)
         else:
-            self.sharded.grad._local_tensor.add_(local_grad)
+            local_tensor(self.sharded.grad).add_(local_grad)

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_map
 
+from meshpar._torch import queue_backward_callback, tree_flatten, tree_map
 from meshpar.fsdp.param_group import ParamGroup, ReduceQueue
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 
@@ -141,7 +141,7 @@ class FSDPState:
         it = self.iteration
         if not it.callback_queued:
             it.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._root_end_of_backward)
+            queue_backward_callback(self._root_end_of_backward)
         if self._in_backward:
             return grad
         self._in_backward = True

@@ -1,10 +1,12 @@
-"""The model-family registry: family name -> model class, named sizes, parallelize, mesh dims.
+"""The model-family registry: family name -> model class, named sizes, tensor-parallel plan, mesh dims.
 
 A family is a pure-PyTorch model (no parallel code, constructible on the meta device,
-``init_weights()``, layers in a ``ModuleDict`` keyed by index) plus the one function that
-applies parallelism to it from outside (``models/<family>/parallelize.py``) and the check of
-its dimensions against a tensor-parallel degree. ``mesh_dims`` lists the parallel dimensions
-this family can run with today; a recipe asking for any other is refused before launch.
+``init_weights()``, layers in a ``ModuleDict`` keyed by index) plus its tensor-parallel plan
+table and the check of its dimensions against a layout (``models/<family>/parallelize.py``),
+both data that meshpar.parallelize applies from outside. ``mesh_dims`` lists the parallel
+dimensions this family can run with today; a recipe asking for any other is refused before launch
+(meshpar.preflight). The package imports only leaf modules of meshpar (tensor_parallel's
+styles, errors), never meshpar.parallelize, so there is no import cycle.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from meshpar.errors import RecipeError
 from meshpar.models.gpt2 import GPT2, GPT2_SIZES
-from meshpar.models.gpt2.parallelize import check_gpt2_layout, parallelize_gpt2
+from meshpar.models.gpt2.parallelize import GPT2_TP_PLAN, check_gpt2_layout
 from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, Transformer
-from meshpar.models.llama.parallelize import check_llama_layout, parallelize_llama
-from meshpar.recipe import RecipeError
+from meshpar.models.llama.parallelize import LLAMA_TP_PLAN, check_llama_layout
+from meshpar.tensor_parallel import TPPlan
 
 if TYPE_CHECKING:
     from meshpar.recipe import ModelConfig
@@ -31,9 +34,15 @@ class Family:
     name: str
     model_cls: type[nn.Module]
     sizes: Mapping[str, Any]  # size name -> the family's frozen args dataclass
-    parallelize: Callable[..., nn.Module]  # (model or stage on meta, Mesh, ParallelConfig) -> module
+    tp_plan: TPPlan  # the tensor-parallel plan table, applied by meshpar.parallelize
     check_layout: Callable[[Any, Any], None]  # (args, Layout) -> RecipeError: tp must divide the dims it shards
     mesh_dims: frozenset[str]  # parallel dims that may be > 1
+
+    @property
+    def parallelize(self) -> TPPlan:
+        """Deprecated spelling of ``tp_plan``, for ``parallelize.build(family.model_cls, args,
+        family.parallelize, ...)`` callers written when it was the family's parallelize function."""
+        return self.tp_plan
 
     def model_args(self, cfg: ModelConfig) -> Any:
         """The named size's args with the recipe's overrides (n_layers, vocab_size) applied."""
@@ -68,10 +77,10 @@ NOT_BUILT = {
 _ND = frozenset({"pp", "dp_replicate", "dp_shard", "tp"})
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llama", Transformer, LLAMA_SIZES, parallelize_llama, check_llama_layout, _ND),
-    Family("qwen2", Transformer, QWEN2_SIZES, parallelize_llama, check_llama_layout, _ND),
-    Family("qwen3", Transformer, QWEN3_SIZES, parallelize_llama, check_llama_layout, _ND),
-    Family("gpt2", GPT2, GPT2_SIZES, parallelize_gpt2, check_gpt2_layout, _ND),
+    Family("llama", Transformer, LLAMA_SIZES, LLAMA_TP_PLAN, check_llama_layout, _ND),
+    Family("qwen2", Transformer, QWEN2_SIZES, LLAMA_TP_PLAN, check_llama_layout, _ND),
+    Family("qwen3", Transformer, QWEN3_SIZES, LLAMA_TP_PLAN, check_llama_layout, _ND),
+    Family("gpt2", GPT2, GPT2_SIZES, GPT2_TP_PLAN, check_gpt2_layout, _ND),
 )}
 
 

@@ -11,7 +11,7 @@ rank only ever computes the blocks of rows that overlap its own shard
 (see [Note: layout-independent init]). ``ParamInit`` is the form model files use: it draws
 the base seed from the global RNG and keys each parameter by its name in the model.
 
-Limits: placements must be ``Shard``, ``_StridedShard`` or ``Replicate`` (a parameter is never
+Limits: placements must be ``Shard``, ``StridedShard`` or ``Replicate`` (a parameter is never
 ``Partial``); values are generated in float32 on the CPU, then cast and copied to the
 tensor's dtype and device, so they are the same on every device but cost CPU time
 (about 1M elements per 5 ms per rank).
@@ -26,7 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from meshpar._torch import StridedShard
 
 # [Note: layout-independent init]
 # Drawing from one generator per rank (what nn.init does on a DTensor's local shard) makes
@@ -42,7 +43,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 # computes full-width blocks for its rows, so tp ranks repeat each other's work, not
 # memory. Which global rows and columns a DTensor's local tensor holds is replayed from its
 # placements left to right as DTensor defines them: Shard(d) keeps its torch.chunk piece of
-# dim d (uneven: the last ranks get fewer or none), _StridedShard(d, sf) keeps its piece of
+# dim d (uneven: the last ranks get fewer or none), StridedShard(d, sf) keeps its piece of
 # each of sf chunks (FSDP over a column-wise tp shard: not contiguous), Replicate keeps all.
 # Keys are parameter names in the whole model with wrapper components removed (see
 # ``canonical_name``), so a pipeline stage, a compiled or checkpoint-wrapped block draws
@@ -205,7 +206,7 @@ def _local_region(tensor: Tensor) -> tuple[Tensor, tuple[int, ...], list[Runs] |
     runs: list[Runs] = [[(0, n)] for n in shape] or [[(0, 1)]]
     for mesh_dim, placement in enumerate(tensor.placements):
         n, i = tensor.device_mesh.size(mesh_dim), coordinate[mesh_dim]
-        if isinstance(placement, _StridedShard):  # not a Shard subclass in every torch release
+        if isinstance(placement, StridedShard):  # not a Shard subclass in every torch release
             d = placement.dim
             pieces = [_chunk(runs[d], placement.split_factor, j) for j in range(placement.split_factor)]
             runs[d] = _coalesce([run for piece in pieces for run in _chunk(piece, n, i)])

@@ -29,6 +29,7 @@ from meshpar.hardware import PROFILES_DIR, HardwareProfile, load_profile
 from meshpar.mesh import local_world_size
 from meshpar.planner import LinkDefaults, plan, report, verdict
 from meshpar.planner.search import HEAD, best_recipe, search
+from meshpar.preflight import check_model
 from meshpar.recipe import RecipeError
 
 if sys.version_info >= (3, 11):
@@ -138,7 +139,7 @@ def run_search(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         profile, note = load_hardware(spec)
         gpn = args.gpus_per_node or profile.devices_per_node
-        recipelib.load(None, base)  # a bad model or override: say so before any dry run
+        check_model(recipelib.load(None, base))  # a bad model or override: say so before any dry run
         print(f"meshpar plan: searching {family} {size} on {args.gpus} x {profile.name} ({gpn} per node), "
               f"{global_batch} x {args.seq} tokens per step", flush=True)
         start = time.perf_counter()

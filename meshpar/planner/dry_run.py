@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._redistribute import _gen_transform_infos
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from meshpar import mesh as meshlib
+from meshpar._torch import clear_dtensor_caches
 from meshpar.fsdp import FSDPModule
 from meshpar.hardware import HardwareProfile
 from meshpar.models import get_family
+from meshpar.parallelize import parallelize_transformer
 from meshpar.pipeline import split, stage_layers
 from meshpar.planner.cost import LinkDefaults, StepTime, step_time
 from meshpar.planner.simulate import Measured, schedule_actions, simulate
@@ -132,24 +132,15 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     """This process as ``rank`` of ``world_size`` in a process group whose collectives do nothing."""
     if dist.is_initialized():
         raise RuntimeError("meshpar plan runs outside any process group; call it before init_process_group")
-    _clear_dtensor_caches()
+    from meshpar._torch import FakeStore  # torch.testing's fake process group, on first use
+
+    clear_dtensor_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        _clear_dtensor_caches()
-
-
-def _clear_dtensor_caches() -> None:
-    """DTensor caches sharding decisions and redistribution plans by mesh, and meshes compare equal
-    by shape and names: an entry cached in one world (fake or real) would hand the next world's
-    DTensors the process groups of the last, destroyed ones."""
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    _gen_transform_infos.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ fast path's own cache
+        clear_dtensor_caches()  # cached plans hold the process groups of the world just destroyed
 
 
 def check(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int]:
@@ -203,7 +194,7 @@ def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe) -> list[tuple[int, 
     else:
         stages = [(0, whole)]
     cfg = dataclasses.replace(p, compile=False)  # compiled or not, eager memory is what is planned
-    return [(i, family.parallelize(stage, mesh, cfg)) for i, stage in stages]
+    return [(i, parallelize_transformer(stage, mesh, cfg, family.tp_plan)) for i, stage in stages]
 
 
 def _placements(p: torch.Tensor) -> str:

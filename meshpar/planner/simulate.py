@@ -54,11 +54,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import _sharding_prop as sharding_prop
 
 from meshpar import comm
+from meshpar._torch import FakeTensorMode
+from meshpar._torch import dtensor_sharding_prop as sharding_prop
 from meshpar.clip import clip_grad_norm_
 from meshpar.comm import comm_buffers
 from meshpar.fsdp import FSDPModule

@@ -58,6 +58,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction
 
 from meshpar import comm
+from meshpar._torch import attach_cuda_oom_observer, dump_cuda_memory_snapshot, record_cuda_memory_history
 from meshpar.checkpoint.atomic import atomic_path, write_atomic
 from meshpar.mesh import DIMS, Mesh
 from meshpar.profiling.memory import AllocationTracker
@@ -143,8 +144,8 @@ class StepProfiler:
         if self._prof is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             if self._cuda_memory:  # from the start, so an out-of-memory snapshot has its history
-                torch.cuda.memory._record_memory_history(max_entries=200_000)
-                torch._C._cuda_attach_out_of_memory_observer(self._on_oom)
+                record_cuda_memory_history(max_entries=200_000)
+                attach_cuda_oom_observer(self._on_oom)
             self._prof.__enter__()
             self._begin_step()
         return self
@@ -174,7 +175,7 @@ class StepProfiler:
 
     def _on_oom(self, device: int, alloc: int, device_alloc: int, device_free: int) -> None:
         path = self.folder / f"rank{self.rank}.oom_memory_snapshot.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
+        dump_cuda_memory_snapshot(str(path))
         print(f"meshpar: out of memory on rank {self.rank} (asked for {alloc / 2**30:.2f} GiB, "
               f"{device_free / 2**30:.2f} GiB free); allocator snapshot: {path} (open it in "
               f"https://pytorch.org/memory_viz)", flush=True)
@@ -215,7 +216,7 @@ class StepProfiler:
     def _write_memory(self, stem: str) -> None:
         """The memory record of the window that just ended ([Note: memory in the profiled steps])."""
         if self._cuda_memory:
-            torch.cuda.memory._dump_snapshot(str(self.folder / f"{stem}.cuda_memory_snapshot.pickle"))
+            dump_cuda_memory_snapshot(str(self.folder / f"{stem}.cuda_memory_snapshot.pickle"))
         if self._tracker is None:
             return
         tracker, self._tracker = self._tracker, None

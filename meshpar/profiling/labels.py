@@ -17,8 +17,9 @@ meshpar's own collectives (FSDP, replicate, partial-gradient reduction) run insi
   untouched, so gradients are bit-identical with and without the profiler; with it off the
   wrapper costs one check per call.
 * Pipeline transfers. ``torch.distributed.pipelining`` issues point-to-point ops through the
-  module-level ``schedules._batch_p2p`` and waits on the returned works. meshpar's ``Stage``
-  tags the ops it hands out (``label_p2p_ops``); ``_batch_p2p`` is replaced, once, by a
+  module-level batch issue function (``meshpar._torch.schedule_p2p``) and waits on the returned
+  works. meshpar's ``Stage`` tags the ops it hands out (``label_p2p_ops``); that function is
+  replaced, once, by a
   wrapper that passes untagged ops straight through and, while the profiler is on, issues
   tagged ones inside ``meshpar::pp.<send|recv>_<forward|backward>[<stage>,<microbatch>]``
   and waits on them inside ``meshpar::pp.<...>.wait``: a receive's wait is the pipeline
@@ -38,12 +39,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.distributed.pipelining import schedules as _torch_schedules
-from torch.utils._pytree import tree_leaves
+
+from meshpar._torch import (
+    forward_hook_dicts,
+    profiler_enabled,
+    record_function_enter,
+    record_function_exit,
+    schedule_p2p,
+    set_schedule_p2p,
+    tree_leaves,
+)
 
 
 def profiler_on() -> bool:
-    return torch._C._autograd._profiler_enabled()
+    return profiler_enabled()
 
 
 _MAX_REGION = 64  # autograd nodes a labelled region may span; past it (no path to the inputs) it is left unlabelled
@@ -86,12 +95,12 @@ class _BackwardRange:
 
     def _open(self, grad_outputs: Any) -> None:
         if self.handle is None and self.pending:
-            self.handle = torch.ops.profiler._record_function_enter_new(self.name, None)
+            self.handle = record_function_enter(self.name)
 
     def _close(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self.pending -= 1
         if self.pending == 0 and self.handle is not None:
-            torch.ops.profiler._record_function_exit._RecordFunction(self.handle)
+            record_function_exit(self.handle)
             self.handle = None
 
 
@@ -130,7 +139,8 @@ def _labelled_hook(hook: Callable, kind: str, where: str, *, pre: bool) -> Calla
 
 def hook_ids(module: nn.Module) -> tuple[set[int], set[int]]:
     """The ids of ``module``'s forward pre-hooks and forward hooks, to pass to ``label_new_hooks``."""
-    return set(module._forward_pre_hooks), set(module._forward_hooks)
+    pre, post = forward_hook_dicts(module)
+    return set(pre), set(post)
 
 
 def label_new_hooks(module: nn.Module, before: tuple[set[int], set[int]], dim: str, path: str) -> None:
@@ -138,12 +148,13 @@ def label_new_hooks(module: nn.Module, before: tuple[set[int], set[int]], dim: s
     [Note: labelling collectives meshpar does not issue]. ``path`` names the module in the
     labels (``meshpar::<dim>.input[<path>]``)."""
     where = path or "model"
-    for hid, hook in list(module._forward_pre_hooks.items()):
+    pre_hooks, hooks = forward_hook_dicts(module)
+    for hid, hook in list(pre_hooks.items()):
         if hid not in before[0]:
-            module._forward_pre_hooks[hid] = _labelled_hook(hook, f"{dim}.input", where, pre=True)
-    for hid, hook in list(module._forward_hooks.items()):
+            pre_hooks[hid] = _labelled_hook(hook, f"{dim}.input", where, pre=True)
+    for hid, hook in list(hooks.items()):
         if hid not in before[1]:
-            module._forward_hooks[hid] = _labelled_hook(hook, f"{dim}.output", where, pre=False)
+            hooks[hid] = _labelled_hook(hook, f"{dim}.output", where, pre=False)
 
 
 # --- pipeline point-to-point ----------------------------------------------------------------
@@ -174,21 +185,23 @@ class _LabelledWork:
         return getattr(self._work, attr)
 
 
-_torch_batch_p2p = _torch_schedules._batch_p2p
+_unlabelled_p2p: Callable | None = None  # torch's own issue function, once install_p2p_labels replaced it
 
 
-def _labelled_batch_p2p(p2p_ops: list[dist.P2POp], desc: str | None = None) -> list[Any]:
+def _labelled_p2p(p2p_ops: list[dist.P2POp], desc: str | None = None) -> list[Any]:
     names = [getattr(op, _LABEL, None) for op in p2p_ops]
     if not names or None in names or not profiler_on():
-        return _torch_batch_p2p(p2p_ops, desc)
+        return _unlabelled_p2p(p2p_ops, desc)
     name = "meshpar::" + "+".join(dict.fromkeys(names))  # a mixed batch: pp.send_forward[0,2]+pp.recv_backward[0,1]
     with record_function(name):
-        works = _torch_batch_p2p(p2p_ops, desc)
+        works = _unlabelled_p2p(p2p_ops, desc)
     return [_LabelledWork(w, f"{name}.wait") for w in works]
 
 
 def install_p2p_labels() -> None:
-    """Route torch's pipeline schedules' point-to-point issue through ``_labelled_batch_p2p``
+    """Route torch's pipeline schedules' point-to-point issue through ``_labelled_p2p``
     (idempotent; untagged ops are passed through unchanged)."""
-    if _torch_schedules._batch_p2p is _torch_batch_p2p:
-        _torch_schedules._batch_p2p = _labelled_batch_p2p
+    global _unlabelled_p2p
+    if _unlabelled_p2p is None:
+        _unlabelled_p2p = schedule_p2p()
+        set_schedule_p2p(_labelled_p2p)

@@ -24,12 +24,12 @@ from functools import wraps
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _RefType, _UpdateType, _WeakRefInfo
 
+from meshpar._torch import MemRefType, MemTracker, RefType, UpdateType, WeakRefInfo  # imported on first use
 from meshpar.comm import in_comm_buffers
 
 
-class Category(_RefType):
+class Category(RefType):
     """MemTracker's categories (same names and values, so its own code keys into these),
     plus communication buffers."""
 
@@ -78,7 +78,7 @@ class AllocationTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
     # --- categories ---------------------------------------------------------------------------------
-    def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
+    def _track(self, reftype: RefType, t: torch.Tensor) -> None:
         if in_comm_buffers():
             reftype = Category.COMM
         super()._track(reftype, t)
@@ -92,14 +92,14 @@ class AllocationTracker(MemTracker):
             winfo, _ = self._WINFO.get(storage, (None, None))
             if winfo is None:  # allocated before this tracker: adopt it now, at its new size
                 if storage.size() > 0 and storage.device.type != "meta":
-                    winfo, ref = _WeakRefInfo.create_winfo(storage, storage.device, _MemRefType.PARAM,
-                                                           self._delete_callback)
+                    winfo, ref = WeakRefInfo.create_winfo(storage, storage.device, MemRefType.PARAM,
+                                                          self._delete_callback)
                     self._WINFO[storage] = (winfo, ref)
-                    self._update_snap(_UpdateType.ADD, winfo)
+                    self._update_snap(UpdateType.ADD, winfo)
             elif winfo.size != storage.size():
                 old = winfo.mem_consumed
                 winfo.update_mem_consumed(storage)
-                self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)
+                self._update_snap(UpdateType.SIZE, winfo, old_mem_consumed=old)
 
         torch.UntypedStorage.resize_ = resize_
 
@@ -134,6 +134,6 @@ def _by_name(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     out["Total"] = 0
     for per_device in snapshot.values():
         for key, value in per_device.items():
-            name = key.value if isinstance(key, _RefType) else key
+            name = key.value if isinstance(key, RefType) else key
             out[name] = out.get(name, 0) + value
     return out

@@ -12,26 +12,30 @@ vocabulary-parallel embedding and output. Two things differ:
 Limits: n_heads and vocab_size must be divisible by tp (the published GPT-2 vocabulary,
 50257, is not: pad it with ``model.vocab_size``), and so must the training sequence length.
 tp > 1 does not compose with dp_shard > 1 yet ([Note: GPT-2 fused c_attn under FSDP]).
+
+``GPT2_TP_PLAN`` is data: meshpar.parallelize applies it; this module imports only leaf modules.
 """
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from meshpar.mesh import Layout, Mesh
 from meshpar.models.gpt2.model import GPT2Args
-from meshpar.parallelize import parallelize_transformer
-from meshpar.recipe import ParallelConfig, RecipeError
 from meshpar.tensor_parallel import (
     FusedColwiseParallel,
     ReplicateParallel,
     TPPlan,
     VocabParallelEmbedding,
+    check_fsdp_over_tp,
     check_tp_degree,
     vocab_parallel_output,
 )
+
+if TYPE_CHECKING:
+    from meshpar.mesh import Layout
 
 SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the residual stream is a DTensor]
 
@@ -55,39 +59,49 @@ SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the resi
 
 # [Note: GPT-2 fused c_attn under FSDP]
 # FSDP shards dim 0 of a parameter's TP-local tensor: for c_attn, rows [d*c, (d+1)*c) of
-# [q_r | k_r | v_r]. For a plain column-wise shard that is _StridedShard(0, tp) on the dp
-# dim, but under the fused _StridedShard(0, 3) on tp no DTensor placement describes it, so
+# [q_r | k_r | v_r]. For a plain column-wise shard that is StridedShard(0, tp) on the dp
+# dim, but under the fused StridedShard(0, 3) on tp no DTensor placement describes it, so
 # the sharded parameter's global view (init, checkpoints, full_tensor) would be wrong and
 # training silently diverges from one process (tests/test_tensor_parallel.py saw a 3e-3
-# relative loss error). Until FSDP shards each of a fused parameter's pieces separately,
-# parallelize_gpt2 refuses tp with dp_shard; dp_replicate (no sharding) composes.
+# relative loss error). Until FSDP shards each of a fused parameter's pieces separately, the
+# plan refuses tp with dp_shard (``no_fsdp``); dp_replicate (no sharding) composes.
 
+rowwise = RowwiseParallel(output_layouts=SEQ, use_local_output=False)  # partial -> reduce-scatter -> [B, T/tp, D]
+# [B, T/tp, D] -> all-gather -> [B, T, D], a DTensor: [Note: one reduce-scatter per sub-layer input in backward]
+gather_sequence = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
+                                     use_local_output=False)
 
-def gpt2_tp_plan(loss_parallel: bool = True) -> TPPlan:
-    """The plan table. ``loss_parallel``: logits stay vocab-sharded, a DTensor [B, T, V/tp]
-    (run the loss under ``loss_parallel_context(True)``); otherwise plain [B, T, V] on every rank."""
-    rowwise = RowwiseParallel(output_layouts=SEQ, use_local_output=False)  # partial -> reduce-scatter -> [B, T/tp, D]
-    root = {
+# The plan table. Logits stay vocab-sharded, a DTensor [B, T, V/tp] (the loss runs under
+# ``loss_parallel_context(True)``); ``.with_loss_parallel(False)`` gathers them to [B, T, V].
+GPT2_TP_PLAN = TPPlan(
+    root={
         # tokens[B, T] replicated -> embedding rows V/tp -> partial [B, T, D] -> reduce-scatter -> [B, T/tp, D]
         "wte": VocabParallelEmbedding(output_layout=SEQ),
         # positions[T] -> this rank's [T/tp] -> [T/tp, D]: [Note: GPT-2 positions under sequence parallelism]
         "wpe": ReplicateParallel(input_layout=Replicate(), desired_input_layout=Shard(0)),
         "ln_f": SequenceParallel(),
         # [B, T/tp, D] -> all-gather -> [B, T, D] @ lm_head[D, V/tp] -> logits [B, T, V/tp] (tied to wte)
-        "lm_head": vocab_parallel_output(loss_parallel),
-    }
-    block = {
+        "lm_head": vocab_parallel_output(loss_parallel=True),
+    },
+    block={
         "ln_1": SequenceParallel(),
-        # [B, T/tp, D] -> all-gather -> [B, T, D], a DTensor: [Note: one reduce-scatter per sub-layer input in backward]
-        "attn": PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=False),
+        "attn": gather_sequence,
         "attn.c_attn": FusedColwiseParallel(3),  # [B, T, D] @ c_attn[D, 3D] -> local [B, T, q_r | k_r | v_r]
         "attn.c_proj": rowwise,
         "ln_2": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),), use_local_output=False),
+        "mlp": gather_sequence,
         "mlp.c_fc": ColwiseParallel(),  # [B, T, D] @ c_fc[D, 4D/tp] -> [B, T, 4D/tp]
         "mlp.c_proj": rowwise,
-    }
-    return TPPlan(root=root, block=block, embedding="wte", output="lm_head", loss_parallel=loss_parallel)
+    },
+    embedding="wte",
+    output="lm_head",
+    no_fsdp="GPT-2's fused c_attn cannot be FSDP-sharded over a tensor-parallel shard yet",  # [Note: GPT-2 ...]
+)
+
+
+def gpt2_tp_plan(loss_parallel: bool = True) -> TPPlan:
+    """``GPT2_TP_PLAN`` with logits vocab-sharded (``loss_parallel``) or gathered."""
+    return GPT2_TP_PLAN.with_loss_parallel(loss_parallel)
 
 
 def check_gpt2_tp(args: GPT2Args, tp: int) -> None:
@@ -97,22 +111,8 @@ def check_gpt2_tp(args: GPT2Args, tp: int) -> None:
                                          "(GPT-2's 50257 -> 50304)"})
 
 
-def _refuse_fsdp_over_tp(layout: Layout) -> None:
-    if layout.tp > 1 and layout.dp_shard > 1:  # [Note: GPT-2 fused c_attn under FSDP]
-        raise RecipeError(f"parallel.tp = {layout.tp} with parallel.dp_shard = {layout.dp_shard}: GPT-2's fused "
-                          "c_attn cannot be FSDP-sharded over a tensor-parallel shard yet; use dp_replicate "
-                          "instead of dp_shard (and set dp_shard = 1), or tp = 1", key="parallel.dp_shard")
-
-
 def check_gpt2_layout(args: GPT2Args, layout: Layout) -> None:
     """Before launch: the tp divisibility checks and the layouts GPT-2 cannot run yet."""
     if layout.tp > 1:
         check_gpt2_tp(args, layout.tp)
-    _refuse_fsdp_over_tp(layout)
-
-
-def parallelize_gpt2(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> nn.Module:
-    """The family's parallelize: tensor parallel with ``gpt2_tp_plan`` (when tp > 1), then the
-    common order of meshpar.parallelize (activation checkpointing, compile, FSDP)."""
-    _refuse_fsdp_over_tp(mesh.layout)
-    return parallelize_transformer(model, mesh, cfg, gpt2_tp_plan)
+    check_fsdp_over_tp(GPT2_TP_PLAN, layout.tp, layout.dp_shard)

@@ -3,7 +3,8 @@
 Megatron-style tensor parallelism with sequence parallelism: in each block, q/k/v and the
 SwiGLU's w1/w3 are column-wise (each rank owns H/tp query heads, Hkv/tp kv heads, F/tp
 hidden units), wo and w2 row-wise; the norms run on sequence shards; the embedding and
-the output are sharded on the vocabulary. Apply with ``meshpar.tensor_parallel.apply_tp``.
+the output are sharded on the vocabulary. ``LLAMA_TP_PLAN`` is data: meshpar.parallelize
+applies it (``meshpar.tensor_parallel.apply_tp``); this module imports only leaf modules.
 
 Per block, with x[B, T/tp, D] (Shard(1)) on each rank:
 
@@ -20,14 +21,12 @@ training sequence length (``check_llama_tp``, ``check_seq_len``).
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from meshpar.mesh import Layout, Mesh
 from meshpar.models.llama.args import ModelArgs
-from meshpar.parallelize import parallelize_transformer
-from meshpar.recipe import ParallelConfig
 from meshpar.tensor_parallel import (
     ReplicateParallel,
     TPPlan,
@@ -35,6 +34,9 @@ from meshpar.tensor_parallel import (
     check_tp_degree,
     vocab_parallel_output,
 )
+
+if TYPE_CHECKING:
+    from meshpar.mesh import Layout
 
 SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the residual stream is a DTensor]
 
@@ -47,21 +49,22 @@ def _gather_sequence(n_extra_inputs: int) -> PrepareModuleInput:
                               desired_input_layouts=(Replicate(), *[None] * n_extra_inputs), use_local_output=False)
 
 
-def llama_tp_plan(loss_parallel: bool = True) -> TPPlan:
-    """The plan table. ``loss_parallel``: logits stay vocab-sharded, a DTensor [B, T, V/tp]
-    (run the loss under ``loss_parallel_context(True)``); otherwise they are all-gathered to
-    a plain [B, T, V] tensor on every rank."""
-    colwise = ColwiseParallel()  # [B, T, D] replicated @ w[D, N/tp] -> local [B, T, N/tp]
-    rowwise = RowwiseParallel(output_layouts=SEQ, use_local_output=False)  # partial -> reduce-scatter -> [B, T/tp, D]
-    head_norm = ReplicateParallel(input_layout=Shard(1), use_local_output=True)  # q[B, H/tp, T, Dh]: per head
-    root = {
+colwise = ColwiseParallel()  # [B, T, D] replicated @ w[D, N/tp] -> local [B, T, N/tp]
+rowwise = RowwiseParallel(output_layouts=SEQ, use_local_output=False)  # partial -> reduce-scatter -> [B, T/tp, D]
+head_norm = ReplicateParallel(input_layout=Shard(1), use_local_output=True)  # q[B, H/tp, T, Dh]: per head
+
+# The plan table. Logits stay vocab-sharded, a DTensor [B, T, V/tp] (the loss runs under
+# ``loss_parallel_context(True)``); ``.with_loss_parallel(False)`` all-gathers them to a plain
+# [B, T, V] on every rank (parallel.loss_parallel = false).
+LLAMA_TP_PLAN = TPPlan(
+    root={
         # tokens[B, T] replicated -> embedding rows V/tp -> partial [B, T, D] -> reduce-scatter -> [B, T/tp, D]
         "tok_embeddings": VocabParallelEmbedding(output_layout=SEQ),
         "norm": SequenceParallel(),
         # [B, T/tp, D] -> all-gather -> [B, T, D] @ output[D, V/tp] -> logits [B, T, V/tp]
-        "output": vocab_parallel_output(loss_parallel),
-    }
-    block = {
+        "output": vocab_parallel_output(loss_parallel=True),
+    },
+    block={
         "attention_norm": SequenceParallel(),
         "attention": _gather_sequence(n_extra_inputs=2),  # (x, cos, sin)
         "attention.wq": colwise,
@@ -75,8 +78,15 @@ def llama_tp_plan(loss_parallel: bool = True) -> TPPlan:
         "feed_forward.w1": colwise,
         "feed_forward.w3": colwise,
         "feed_forward.w2": rowwise,
-    }
-    return TPPlan(root=root, block=block, embedding="tok_embeddings", output="output", loss_parallel=loss_parallel)
+    },
+    embedding="tok_embeddings",
+    output="output",
+)
+
+
+def llama_tp_plan(loss_parallel: bool = True) -> TPPlan:
+    """``LLAMA_TP_PLAN`` with logits vocab-sharded (``loss_parallel``) or gathered."""
+    return LLAMA_TP_PLAN.with_loss_parallel(loss_parallel)
 
 
 def check_llama_tp(args: ModelArgs, tp: int) -> None:
@@ -90,9 +100,3 @@ def check_llama_layout(args: ModelArgs, layout: Layout) -> None:
     """Before launch: every dimension the plan shards divides by the tp degree."""
     if layout.tp > 1:
         check_llama_tp(args, layout.tp)
-
-
-def parallelize_llama(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> nn.Module:
-    """The family's parallelize: tensor parallel with ``llama_tp_plan`` (when tp > 1), then the
-    common order of meshpar.parallelize (activation checkpointing, compile, FSDP)."""
-    return parallelize_transformer(model, mesh, cfg, llama_tp_plan)
