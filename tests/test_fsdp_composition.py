@@ -4,10 +4,11 @@ Each case trains a small model 5 AdamW steps in float64 on a slice of the global
 data-parallel rank and compares the loss at every step and every gathered parameter with one
 process to 1e-9 (tests/parity.py [Note: parity in float64]); the
 TP case also compares placements and local shapes with PyTorch's fully_shard (the two engines'
-checkpoints must be interchangeable).
+checkpoints must be interchangeable). The three runs share one 4-rank job (``JOBS``).
 """
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from meshpar import comm
-from tests.distributed import run_distributed
+from tests.distributed import CaseSet
 from tests.parity import TOL, default_dtype
 
 STEPS, BATCH = 5, 8
@@ -120,14 +121,20 @@ def _offload_and_int_reshard_case():
     return out
 
 
+JOBS = CaseSet({"tp_meshpar": (functools.partial(_tp_case, "meshpar"), 4),
+                "tp_torch": (functools.partial(_tp_case, "torch"), 4),
+                "offload_and_int_reshard": (_offload_and_int_reshard_case, 4)}, timeout=300)
+
+
 @pytest.mark.parity
 def test_fsdp_on_tensor_parallel_params_matches_one_process_and_pytorch():
-    ours = run_distributed(_tp_case, 4, "meshpar", timeout=180)[0]
-    theirs = run_distributed(_tp_case, 4, "torch", timeout=180)[0]
+    ours = JOBS.check("tp_meshpar", 4)[0]
+    theirs = JOBS.check("tp_torch", 4)[0]
     layout, losses, diff = ours
     assert layout == theirs[0]  # same placements and local shapes for every parameter
     assert layout["layers.0.w1.weight"] == (("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"), (3, 6))
     assert layout["layers.0.w2.weight"] == (("Shard(dim=0)", "Shard(dim=1)"), (3, 5))
+    assert len(losses) == STEPS, losses
     for (loss, ref_loss), (torch_loss, _) in zip(losses, theirs[1], strict=True):
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
         assert loss == torch_loss  # the same arithmetic as PyTorch's engine, bit for bit
@@ -136,9 +143,11 @@ def test_fsdp_on_tensor_parallel_params_matches_one_process_and_pytorch():
 
 @pytest.mark.parity
 def test_cpu_offload_and_int_reshard_after_forward_match_one_process():
-    results = run_distributed(_offload_and_int_reshard_case, 4, timeout=180)[0]
+    results = JOBS.check("offload_and_int_reshard", 4)[0]
     units = 4  # three layers and the root
+    assert results.keys() == {"offload", "reshard=2", "reshard=1"}
     for name, (losses, diff, devices, grad_devices, calls) in results.items():
+        assert len(losses) == STEPS, name
         for loss, ref_loss in losses:
             assert abs(loss - ref_loss) <= TOL * abs(ref_loss), name
         assert diff <= TOL, name

@@ -4,6 +4,7 @@ the single-process model. The multi-rank cases share a few spawned jobs (start-u
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -11,8 +12,8 @@ import torch
 from torch import nn
 
 import meshpar.models.init as minit
-from tests.distributed import run_distributed
-from tests.test_models import FAMILIES, build
+from tests.distributed import CaseSet, run_distributed
+from tests.helpers import FAMILIES, build_model
 
 SMALL_BLOCK = 64  # elements: 5-row blocks for 11 columns, so block edges fall inside shards
 
@@ -89,7 +90,7 @@ def _sharded_equals_plain() -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_layout_equals_the_plain_tensor(world):
-    results = run_distributed(_sharded_equals_plain, world, timeout=120)
+    results = JOBS.check("layouts", world)
     assert results == [[]] * world, results[0]
 
 
@@ -171,7 +172,7 @@ def _sharded_model_equals_plain(families: list[str]) -> list[str]:
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     failures = []
     for family in families:
-        reference = dict(build(family, seed=4).named_parameters(remove_duplicate=False))
+        reference = dict(build_model(family, seed=4).named_parameters(remove_duplicate=False))
         for dim in (0, -1):
             cls, sizes = FAMILIES[family]
             with torch.device("meta"):
@@ -189,8 +190,14 @@ def _sharded_model_equals_plain(families: list[str]) -> list[str]:
     return failures
 
 
+# the multi-rank cases above and below: one 2-rank and one 4-rank job
+JOBS = CaseSet({"layouts": (_sharded_equals_plain, (2, 4)),
+                "models": (functools.partial(_sharded_model_equals_plain, ["llama", "qwen3", "gpt2"]), 2)},
+               timeout=180)
+
+
 def test_sharded_models_start_equal_to_one_process():
-    assert run_distributed(_sharded_model_equals_plain, 2, ["llama", "qwen3", "gpt2"], timeout=120) == [[], []]
+    assert JOBS.check("models", 2) == [[], []]
 
 
 def test_wrapped_blocks_draw_what_plain_blocks_draw():
@@ -205,7 +212,7 @@ def test_wrapped_blocks_draw_what_plain_blocks_draw():
     assert minit.canonical_name("layers.1._orig_mod.attention.wq.weight") == "layers.1.attention.wq.weight"
     torch.manual_seed(2)
     model.init_weights()
-    plain = build("llama", seed=2)
+    plain = build_model("llama", seed=2)
     pairs = zip(model.named_parameters(), plain.named_parameters(), strict=True)
     for (name, param), (plain_name, plain_param) in pairs:
         assert minit.canonical_name(name) == plain_name and torch.equal(param, plain_param), name

@@ -87,5 +87,6 @@ def test_tensor_parallel_collectives_are_labelled(tmp_path):
     assert len(in_backward) >= 2 * ARGS.n_layers
     # ranges nest: no backward range overlaps another partially
     grads = sorted((lab["ts"], lab["ts"] + lab["dur"]) for lab in labels if "_grad[" in lab["name"])
+    assert len(grads) >= 2, grads
     for (_, a1), (b0, b1) in zip(grads, grads[1:], strict=False):
         assert b0 >= a1 or b1 <= a1
