@@ -7,7 +7,6 @@ debug sizes, so the file takes a few seconds on two CPU cores.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 
 import pytest
@@ -21,19 +20,11 @@ from meshpar.models.gpt2 import GPT2, GPT2_SIZES
 from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, RopeScaling, Transformer
 from meshpar.models.llama.model import apply_rope, rope_frequencies
 from meshpar.recipe import ModelConfig
+from tests.helpers import FAMILIES, build_model
+from tests.parity import TOL, default_dtype
 
-FAMILIES = {"llama": (Transformer, LLAMA_SIZES), "qwen2": (Transformer, QWEN2_SIZES),
-            "qwen3": (Transformer, QWEN3_SIZES), "gpt2": (GPT2, GPT2_SIZES)}
 # (embedding attributes, final norm, output) per family, for pipeline splits
 PARTS = {Transformer: (("tok_embeddings",), "norm", "output"), GPT2: (("wte", "wpe"), "ln_f", "lm_head")}
-
-
-def build(family: str, size: str = "debug", seed: int = 0, **overrides) -> nn.Module:
-    cls, sizes = FAMILIES[family]
-    model = cls(dataclasses.replace(sizes[size], **overrides))
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model
 
 
 def tokens(model: nn.Module, batch: int = 2, seq_len: int = 16, seed: int = 1) -> torch.Tensor:
@@ -93,7 +84,7 @@ def test_qwen2_has_qkv_biases_and_llama_has_none():
     assert attn.wq.bias.shape == (3584,) and attn.wk.bias.shape == (512,) and attn.wv.bias.shape == (512,)
     assert attn.wo.bias is None
     assert not [n for n, _ in llama.named_parameters() if n.endswith("bias")]
-    small = build("qwen2")
+    small = build_model("qwen2")
     assert all((m.attention.wk.bias == 0).all() for m in small.layers.values())
 
 
@@ -107,7 +98,7 @@ def test_qwen3_head_dim_and_qk_norm_shapes():
     assert attn.q_norm.weight.shape == (128,) and attn.k_norm.weight.shape == (128,)
     assert model.rope_cos.shape == (40960, 64)
     assert model.output.weight is model.tok_embeddings.weight
-    small = build("qwen3")
+    small = build_model("qwen3")
     assert small(tokens(small)).shape == (2, 16, small.args.vocab_size)
 
 
@@ -127,7 +118,7 @@ def test_meta_init_equals_cpu_init(family):
     meta.to_empty(device="cpu")
     torch.manual_seed(3)
     meta.init_weights()
-    cpu = build(family, seed=3)
+    cpu = build_model(family, seed=3)
     a = dict(meta.named_parameters(remove_duplicate=False)) | dict(meta.named_buffers())
     b = dict(cpu.named_parameters(remove_duplicate=False)) | dict(cpu.named_buffers())
     assert a.keys() == b.keys()
@@ -142,7 +133,7 @@ def test_pipeline_stage_initialized_alone_equals_the_whole_model(family):
     """Values are keyed by parameter name (meshpar.models.init), so each stage, built on meta and
     initialized on its own, starts as the same parameters of the whole model; the last stage's
     copy of a tied embedding starts equal to the embedding."""
-    whole = dict(build(family, seed=5).named_parameters(remove_duplicate=False))
+    whole = dict(build_model(family, seed=5).named_parameters(remove_duplicate=False))
     cls, sizes = FAMILIES[family]
     with torch.device("meta"):
         model = cls(sizes["debug"])
@@ -155,7 +146,7 @@ def test_pipeline_stage_initialized_alone_equals_the_whole_model(family):
 
 
 def test_llama_init_statistics():
-    model = build("llama")
+    model = build_model("llama")
     layer = model.layers["1"]
     assert model.tok_embeddings.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert layer.attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
@@ -176,7 +167,7 @@ def test_tie_survives_meta_init_and_training(family, head, embedding):
     torch.manual_seed(0)
     model.init_weights()  # ... and restored here
     assert getattr(model, head).weight is getattr(model, embedding).weight
-    assert n_params(model) == n_params(build(family))
+    assert n_params(model) == n_params(build_model(family))
     before = getattr(model, embedding).weight.detach().clone()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     x = tokens(model)
@@ -207,7 +198,7 @@ def split_in_two(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pipeline_split_passthrough(family):
-    model = build(family)
+    model = build_model(family)
     first, second = split_in_two(model)
     assert list(second.layers) == ["2", "3"]  # keys keep their index in the whole model
     names = dict(model.named_parameters(remove_duplicate=False))
@@ -220,34 +211,38 @@ def test_pipeline_split_passthrough(family):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parity
+@default_dtype()  # float64: the prefix's logits agree to summation order, ~1e-15
 def test_causality(family):
-    model = build(family)
+    model = build_model(family)
     x = tokens(model, batch=1)
     t = 9
     y = x.clone()
     y[0, t] = (x[0, t] + 1) % model.args.vocab_size
     with torch.no_grad():
         a, b = model(x), model(y)
-    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=TOL)
     assert (a[:, t:] - b[:, t:]).abs().amax(dim=-1).min() > 1e-4  # every later position sees the change
 
 
 def test_too_long_sequence_is_refused():
-    model = build("gpt2", max_seq_len=8)
+    model = build_model("gpt2", max_seq_len=8)
     with pytest.raises(ValueError, match="max_seq_len"):
         model(tokens(model, seq_len=9))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parity
+@default_dtype()
 def test_grouped_query_attention_equals_repeated_kv_heads(family):
-    gqa = build(family)
+    gqa = build_model(family)
     args = gqa.args
     group = args.n_heads // args.n_kv_heads
     assert group > 1
     x = tokens(gqa)
 
     def with_kv(expand) -> torch.Tensor:
-        mha = build(family, n_kv_heads=args.n_heads)
+        mha = build_model(family, n_kv_heads=args.n_heads)
         state = gqa.state_dict()
         for name, w in state.items():
             if ".attention.wk." in name or ".attention.wv." in name:
@@ -257,7 +252,7 @@ def test_grouped_query_attention_equals_repeated_kv_heads(family):
         return mha(x)
 
     # query head i reads kv head i // group: each kv head repeated `group` times in a row
-    torch.testing.assert_close(with_kv(lambda w: w.repeat_interleave(group, dim=0)), gqa(x))
+    torch.testing.assert_close(with_kv(lambda w: w.repeat_interleave(group, dim=0)), gqa(x), rtol=TOL, atol=TOL)
     tiled = with_kv(lambda w: w.repeat(group, *[1] * (w.ndim - 1)))  # the wrong grouping
     assert not torch.allclose(tiled, gqa(x), atol=1e-4)
 
@@ -281,8 +276,9 @@ def test_llama31_rope_scaling_bands():
     assert scaled[32].item() == pytest.approx(5.24846e-4, rel=1e-5)
 
 
+@default_dtype()  # RoPE tables in float64, so exact trigonometry to ~1e-15
 def test_rope_is_half_split_and_relative():
-    model = build("llama")
+    model = build_model("llama")
     dh = model.args.resolved_head_dim
     freqs = rope_frequencies(dh, model.args.rope_theta)
     cos, sin = model.rope_cos, model.rope_sin
@@ -292,15 +288,15 @@ def test_rope_is_half_split_and_relative():
     unit[..., j] = 1.0
     rotated = apply_rope(unit, cos[:pos + 1], sin[:pos + 1])[0, 0, pos]
     angle = pos * freqs[j].item()
-    assert rotated[j].item() == pytest.approx(math.cos(angle), abs=1e-6)
-    assert rotated[j + dh // 2].item() == pytest.approx(math.sin(angle), abs=1e-6)
-    assert rotated.abs().sum().item() == pytest.approx(abs(math.cos(angle)) + abs(math.sin(angle)), abs=1e-6)
+    assert rotated[j].item() == pytest.approx(math.cos(angle), abs=TOL)
+    assert rotated[j + dh // 2].item() == pytest.approx(math.sin(angle), abs=TOL)
+    assert rotated.abs().sum().item() == pytest.approx(abs(math.cos(angle)) + abs(math.sin(angle)), abs=TOL)
     # scores depend only on the distance between positions: <q@m, k@n> == <q@m+s, k@n+s>
     q, k = torch.randn(2, 1, 1, 1, dh).unbind(0)
 
     def at(v, p):
         return apply_rope(v.expand(1, 1, 64, dh), cos[:64], sin[:64])[0, 0, p]
-    assert (at(q, 10) @ at(k, 4)).item() == pytest.approx((at(q, 50) @ at(k, 44)).item(), abs=1e-4)
+    assert (at(q, 10) @ at(k, 4)).item() == pytest.approx((at(q, 50) @ at(k, 44)).item(), abs=TOL)
 
 
 # --- training ------------------------------------------------------------------------------
@@ -308,7 +304,7 @@ def test_rope_is_half_split_and_relative():
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_debug_model_overfits_one_batch(family):
     torch.manual_seed(0)
-    model = build(family)
+    model = build_model(family)
     batch = tokens(model, batch=4, seq_len=33)
     inputs, targets = batch[:, :-1], batch[:, 1:]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)

@@ -18,7 +18,7 @@ from meshpar.mesh import DIMS
 from meshpar.profiling import report as pr
 from meshpar.train import train
 from tests.distributed import run_distributed
-from tests.test_train import _load
+from tests.helpers import load_recipe
 
 LAYOUTS = {  # name: (world, ranks traced, overrides)
     "2d": (4, [0, 3], ["--parallel.dp_shard=2", "--parallel.tp=2", "--profile.ranks=0,3"]),
@@ -36,7 +36,7 @@ def runs(tmp_path_factory, data_cache) -> dict[str, Path]:
     out = {}
     for name, (world, _, layout) in LAYOUTS.items():
         folder = tmp_path_factory.mktemp(f"profile-{name}")
-        recipe = _load("llama_debug.toml", folder, "--train.steps=4", "--profile.enable=true", *layout)
+        recipe = load_recipe("llama_debug.toml", folder, "--train.steps=4", "--profile.enable=true", *layout)
         run_distributed(_train, world, recipe, timeout=240, init_process_group=False)
         out[name] = folder
     return out
@@ -105,6 +105,7 @@ def test_every_collective_in_a_step_is_labelled(runs):
     """Every collective issued in a step runs under a meshpar label that names its dim or kind
     (meshpar::comm / tp / pp); the pipeline's transfers name their stage and microbatch."""
     for name in LAYOUTS:
+        assert pr.find_traces(runs[name]), name
         for f in pr.find_traces(runs[name]):
             trace = pr.load_trace(f)
             events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
@@ -146,7 +147,7 @@ def test_table_and_summary_files(runs, reports, capsys):
     assert pr.find_traces(runs["3d"]) == pr.find_traces(traces)  # summary files are not traces
 
 
-def _merged(path: Path) -> dict:
+def merged_state(path: Path) -> dict:
     with gzip.open(path, "rt") as f:
         return json.load(f)
 
@@ -154,7 +155,7 @@ def _merged(path: Path) -> dict:
 def test_merge_puts_every_rank_on_one_clock(runs):
     out = pr.merge(runs["3d"])
     assert out == runs["3d"] / "traces" / "merged.json.gz"
-    trace = _merged(out)
+    trace = merged_state(out)
     events = trace["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert names[5] == "rank 5 (pp1 dp0 tp1)" and sorted(names) == list(range(8))
@@ -173,10 +174,10 @@ def test_merge_respects_the_size_cap_and_keeps_meshpar_labels(runs, tmp_path):
     labels = sum(e.get("name", "").startswith("meshpar::") for f in pr.find_traces(runs["2d"])
                  for e in pr.load_trace(f)["traceEvents"])
     full = pr.merge(runs["2d"], tmp_path / "full.json.gz")
-    assert "dropped" not in _merged(full)["meshpar"]
+    assert "dropped" not in merged_state(full)["meshpar"]
     cap_mb = 0.5
-    capped = _merged(pr.merge(runs["2d"], tmp_path / "capped.json.gz", max_mb=cap_mb))
-    assert len(json.dumps(capped)) <= cap_mb * 2**20 < len(json.dumps(_merged(full)))
+    capped = merged_state(pr.merge(runs["2d"], tmp_path / "capped.json.gz", max_mb=cap_mb))
+    assert len(json.dumps(capped)) <= cap_mb * 2**20 < len(json.dumps(merged_state(full)))
     assert sum(e.get("name", "").startswith("meshpar::") for e in capped["traceEvents"]) == labels
     dropped = capped["meshpar"]["dropped"]
     assert dropped["events"] > 0 and dropped["cap_mb"] == cap_mb

@@ -9,7 +9,7 @@ import pytest
 from meshpar.profiling.capture import cap_trace, traced_ranks
 from meshpar.recipe import RecipeError
 from tests.distributed import run_distributed
-from tests.test_train import _load, _train_on_rank
+from tests.helpers import ROOT, SMALL, load_recipe, train_on_rank
 
 
 def test_traced_ranks():
@@ -41,9 +41,9 @@ def test_cap_drops_shortest_events_first_and_keeps_labels():
 def test_pipeline_stages_trace_one_rank_each(tmp_path, data_cache):
     """pp 2 x dp_shard 2 with profile.ranks = stages: ranks 0 and 2 write one trace each over the
     active steps, with their coordinates and meshpar's communication accounting in the header."""
-    recipe = _load("llama_debug.toml", tmp_path, "--parallel.pp=2", "--parallel.dp_shard=2", "--train.steps=4",
-                   "--train.micro_batch=1", "--profile.enable=true", "--profile.ranks=stages")
-    run_distributed(_train_on_rank, 4, recipe, timeout=240, init_process_group=False)
+    recipe = load_recipe("llama_debug.toml", tmp_path, "--parallel.pp=2", "--parallel.dp_shard=2", "--train.steps=4",
+                         "--train.micro_batch=1", "--profile.enable=true", "--profile.ranks=stages")
+    run_distributed(train_on_rank, 4, recipe, timeout=240, init_process_group=False)
     files = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert files == ["rank0.steps3-4.json.gz", "rank2.steps3-4.json.gz"]
     with gzip.open(tmp_path / "traces" / "rank2.steps3-4.json.gz", "rt") as f:
@@ -84,9 +84,9 @@ def test_memory_record_of_the_profiled_steps(tmp_path, data_cache):
     """FSDP on 2 ranks with profile.profile_memory: each traced window gets a memory record whose
     peak names parameters, optimizer state and meshpar's communication buffers, and whose
     timeline reaches that peak."""
-    recipe = _load("llama_debug.toml", tmp_path, "--parallel.dp_shard=2", "--train.steps=4",
-                   "--profile.enable=true", "--profile.profile_memory=true")
-    run_distributed(_train_on_rank, 2, recipe, timeout=240, init_process_group=False)
+    recipe = load_recipe("llama_debug.toml", tmp_path, "--parallel.dp_shard=2", "--train.steps=4",
+                         "--profile.enable=true", "--profile.profile_memory=true")
+    run_distributed(train_on_rank, 2, recipe, timeout=240, init_process_group=False)
     record = json.loads((tmp_path / "traces" / "rank1.steps3-4.memory.json").read_text())
     peak = record["peak"]
     assert peak["Parameter"] > 0 and peak["Optstate"] > 0 and peak["Communication"] > 0, peak
@@ -124,8 +124,8 @@ def test_cuda_memory_snapshots_are_taken_around_the_window_and_on_oom(tmp_path, 
     """On CUDA (stood in for: no GPU here) profile_memory records the allocator's history from the
     first step, dumps a snapshot at the end of each traced window beside the per-category record,
     and an out-of-memory error leaves its own snapshot and a message naming it."""
-    recipe = _load("llama_debug.toml", tmp_path, "--train.steps=4", "--profile.enable=true",
-                   "--profile.profile_memory=true")
+    recipe = load_recipe("llama_debug.toml", tmp_path, "--train.steps=4", "--profile.enable=true",
+                         "--profile.profile_memory=true")
     calls = run_distributed(_train_with_a_stand_in_for_cuda, 1, recipe, timeout=240, init_process_group=False)[0]
     assert calls == [("history", {"max_entries": 200_000}),
                      ("dump", "rank0.steps3-4.cuda_memory_snapshot.pickle"),
@@ -146,7 +146,6 @@ def test_cli_profile_then_summarize_and_merge(tmp_path, data_cache):
     import subprocess
     import sys
 
-    from tests.test_train import ROOT, SMALL
 
     run = [sys.executable, "-m", "meshpar"]
     train = subprocess.run([*run, "train", "recipes/llama_debug_2d.toml", *SMALL, "--train.steps=4", "--profile",

@@ -1,0 +1,69 @@
+"""Helpers shared by several test files: the small training recipe, the model builder, and
+what a distributed training run returns. Test files import from here, never from each other.
+
+tests/fsdp_models.py is the other shared module: the tiny models (``Net``, a two-block GPT-2)
+and the parity loop behind tests/test_fsdp.py's engine-level FSDP cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from meshpar import recipe as recipelib
+from meshpar.models.gpt2 import GPT2, GPT2_SIZES
+from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, Transformer
+from meshpar.train import train
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: recipes/ lives here
+# Overrides that make any shipped recipe a seconds-long run: 2 blocks, byte tokenizer (256
+# tokens, no BPE training), 8 sequences of 64 per step, a metrics record every step.
+SMALL = ["--model.n_layers=2", "--train.seq_len=64", "--train.global_batch=8", "--train.micro_batch=2",
+         "--train.log_every=1", "--train.eval_every=0", "--data.tokenizer=byte", "--model.vocab_size=256",
+         "--metrics.progress=off", "--optim.warmup_steps=2"]
+
+FAMILIES = {"llama": (Transformer, LLAMA_SIZES), "qwen2": (Transformer, QWEN2_SIZES),
+            "qwen3": (Transformer, QWEN3_SIZES), "gpt2": (GPT2, GPT2_SIZES)}  # family -> (class, sizes)
+
+
+def load_recipe(name: str, out: Path, *extra: str) -> recipelib.Recipe:
+    """recipes/``name`` with the SMALL overrides, writing to ``out``, then ``extra`` overrides
+    (command-line syntax: ``"--train.steps=4"``), which win."""
+    return recipelib.load(ROOT / "recipes" / name, [*SMALL, f"--train.output_dir={out}", *extra])
+
+
+def train_losses(records: list[dict]) -> list[float]:
+    """The training loss of every logged step, from ``train(...).records`` (eval records skipped)."""
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def train_on_rank(recipe: recipelib.Recipe) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """``meshpar train`` on one rank, for ``run_distributed(..., init_process_group=False)``
+    (train sets up its own process group): (metric records, the whole gathered state dict)."""
+    result = train(recipe, return_state=True)
+    return result.records, result.state_dict
+
+
+def merged_state(results: list[tuple[object, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """The whole model's parameters from every rank's ``(records, state)`` (each rank gathers its
+    own pipeline stages); fails if two ranks hold different values for one name."""
+    merged: dict[str, torch.Tensor] = {}
+    for _, state in results:
+        for name, value in state.items():
+            if name in merged:
+                assert torch.equal(merged[name], value), f"ranks disagree on {name}"
+            merged[name] = value
+    assert merged, "no rank returned any state"
+    return merged
+
+
+def build_model(family: str, size: str = "debug", seed: int = 0, **overrides) -> nn.Module:
+    """``family``'s ``size`` model (args ``overrides`` replaced) on CPU, initialized from ``seed``."""
+    cls, sizes = FAMILIES[family]
+    model = cls(dataclasses.replace(sizes[size], **overrides))
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
