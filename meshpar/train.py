@@ -6,16 +6,14 @@ starts on each local rank. The data flow (docs/architecture.md):
     recipe -> layout (checked before any process group) -> data (cached tokens)
       -> process group + mesh -> model on meta -> pipeline split -> parallelize (TP, activation
       checkpointing, compile, FSDP) -> to_empty + init_weights -> optimizer + LR schedule
-      -> loop: batch -> forward/backward per microbatch (or the pipeline schedule)
-      -> gradient sync -> clip across every mesh dim -> step -> metrics -> maybe save
+      -> loop: meshpar.step.train_step (batch -> forward/backward per microbatch or the
+         pipeline schedule -> gradient sync -> clip across every mesh dim -> optimizer step)
+      -> metrics -> maybe save
     (a complete checkpoint in checkpoint.dir, or checkpoint.load_from, is loaded before the
     first step, resharded to this layout: meshpar/checkpoint/checkpointer.py)
 
-[Note: losses do not depend on the layout]
-Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
-is a mean over its tokens divided by the accumulation depth, and gradients are averaged
-over the data-parallel ranks, so the gradient is the mean over the whole global batch for
-any split of it across ranks and microbatches.
+The step is meshpar/step.py, the one the planner also runs, on fake tensors; see
+[Note: losses do not depend on the layout] there.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -32,44 +29,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
 from meshpar.checkpoint import Checkpointer, RunState, optimizer_state, param_names
-from meshpar.clip import clip_grad_norm_
 from meshpar.data import BatchLoader
-from meshpar.fsdp import FSDPModule
 from meshpar.hardware import HardwareProfile, load_profile
 from meshpar.metrics import MetricsLogger, Progress, peak_memory_gb
 from meshpar.optim import build_lr_schedule, build_optimizer
 from meshpar.parallelize import build
-from meshpar.pipeline import Pipeline, build_schedule
+from meshpar.pipeline import build_schedule
 from meshpar.preflight import Preflight, preflight
 from meshpar.profiling.capture import StepProfiler, label
-from meshpar.profiling.labels import run_labelled
 from meshpar.recipe import Recipe, RecipeError
-from meshpar.replicate import all_reduce_gradients
 from meshpar.runtime import RankInfo, init_process_group, rank_info, select_device
-from meshpar.tensor_parallel import loss_parallel_context, reduce_partial_grads
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # logits[B, T, V] targets[B, T] -> mean over B*T tokens, computed in fp32 (fp64 logits, a float64
-    # model's, stay fp64); with loss parallel logits are a DTensor sharded on V and the loss is
-    # computed on the shards
-    def loss(x: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(x.flatten(0, 1).to(torch.promote_types(x.dtype, torch.float32)), targets.flatten())
-
-    if isinstance(logits, DTensor):  # its all-reduces (max, sum) run on the tp mesh
-        return run_labelled("tp.loss_parallel", "cross_entropy", loss, logits)
-    return loss(logits)
-
-
-def _plain(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor (under loss parallel it is a replicated DTensor scalar)."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+from meshpar.step import GradSync, Model, cross_entropy, plain, train_step
+from meshpar.tensor_parallel import loss_parallel_context
 
 
 @torch.no_grad()
@@ -87,11 +63,11 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
             if model.pipeline is not None:
                 inputs, targets = (torch.cat(x).to(device) for x in zip(*microbatches, strict=True))
                 loss = model.pipeline.eval(inputs, targets)
-                total += 0.0 if loss is None else _plain(loss)
+                total += 0.0 if loss is None else plain(loss)
                 n += 1
                 continue
             for inputs, targets in microbatches:
-                total += _plain(cross_entropy(model.stages[0](inputs.to(device)), targets.to(device)))
+                total += plain(cross_entropy(model.stages[0](inputs.to(device)), targets.to(device)))
                 n += 1
     model.stages.train()
     total /= n
@@ -99,22 +75,6 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
         dist.all_reduce(total, group=mesh["pp"].get_group())
     dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
     return total.item()
-
-
-@dataclass
-class Model:
-    """This rank's part of the model: its pipeline stages (one, the whole model, when pp = 1)."""
-
-    stages: torch.nn.ModuleList
-    pipeline: Pipeline | None  # the schedule when pp > 1
-    loss_parallel: bool  # logits are vocab-sharded DTensors: the loss runs under loss_parallel
-
-    def state_dict(self) -> dict[str, Any]:
-        """Parameter names of the whole model: stages hold disjoint blocks under their global names."""
-        out: dict[str, Any] = {}
-        for stage in self.stages:
-            out.update(stage.state_dict())
-        return out
 
 
 @dataclass
@@ -174,7 +134,6 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
                                   accum, cross_entropy, reduce_every_microbatch=p.grad_reduce == "microbatch")
     model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, loss_parallel)
     n_params = _count_params(model, mesh)
-    sharded = isinstance(model.stages[0], FSDPModule)
     optimizer = build_optimizer(model.stages, recipe.optim)
     scheduler = build_lr_schedule(optimizer, recipe.optim, t.steps)
     loader = BatchLoader(corpus.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
@@ -195,8 +154,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     n_devices = info.world_size if device.type == "cuda" else info.world_size // info.local_world_size
     peak = profile.peak_flops(getattr(torch, recipe.parallel.param_dtype)) * n_devices
     tokens_per_step = t.global_batch * t.seq_len
-    params = [q for q in model.stages.parameters() if q.requires_grad]
-    pp_groups = [mesh["pp"].get_group()] if mesh.layout.pp > 1 else []
+    sync = GradSync.of(mesh, recipe.parallel, recipe.optim)
     records: list[dict[str, Any]] = []
     last_time, last_step = time.perf_counter(), start_step
 
@@ -204,25 +162,13 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
                             tracked=(model.stages, optimizer))
     with profiler:
         for step in range(start_step + 1, t.steps + 1):
-            with label("step"):
-                loss_sum = _forward_backward(model, loader, accum, device, sharded,
-                                             every_microbatch=recipe.parallel.grad_reduce == "microbatch")
-                with label("optimizer"):
-                    if not sharded:
-                        all_reduce_gradients(model.stages, mesh["dp_replicate"])
-                        if mesh.layout.tp > 1:
-                            reduce_partial_grads(model.stages)
-                    max_norm = recipe.optim.grad_clip if recipe.optim.grad_clip > 0 else math.inf
-                    grad_norm = clip_grad_norm_(params, max_norm, extra_groups=pp_groups)
-                    lr = scheduler.get_last_lr()[0]
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+            done = train_step(model, loader.next_step, accum, sync, device, optimizer, scheduler)
+            loss_sum, grad_norm, lr = done.loss, done.grad_norm, done.lr
             progress.update(step)
 
             if step % t.log_every == 0 or step == t.steps:
-                if pp_groups:  # the loss lives on the last stage's rank
-                    dist.all_reduce(loss_sum, group=pp_groups[0])
+                if sync.pp_groups:  # the loss lives on the last stage's rank
+                    dist.all_reduce(loss_sum, group=sync.pp_groups[0])
                 dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -284,35 +230,6 @@ def _restore(recipe: Recipe, checked: Preflight, ckpt: Checkpointer | None, run:
         if info.is_rank0:
             print(f"meshpar: initialized from Hugging Face weights in {recipe.checkpoint.hf_weights}", flush=True)
     return 0
-
-
-def _forward_backward(model: Model, loader: BatchLoader, accum: int, device: torch.device,
-                      sharded: bool, every_microbatch: bool = False) -> torch.Tensor:
-    """One step's forward and backward over this rank's microbatches; returns this rank's loss
-    (zero on pipeline ranks without the last stage). See [Note: losses do not depend on the layout].
-    FSDP reduces gradients after the last microbatch, or after each with ``every_microbatch``
-    (``parallel.grad_reduce``)."""
-    loss_sum = torch.zeros((), device=device)
-    with loss_parallel_context(model.loss_parallel):
-        with label("data"):
-            microbatches = loader.next_step()
-        if model.pipeline is not None:  # the schedule splits the batch into the same microbatches
-            with label("data"):
-                inputs, targets = (torch.cat(x).to(device) for x in zip(*microbatches, strict=True))
-            loss = model.pipeline.step(inputs, targets)
-            return loss_sum if loss is None else loss_sum + _plain(loss)
-        stage = model.stages[0]
-        for i, (inputs, targets) in enumerate(microbatches):
-            if sharded:  # reduce-scatter once per step, after the last microbatch (or after each)
-                stage.set_requires_gradient_sync(every_microbatch or i == accum - 1)
-            with label("data"):
-                inputs, targets = inputs.to(device), targets.to(device)
-            with label("forward"):
-                loss = cross_entropy(stage(inputs), targets) / accum
-            with label("backward"):
-                loss.backward()
-            loss_sum += _plain(loss.detach())
-    return loss_sum
 
 
 def _count_params(model: Model, mesh: meshlib.Mesh) -> int:

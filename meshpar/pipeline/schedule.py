@@ -18,7 +18,7 @@ the stage / schedule hooks of torch 2.13 (``PipelineStage.backward_maybe_with_no
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -258,6 +258,13 @@ class Pipeline:
         args = (inputs,) if self.has_first else ()
         self.schedule.step(*args, target=targets if self.has_last else None, losses=losses, return_outputs=False)
         return None if losses is None else torch.stack([loss.detach() for loss in losses]).sum()
+
+    def step_microbatches(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """``step`` over a loader's (inputs, targets) microbatches: concatenated here, the
+        schedule splits them into the same microbatches again (``meshpar.step.train_step``)."""
+        with record_function("meshpar::data"):
+            inputs, targets = (torch.cat(x).to(self.stages[0].device) for x in zip(*microbatches, strict=True))
+        return self.step(inputs, targets)
 
     @torch.no_grad()
     def eval(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:

@@ -7,11 +7,14 @@
 The stages come from meshpar's own parallelize path, built on meta in a fake process group
 (``dry_run.py``). Here they are materialized as ``FakeTensor``s (``to_empty`` under
 ``FakeTensorMode``: shapes, dtypes and storages of the real sizes, no memory, no arithmetic)
-and run through the steps ``meshpar.train`` runs: forward and backward per microbatch with
-gradient sync only on the last, or on each (``parallel.grad_reduce``) (FSDP units all-gather,
-prefetch, reshard and reduce-scatter as they do on a GPU), the pipeline's own sync switches per
-microbatch, the data-parallel and tensor-parallel gradient reductions, and gradient clipping. A tracker (meshpar's
-``AllocationTracker``) follows every storage created, freed or resized, phase by phase.
+and run through ``meshpar.step.train_step``, the step ``meshpar train`` runs: forward and
+backward per microbatch with gradient sync only on the last, or on each
+(``parallel.grad_reduce``) (FSDP units all-gather, prefetch, reshard and reduce-scatter as they
+do on a GPU), the data-parallel and tensor-parallel gradient reductions, and gradient clipping.
+Under pipelining ``_OneAtATime`` stands in for the schedule: each microbatch's forward, then
+its backward with the stage's own sync switches. A tracker (meshpar's ``AllocationTracker``)
+follows every storage created, freed or resized, phase by phase (``train_step``'s ``phase``
+hook).
 
 [Note: what the simulation leaves to arithmetic]
 - The optimizer step is not run: under FakeTensorMode fused AdamW decomposes into ops that
@@ -48,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,16 +62,13 @@ from torch.distributed.tensor import DTensor
 from meshpar import comm
 from meshpar._torch import FakeTensorMode
 from meshpar._torch import dtensor_sharding_prop as sharding_prop
-from meshpar.clip import clip_grad_norm_
 from meshpar.comm import comm_buffers
 from meshpar.fsdp import FSDPModule
 from meshpar.mesh import DIMS, Mesh
 from meshpar.pipeline import Stage
 from meshpar.profiling.memory import AllocationTracker
 from meshpar.recipe import Recipe
-from meshpar.replicate import all_reduce_gradients
-from meshpar.tensor_parallel import loss_parallel_context, reduce_partial_grads
-from meshpar.train import cross_entropy
+from meshpar.step import GradSync, Microbatch, Model, cross_entropy, train_step
 
 
 @dataclass
@@ -240,61 +240,74 @@ def _groups(mesh: Mesh) -> dict[str, tuple[str, int]]:
     return out
 
 
+class _OneAtATime:
+    """``Pipeline.step_microbatches`` on this rank's stage, one microbatch at a time: a forward,
+    then its backward as the schedule runs it ([Note: one reduce-scatter per step under
+    pipelining]), and after the last the schedule's ``perform_reduce_grad``. The stage keeps
+    its output until its backward; the order the schedule interleaves microbatches in is
+    priced apart (``schedule_actions``). ``grads``: the gradients the next stage sends back."""
+
+    def __init__(self, stage: Stage, accum: int, grads: list[torch.Tensor],
+                 phase: Callable[..., contextlib.AbstractContextManager]) -> None:
+        self.stage, self.accum, self.grads, self.phase = stage, accum, grads, phase
+
+    def step_microbatches(self, microbatches: Sequence[Microbatch]) -> None:
+        pipe, n = self.stage, len(microbatches)
+        for i, (inputs, targets) in enumerate(microbatches):
+            with self.phase("forward", i):
+                out = pipe.submod(inputs)
+                loss = cross_entropy(out, targets) / self.accum if pipe.is_last else None
+            with self.phase("backward", i):
+                kwargs = {"stage_output": loss if pipe.is_last else (out,),
+                          "output_grads": None if pipe.is_last else (self.grads[i],),
+                          "input_values": () if pipe.is_first else (inputs,)}
+                pipe.backward_maybe_with_nosync("full", kwargs, last_backward=i == n - 1)
+                inputs.grad = None  # sent to the previous stage
+                if i == n - 1:
+                    pipe.perform_reduce_grad(1)
+            del out, loss
+
+
+def _priced(tracker: _Tracker, phases: dict[str, Phase]) -> Callable[..., contextlib.AbstractContextManager]:
+    """``train_step``'s ``phase`` hook: live bytes and collectives per phase as the planner prices
+    them, "F<i>" and "B<i>" per microbatch and "sync" (gradient reductions, clipping)."""
+    def phase(name: str, microbatch: int | None = None) -> contextlib.AbstractContextManager:
+        key = {"forward": f"F{microbatch}", "backward": f"B{microbatch}", "optimizer": "sync"}.get(name)
+        return contextlib.nullcontext() if key is None else tracker.phase(phases.setdefault(key, Phase()))
+
+    return phase
+
+
 def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Recipe, accum: int, *,
              nccl: bool) -> Measured:
     """Run one optimizer step's forward/backward passes and gradient work of ``stages`` (this
-    rank's, built on meta) on fake tensors; see the module docstring and [Note: what the
-    simulation leaves to arithmetic]. ``accum``: microbatches per step on this rank."""
+    rank's, built on meta) on fake tensors through ``meshpar.step.train_step``; see the module
+    docstring and [Note: what the simulation leaves to arithmetic]. ``accum``: microbatches per
+    step on this rank."""
     t, p, layout = recipe.train, recipe.parallel, mesh.layout
     n_run = min(accum, 3 if layout.pp > 1 else 2)
-    loss_parallel = layout.tp > 1 and p.loss_parallel
     device = torch.device("cpu")
     with FakeTensorMode(allow_non_fake_inputs=True), _patched(nccl):
         for _, stage in stages:
             stage.to_empty(device=device)  # values are never read: no init_weights
             _steady_prefetch(stage)
         (index, stage), = stages  # one stage per rank (checked by the planner)
-        n_stages = layout.pp
-        first, last = index == 0, index == n_stages - 1
-        every = p.grad_reduce == "microbatch"  # reduce-scatter after every microbatch
-        pipe = Stage(stage, index, n_stages, device, mesh["pp"].get_group(), every) if n_stages > 1 else None
         tokens = torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long)
-        dim = _hidden_dim(stage)
-        seq = t.seq_len // layout.tp
-        # the stage's received activations (kept by the schedule, counted by the planner, not here)
+        # the stage's received activations and gradients (kept by the schedule, counted by the planner, not here)
+        dim, seq = _hidden_dim(stage), t.seq_len // layout.tp
         inputs = [torch.empty(t.micro_batch, seq, dim, requires_grad=True) for _ in range(n_run)]
         grads = [torch.empty(t.micro_batch, seq, dim) for _ in range(n_run)]
-        params = [q for q in stage.parameters() if q.requires_grad]
-        sharded = isinstance(stage, FSDPModule)
+        microbatches = [(tokens if index == 0 else inputs[i], tokens) for i in range(n_run)]
+        model = Model(torch.nn.ModuleList([stage]), None, layout.tp > 1 and p.loss_parallel)
+        pipe = None
+        if layout.pp > 1:
+            pipe = Stage(stage, index, layout.pp, device, mesh["pp"].get_group(), p.grad_reduce == "microbatch")
         phases: dict[str, Phase] = {}
         with _Tracker(stage, groups=_groups(mesh)) as tracker:
-            for i in range(n_run):
-                sync = i == n_run - 1
-                if sharded and pipe is None:
-                    stage.set_requires_gradient_sync(sync or every)
-                with tracker.phase(phases.setdefault(f"F{i}", Phase())), loss_parallel_context(loss_parallel):
-                    out = stage(tokens if first else inputs[i])
-                    loss = cross_entropy(out, tokens) / accum if last else None
-                    if pipe is None:  # meshpar.train drops the logits; a pipeline stage keeps its output
-                        out = None
-                with tracker.phase(phases.setdefault(f"B{i}", Phase())), loss_parallel_context(loss_parallel):
-                    if pipe is None:
-                        loss.backward()
-                    else:  # as the schedule runs it: [Note: one reduce-scatter per step under pipelining]
-                        kwargs = {"stage_output": loss if last else (out,), "output_grads": None if last else
-                                  (grads[i],), "input_values": () if first else (inputs[i],)}
-                        pipe.backward_maybe_with_nosync("full", kwargs, last_backward=sync)
-                        inputs[i].grad = None  # sent to the previous stage
-                del out, loss
-            with tracker.phase(phases.setdefault("sync", Phase())):
-                if pipe is not None:
-                    pipe.perform_reduce_grad(1)
-                if not sharded:
-                    all_reduce_gradients(stage, mesh["dp_replicate"])
-                    if layout.tp > 1:
-                        reduce_partial_grads(stage)
-                extra = [mesh["pp"].get_group()] if n_stages > 1 else []
-                clip_grad_norm_(params, recipe.optim.grad_clip or float("inf"), extra_groups=extra)
+            phase = _priced(tracker, phases)
+            if pipe is not None:
+                model.pipeline = _OneAtATime(pipe, accum, grads, phase)
+            train_step(model, lambda: microbatches, accum, GradSync.of(mesh, p, recipe.optim), device, phase=phase)
     # what a forward leaves alive besides parameters (saved activations, the output, the loss's
     # graph): the price of a microbatch in flight
     activation = phases["F0"].saved

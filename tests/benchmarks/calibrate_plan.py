@@ -4,8 +4,8 @@
 
 Each layout trains the debug Llama (4 blocks, dim 256; vocabulary 8192 so the loss is a real
 part of the peak) on gloo ranks (``tests/distributed.py``) through meshpar's own code: the
-parallelize path (``meshpar.parallelize.build``), the pipeline schedule, ``meshpar.train``'s
-forward/backward and gradient steps, fused AdamW. ``meshpar.profiling.memory.AllocationTracker``
+parallelize path (``meshpar.parallelize.build``), the pipeline schedule, ``meshpar.step.train_step``
+(the step ``meshpar train`` runs), fused AdamW. ``meshpar.profiling.memory.AllocationTracker``
 follows every tensor storage from before the first step; the measured peak is the second
 step's (the steady state: AdamW state exists, FSDP has recorded its prefetch order, the
 pipeline has its receive buffers), the largest over each pipeline stage's ranks. The
@@ -17,7 +17,6 @@ the goal is every layout within 5%.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import torch
@@ -25,8 +24,6 @@ import torch.distributed as dist
 
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
-from meshpar.clip import clip_grad_norm_
-from meshpar.fsdp import FSDPModule
 from meshpar.models import get_family
 from meshpar.optim import build_optimizer
 from meshpar.parallelize import build
@@ -35,9 +32,7 @@ from meshpar.planner import plan
 from meshpar.planner.cli import load_hardware
 from meshpar.preflight import _check_batch
 from meshpar.profiling.memory import AllocationTracker
-from meshpar.replicate import all_reduce_gradients
-from meshpar.tensor_parallel import reduce_partial_grads
-from meshpar.train import Model, _forward_backward, cross_entropy
+from meshpar.step import GradSync, Model, cross_entropy, train_step
 from tests.distributed import run_distributed
 
 BASE = ["--model.size=debug", "--model.vocab_size=8192", "--train.seq_len=256", "--metrics.hardware=cpu",
@@ -105,21 +100,12 @@ def measure_rank(overrides: list[str], steps: int) -> tuple[int, int]:
         pipeline = build_schedule(stages, layout.pp, mesh["pp"], device, p.pp_schedule, accum, cross_entropy,
                                   reduce_every_microbatch=p.grad_reduce == "microbatch")
     model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, layout.tp > 1 and p.loss_parallel)
-    sharded = isinstance(model.stages[0], FSDPModule)
     optimizer = build_optimizer(model.stages, recipe.optim)
     loader = _RandomBatches(accum, t.micro_batch, t.seq_len, args.vocab_size)
-    params = [q for q in model.stages.parameters() if q.requires_grad]
-    pp_groups = [mesh["pp"].get_group()] if layout.pp > 1 else []
+    sync = GradSync.of(mesh, p, recipe.optim)
 
-    def step() -> None:  # meshpar.train._train_loop's step, less metrics
-        _forward_backward(model, loader, accum, device, sharded, every_microbatch=p.grad_reduce == "microbatch")
-        if not sharded:
-            all_reduce_gradients(model.stages, mesh["dp_replicate"])
-            if layout.tp > 1:
-                reduce_partial_grads(model.stages)
-        clip_grad_norm_(params, recipe.optim.grad_clip or math.inf, extra_groups=pp_groups)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def step() -> None:  # meshpar.train's step, without the LR schedule
+        train_step(model, loader.next_step, accum, sync, device, optimizer)
 
     for _ in range(steps - 1):
         step()

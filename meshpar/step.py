@@ -1,0 +1,185 @@
+"""One training step, written once: what ``meshpar train`` runs and ``meshpar plan`` simulates.
+
+    sync = GradSync.of(mesh, recipe.parallel, recipe.optim)
+    done = train_step(model, loader.next_step, accum, sync, device, optimizer, scheduler)
+    done.loss, done.grad_norm, done.lr        # this rank's loss (a tensor: no host sync), the norm, the LR
+
+A flat function, in the order it runs, each phase labelled for the profiler
+(``meshpar::step``, ``data``, ``forward``, ``backward``, ``optimizer``):
+
+    batch -> forward/backward per microbatch, each loss / accum   (or the pipeline schedule's step)
+          -> replicas all-reduce, tensor-parallel partial gradients reduce   (without FSDP)
+          -> clip the gradient norm across every mesh dim (pp groups included)
+          -> optimizer step, LR schedule step, zero_grad
+
+FSDP reduce-scatters during the last microbatch's backward, or every microbatch's with
+``parallel.grad_reduce = "microbatch"``; under pipelining the stage switches sync itself
+([Note: one reduce-scatter per step under pipelining]).
+
+The planner (``meshpar/planner/simulate.py``) runs this same function on fake tensors, so
+the simulated step cannot drift from the real one. It passes what only it needs:
+``phase`` (the default labels phases for the profiler; the planner measures live bytes per
+phase instead), a ``model.pipeline`` that runs the schedule's work one microbatch at a time,
+and no optimizer ([Note: what the simulation leaves to arithmetic]).
+
+[Note: losses do not depend on the layout]
+Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
+is a mean over its tokens divided by the accumulation depth, and gradients are averaged
+over the data-parallel ranks, so the gradient is the mean over the whole global batch for
+any split of it across ranks and microbatches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from meshpar.clip import clip_grad_norm_
+from meshpar.fsdp import FSDPModule
+from meshpar.mesh import Mesh
+from meshpar.profiling.capture import label
+from meshpar.profiling.labels import run_labelled
+from meshpar.recipe import OptimConfig, ParallelConfig
+from meshpar.replicate import all_reduce_gradients
+from meshpar.tensor_parallel import loss_parallel_context, reduce_partial_grads
+
+Microbatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [micro_batch, seq_len]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # logits[B, T, V] targets[B, T] -> mean over B*T tokens, computed in fp32 (fp64 logits, a float64
+    # model's, stay fp64); with loss parallel logits are a DTensor sharded on V and the loss is
+    # computed on the shards
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(x.flatten(0, 1).to(torch.promote_types(x.dtype, torch.float32)), targets.flatten())
+
+    if isinstance(logits, DTensor):  # its all-reduces (max, sum) run on the tp mesh
+        return run_labelled("tp.loss_parallel", "cross_entropy", loss, logits)
+    return loss(logits)
+
+
+def plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under loss parallel it is a replicated DTensor scalar)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+class Schedule(Protocol):
+    """What a step needs of a pipeline: ``meshpar.pipeline.Pipeline`` (or the planner's stand-in)."""
+
+    def step_microbatches(self, microbatches: Sequence[Microbatch]) -> torch.Tensor | None: ...
+
+
+@dataclass
+class Model:
+    """This rank's part of the model: its pipeline stages (one, the whole model, when pp = 1)."""
+
+    stages: torch.nn.ModuleList
+    pipeline: Schedule | None  # the schedule when pp > 1
+    loss_parallel: bool  # logits are vocab-sharded DTensors: the loss runs under loss_parallel
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameter names of the whole model: stages hold disjoint blocks under their global names."""
+        out: dict[str, Any] = {}
+        for stage in self.stages:
+            out.update(stage.state_dict())
+        return out
+
+
+@dataclass(frozen=True)
+class GradSync:
+    """How a step reduces and clips this rank's gradients (from the layout, ``[parallel]``, ``[optim]``)."""
+
+    replicate: DeviceMesh  # mesh["dp_replicate"]: replicas all-reduce when FSDP does not shard
+    tp: bool  # tensor parallel: replicated parameters' partial gradients reduce (FSDP does it itself)
+    every_microbatch: bool  # parallel.grad_reduce = "microbatch": FSDP reduce-scatters after each
+    max_norm: float  # optim.grad_clip; inf when 0 (clipping off: the norm is still measured)
+    pp_groups: list[dist.ProcessGroup] = field(default_factory=list)  # the norm sums over stages
+
+    @classmethod
+    def of(cls, mesh: Mesh, parallel: ParallelConfig, optim: OptimConfig) -> GradSync:
+        return cls(mesh["dp_replicate"], mesh.layout.tp > 1, parallel.grad_reduce == "microbatch",
+                   optim.grad_clip if optim.grad_clip > 0 else math.inf,
+                   [mesh["pp"].get_group()] if mesh.layout.pp > 1 else [])
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's loss (zero on pipeline ranks without the last stage)
+    grad_norm: torch.Tensor  # before clipping, over the whole model
+    lr: float | None  # the learning rate the optimizer stepped with (None without an optimizer)
+
+
+def labelled(name: str, microbatch: int | None = None) -> AbstractContextManager:
+    """The default ``phase``: ``meshpar::<name>`` in a profiler trace."""
+    return label(name)
+
+
+def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], accum: int, sync: GradSync,
+               device: torch.device, optimizer: torch.optim.Optimizer | None = None,
+               scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *,
+               phase: Callable[..., AbstractContextManager] = labelled) -> StepResult:
+    """One optimizer step over the microbatches ``next_batch()`` returns (``accum`` per step;
+    the planner runs fewer, still dividing by ``accum``). ``phase(name, microbatch=None)`` wraps
+    each phase: "step", "data", "forward" and "backward" (with the microbatch index), "optimizer".
+    Without ``optimizer`` the step ends after clipping; ``scheduler`` steps with the optimizer."""
+    with phase("step"):
+        loss_sum = torch.zeros((), device=device)
+        with loss_parallel_context(model.loss_parallel):
+            with phase("data"):
+                microbatches = next_batch()
+            if model.pipeline is not None:  # the schedule runs every microbatch, forward and backward
+                loss = model.pipeline.step_microbatches(microbatches)
+                if loss is not None:
+                    loss_sum = loss_sum + plain(loss)
+            else:
+                stage = model.stages[0]
+                sharded = isinstance(stage, FSDPModule)
+                for i, (inputs, targets) in enumerate(microbatches):
+                    if sharded:  # FSDP reduce-scatters in the last microbatch's backward (or in each)
+                        stage.set_requires_gradient_sync(sync.every_microbatch or i == len(microbatches) - 1)
+                    with phase("data"):
+                        inputs, targets = inputs.to(device), targets.to(device)
+                    with phase("forward", i):
+                        loss = cross_entropy(stage(inputs), targets) / accum
+                    with phase("backward", i):
+                        loss.backward()
+                    loss_sum += plain(loss.detach())
+        with phase("optimizer"):
+            maybe_reduce_replicas(model.stages, sync)
+            params = [q for q in model.stages.parameters() if q.requires_grad]
+            grad_norm = clip_grad_norm_(params, sync.max_norm, extra_groups=sync.pp_groups)
+            lr = maybe_optimizer_step(optimizer, scheduler)
+    return StepResult(loss_sum, grad_norm, lr)
+
+
+def maybe_reduce_replicas(stages: torch.nn.ModuleList, sync: GradSync) -> None:
+    """Without FSDP, average gradients over the replicas and reduce tensor-parallel partial
+    gradients; FSDP units did both in their reduce-scatter."""
+    if isinstance(stages[0], FSDPModule):
+        return
+    all_reduce_gradients(stages, sync.replicate)
+    if sync.tp:
+        reduce_partial_grads(stages)
+
+
+def maybe_optimizer_step(optimizer: torch.optim.Optimizer | None,
+                         scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> float | None:
+    """Step the optimizer (and the LR schedule) and zero the gradients; the LR stepped with.
+    The planner passes no optimizer: [Note: what the simulation leaves to arithmetic]."""
+    if optimizer is None:
+        return None
+    lr = scheduler.get_last_lr()[0] if scheduler is not None else None
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr
