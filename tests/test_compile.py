@@ -2,8 +2,15 @@
 
 Compiling replaces each block's ``forward`` on the instance, so parameter names do not change
 and hooks on ``__call__`` (FSDP's) stay outside the compiled graph. One small model, one step:
-compilation dominates the time (~10 s here). In float64, so inductor's fused kernels, which
-add in other orders than eager's, agree to ~1e-15 and the tolerance is tests/parity.py's 1e-9.
+compilation dominates the time (~10 s here).
+
+In float32, the dtype compile serves, not float64: inductor's float64 CPU code does not
+compile under ATEN_CPU_CAPABILITY=default (``at::vec`` undeclared) and gives NaN under avx2
+(PyTorch 2.13), and .ci/run reruns this test on both paths. The tolerance is derived: one
+forward and backward, no optimizer step (so nothing divides by a gradient's own size), and
+inductor's fused kernels add each reduction (norms, softmax, matmuls over K <= 128) in
+another order than eager's, which bounds the difference by ~K * 2^-24 = 8e-6 relative per
+sum: 1e-5 on the loss, rtol 1e-4 (plus atol 1e-6 for gradients near zero) on the gradients.
 """
 
 import copy
@@ -16,13 +23,11 @@ from meshpar.activation_checkpoint import apply_activation_checkpointing
 from meshpar.models.llama import Transformer
 from meshpar.models.llama.args import ModelArgs
 from meshpar.parallelize import apply_compile
-from tests.parity import TOL, default_dtype
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=32)
 
 
 @pytest.mark.parity
-@default_dtype()
 def test_compiled_blocks_match_eager_with_checkpointing():
     torch.manual_seed(0)
     eager = Transformer(ARGS)
@@ -37,7 +42,6 @@ def test_compiled_blocks_match_eager_with_checkpointing():
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         losses.append(loss.item())
-    assert abs(losses[0] - losses[1]) <= TOL * losses[0]
+    assert abs(losses[0] - losses[1]) <= 1e-5 * losses[0]  # see the module docstring
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
-        assert q.dtype == torch.float64, name
-        torch.testing.assert_close(q.grad, p.grad, rtol=TOL, atol=TOL, msg=name)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
