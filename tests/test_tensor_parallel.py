@@ -13,8 +13,8 @@ each element by about lr whatever its gradient's size, so in float32 elements wh
 is rounding noise differ by ~lr after 5 steps (seen: 7e-5 at lr 1e-3) although the gradients
 agree to 1e-6 of their scale. In float64 that noise is ~1e-13, so the tolerance (1e-9) can
 be tight and still tell a wrong gradient from rounding (tests/parity.py [Note: parity in
-float64]); ``test_parity_catches_planted_bugs`` shows that it does. Sub-cases loop inside one spawned
-job per world size (``JOBS``, a tests/distributed.py ``CaseSet``).
+float64]); ``test_parity_catches_planted_bugs`` shows that it does. Sub-cases loop inside
+one spawned job per world size (``JOBS``, a tests/distributed.py ``CaseSet``).
 """
 
 import dataclasses
