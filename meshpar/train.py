@@ -36,7 +36,7 @@ from meshpar import recipe as recipelib
 from meshpar.checkpoint import Checkpointer, RunState, optimizer_state, param_names
 from meshpar.data import BatchLoader
 from meshpar.hardware import HardwareProfile, load_profile
-from meshpar.metrics import MetricsLogger, Progress, peak_memory_gb
+from meshpar.metrics import MetricsLogger, Progress, peak_memory_gb, print_line
 from meshpar.optim import build_lr_schedule, build_optimizer
 from meshpar.parallelize import build
 from meshpar.pipeline import build_schedule
@@ -142,14 +142,13 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     ckpt = _checkpointer(recipe, checked, mesh, info, output_dir)
     start_step = _restore(recipe, checked, ckpt, run, info)
 
-    progress_on = {"on": True, "off": False, "auto": sys.stderr.isatty()}[recipe.metrics.progress]
-    progress = Progress(t.steps, enabled=progress_on and info.is_rank0)
-    progress.update(start_step)
-    metrics = MetricsLogger(output_dir, enabled=info.is_rank0, progress=progress, start_step=start_step,
-                            tensorboard=recipe.metrics.tensorboard)
     if info.is_rank0:
         print(f"meshpar: {n_params:,} parameters, {args.flops_per_token(t.seq_len) / 1e6:,.1f} MFLOP/token, "
               f"MFU against {profile.name}", flush=True)
+    progress_on = {"on": True, "off": False, "auto": sys.stderr.isatty()}[recipe.metrics.progress]
+    progress = Progress(t.steps, enabled=progress_on and info.is_rank0, initial=start_step)
+    metrics = MetricsLogger(output_dir, enabled=info.is_rank0, progress=progress, start_step=start_step,
+                            tensorboard=recipe.metrics.tensorboard)
     flops_per_token = args.flops_per_token(t.seq_len)
     n_devices = info.world_size if device.type == "cuda" else info.world_size // info.local_world_size
     peak = profile.peak_flops(getattr(torch, recipe.parallel.param_dtype)) * n_devices
@@ -210,7 +209,7 @@ def _checkpointer(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, info: 
                                     "model_args": dataclasses.asdict(checked.args),
                                     "layout": dataclasses.asdict(mesh.layout)}))
     return Checkpointer(c, root, rank=info.rank, world_size=info.world_size, info=record,
-                        recipe_toml=recipelib.dumps(recipe), log=lambda line: print(f"meshpar: {line}", flush=True))
+                        recipe_toml=recipelib.dumps(recipe), log=lambda line: print_line(f"meshpar: {line}"))
 
 
 def _restore(recipe: Recipe, checked: Preflight, ckpt: Checkpointer | None, run: RunState, info: RankInfo) -> int:

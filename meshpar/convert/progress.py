@@ -1,13 +1,10 @@
-"""What a conversion reports while it runs: a byte-counting progress bar and its peak memory
-([Note: measuring peak memory])."""
+"""What a conversion reports about itself: its peak memory ([Note: measuring peak memory]) and
+sizes in bytes for people (its progress bar is ``meshpar.metrics.Progress``, counting bytes)."""
 
 from __future__ import annotations
 
 import resource
-import time
 from pathlib import Path
-
-from meshpar.metrics import Progress
 
 # [Note: measuring peak memory]
 # Summary.peak_bytes is the kernel's RSS high-water mark (VmHWM) during the conversion minus
@@ -48,17 +45,3 @@ def _human(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1000
     raise AssertionError
-
-
-class _Bar(Progress):
-    """meshpar.metrics.Progress counting bytes instead of steps."""
-
-    def update(self, done: int) -> None:
-        self.done = done
-        if self.enabled:
-            elapsed = time.perf_counter() - self.start
-            eta = elapsed / max(done, 1) * (self.total - done)
-            filled = self.width * done // max(self.total, 1)
-            self.stream.write(f"\r\033[K[{'#' * filled}{'.' * (self.width - filled)}] {_human(done)} / "
-                              f"{_human(self.total)}  {elapsed:,.0f}s elapsed  eta {eta:,.0f}s")
-            self.stream.flush()

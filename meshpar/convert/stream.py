@@ -18,9 +18,10 @@ from meshpar.convert.dcp import DCPSink, DCPSource
 from meshpar.convert.files import _bytes_view, _complete, _steps
 from meshpar.convert.hf import HFSink, HFSource
 from meshpar.convert.layout import parse_layout
-from meshpar.convert.progress import _Bar, _human, _PeakMemory
+from meshpar.convert.progress import _human, _PeakMemory
 from meshpar.convert.spec import ConvertError, check_model_tensors
 from meshpar.convert.torch_file import TorchSink, TorchSource
+from meshpar.metrics import Progress
 
 TARGETS = ("hf", "torch", "dcp")
 
@@ -152,7 +153,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: 
     memory, start = _PeakMemory(), time.perf_counter()
     keys = sink.select(source.tensors)
     sizes = {k: math.prod(source.tensors[k][0]) * source.tensors[k][1].itemsize for k in keys}
-    bar = _Bar(sum(sizes.values()), enabled=progress and sys.stderr.isatty())
+    bar = Progress(sum(sizes.values()), enabled=progress and sys.stderr.isatty(), unit="B")
     expected, blobs, done = {}, {}, 0
     for key in keys:
         tensor = source.read(key)
