@@ -201,7 +201,7 @@ def assert_parity(model: nn.Module, ref: nn.Module, run: Run, *, rtol: float = T
     """The loss at every step and every gathered parameter match the reference (float64: 1e-9)."""
     full = gather_params(model)
     ref_params = {name: p.detach() for name, p in ref.named_parameters()}
-    assert full.keys() == ref_params.keys()
+    assert full.keys() == ref_params.keys() and full, sorted(full)
     got, want = zip(*run.losses, strict=True)
     assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=rtol,
                  atol=atol, msg=lambda m: f"losses per step {got} vs reference {want}: {m}")

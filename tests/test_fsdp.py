@@ -120,6 +120,7 @@ def _eq(got, want, what: str) -> None:
 
 def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = 0.0) -> None:
     assert got.keys() == want.keys(), (what, sorted(got), sorted(want))
+    assert want, f"{what}: nothing to compare"
     for key, t in want.items():
         assert_close(got[key], t, rtol=tol, atol=tol, msg=lambda m, key=key: f"{what}, {key}: {m}")
 

@@ -277,6 +277,7 @@ def _case_fsdp(name: str, virtual: int, reshard_after_forward: bool) -> Callable
 
         out = _train(name, mesh["pp"], virtual, dp_mesh=dp, max_norm=CLIP, shard=shard)
         _assert_parity(out, CLIP, dp=dp.size())
+        assert len(out["counts"]) == STEPS, out["counts"]
         for step, c in enumerate(out["counts"]):
             got = c.calls[("reduce_scatter", "dp_shard")]
             assert got == sum(units), f"step {step}: {got} reduce-scatters for {sum(units)} FSDP units"

@@ -212,6 +212,7 @@ def test_planned_peak_is_a_real_steps(layout):
     for stage, peak in MEASURED.check(layout, world):
         measured[stage] = max(measured.get(stage, 0), peak)
     planned = calibrate_plan.predict(overrides, world)
+    assert measured.keys() == planned.keys(), (measured, planned)
     for stage, peak in measured.items():
         assert planned[stage] == pytest.approx(peak, rel=0.01), (stage, planned[stage], peak)
 

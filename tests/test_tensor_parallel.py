@@ -211,6 +211,7 @@ def _assert_parity(results: dict) -> None:
         assert names == ref_names, key  # parameter names unchanged by TP / FSDP
         assert r["tied"] == r["ref_tied"], key  # a tied embedding stays one Parameter
         assert r["init_diff"] == 0.0, key  # layout-independent init: bit-identical start
+        assert len(r["losses"]) == STEPS, (key, r["losses"])
         for step, (loss, ref_loss) in enumerate(r["losses"]):
             assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (key, step, loss, ref_loss)
         worst = max(r["grad_errs"].items(), key=lambda kv: kv[1])
