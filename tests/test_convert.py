@@ -97,7 +97,7 @@ def read_all(path: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
+    assert sorted(got) == sorted(want) and want, sorted(got)
     for k, v in want.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k  # bit-identical
 
@@ -148,6 +148,7 @@ def test_rechunk_for_a_layout_then_hf_is_identical(ckpts, tmp_path, family):
     assert_identical(read_all(tmp_path / "re"), flat(state))
     assert sorted(out.byte_keys) == ["data.consumed", "lr_schedule.last_epoch", "train.step"]
     spec = cv.ModelSpec(family, model_args(family))
+    assert any(k.startswith("model.") for k in out.tensors), sorted(out.tensors)
     for key, chunks in ((k, out.chunks(k)) for k in out.tensors if k.startswith("model.")):
         placement = spec.tp_placement(key[6:])
         # dp 2 x tp 2 boxes; GPT-2's fused q|k|v: rank t's [q_t | k_t | v_t], halved by dp, is 2 runs each
@@ -161,7 +162,9 @@ def test_rechunk_for_a_layout_then_hf_is_identical(ckpts, tmp_path, family):
         assert out.metadata.storage_data[cv.MetadataIndex(name, c.offsets)].relative_path == f"__{rank}_0.distcp"
     cv.convert(tmp_path / "re", tmp_path / "hf2", "hf", progress=False)
     cv.convert(src, tmp_path / "hf1", "hf", progress=False)
-    for f in (tmp_path / "hf1").glob("*.safetensors"):
+    files = sorted((tmp_path / "hf1").glob("*.safetensors"))
+    assert files and [f.name for f in files] == sorted(f.name for f in (tmp_path / "hf2").glob("*.safetensors"))
+    for f in files:
         assert f.read_bytes() == (tmp_path / "hf2" / f.name).read_bytes()  # the same files, byte for byte
 
 
@@ -442,6 +445,7 @@ def test_converted_checkpoint_has_per_chunk_crcs_that_loads_check(ckpts, tmp_pat
     items = dcp.FileSystemReader(out).read_metadata().storage_data.values()
     assert sorted(crcs) == sorted(crc_key(i.relative_path, i.offset, i.length) for i in items)
     assert {f.name for f in (out / "crc").iterdir()} == {"0.json", "1.json"}
+    assert crcs, "no checksums written"
     for i in items:
         assert crcs[crc_key(i.relative_path, i.offset, i.length)] == _crc_of_range(out / i.relative_path, i.offset,
                                                                                    i.length)
