@@ -1,12 +1,16 @@
 """meshpar.comm's gloo reduce-scatter: rows exchanged with all-to-all, summed locally in rank
 order, with this rank's own row never buffered or sent; bytes counted as a ring would move."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from meshpar import comm
-from tests.distributed import run_distributed
+from tests.distributed import CaseSet
+
+PER_RANK, COLS = 10, (3, 4)  # the last 3 columns zeroed, as padding is
 
 
 def _rows(world: int, per_rank: int) -> torch.Tensor:
@@ -32,10 +36,19 @@ def _reduce_scatter_case(per_rank: int, cols: tuple[int, ...]) -> dict:
                 exchange=buffer.exchange, calls=dict(c.calls), bytes=dict(c.bytes))
 
 
-@pytest.mark.parametrize("world", [2, 3])
+def _send_shape() -> tuple[int, int]:
+    buffer = comm.ReduceScatterInput(5, dist.group.WORLD, dtype=torch.float32, device=torch.device("cpu"))
+    return tuple(buffer.send.shape)
+
+
+JOBS = CaseSet({"reduce_scatter": (functools.partial(_reduce_scatter_case, PER_RANK, COLS), (2, 3)),
+                "send_shape": (_send_shape, 3)}, timeout=60)
+
+
+@pytest.mark.parametrize("world", JOBS.worlds("reduce_scatter"))
 def test_reduce_scatter_rows_sums_in_rank_order(world):
-    per_rank, cols = 10, (3, 4)  # the last 3 columns zeroed, as padding is
-    results = run_distributed(_reduce_scatter_case, world, per_rank, cols, timeout=60)
+    per_rank, cols = PER_RANK, COLS
+    results = JOBS.check("reduce_scatter", world)
     inputs = _rows(world, per_rank)
     inputs[:, :, sum(cols):] = 0
     for rank, r in enumerate(results):
@@ -52,10 +65,4 @@ def test_reduce_scatter_rows_sums_in_rank_order(world):
 
 def test_reduce_scatter_buffers_hold_n_minus_1_rows():
     """Only peers' rows are buffered for sending (the own row goes straight into the output)."""
-    results = run_distributed(_send_shape, 3, timeout=60)
-    assert results == [(2, 5)] * 3
-
-
-def _send_shape() -> tuple[int, int]:
-    buffer = comm.ReduceScatterInput(5, dist.group.WORLD, dtype=torch.float32, device=torch.device("cpu"))
-    return tuple(buffer.send.shape)
+    assert JOBS.check("send_shape", 3) == [(2, 5)] * 3
