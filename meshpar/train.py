@@ -125,7 +125,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
               f"({output_dir / 'recipe.toml'}) ---\n{resolved}---", flush=True)
 
     # layout-independent values (meshpar.models.init): every layout starts from the same model
-    stages = build(family.model_cls, args, family.parallelize, mesh, recipe.parallel, device, t.seed)
+    stages = build(family.model_cls, args, family.tp_plan, mesh, recipe.parallel, device, t.seed)
     p = recipe.parallel
     loss_parallel = mesh.layout.tp > 1 and p.loss_parallel
     pipeline = None

@@ -38,12 +38,6 @@ class Family:
     check_layout: Callable[[Any, Any], None]  # (args, Layout) -> RecipeError: tp must divide the dims it shards
     mesh_dims: frozenset[str]  # parallel dims that may be > 1
 
-    @property
-    def parallelize(self) -> TPPlan:
-        """Deprecated spelling of ``tp_plan``, for ``parallelize.build(family.model_cls, args,
-        family.parallelize, ...)`` callers written when it was the family's parallelize function."""
-        return self.tp_plan
-
     def model_args(self, cfg: ModelConfig) -> Any:
         """The named size's args with the recipe's overrides (n_layers, vocab_size) applied."""
         if cfg.size not in self.sizes:

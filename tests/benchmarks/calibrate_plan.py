@@ -94,7 +94,7 @@ def measure_rank(overrides: list[str], steps: int) -> tuple[int, int]:
     args = family.model_args(recipe.model)
     mesh = meshlib.build(layout, "cpu")
     device = torch.device("cpu")
-    stages = build(family.model_cls, args, family.parallelize, mesh, p, device, t.seed)
+    stages = build(family.model_cls, args, family.tp_plan, mesh, p, device, t.seed)
     pipeline = None
     if layout.pp > 1:
         pipeline = build_schedule(stages, layout.pp, mesh["pp"], device, p.pp_schedule, accum, cross_entropy,
