@@ -434,7 +434,7 @@ def test_converted_checkpoint_has_per_chunk_crcs_that_loads_check(ckpts, tmp_pat
     """``meshpar convert`` writes crc/<rank>.json as training's saver does: one CRC-32 per chunk,
     equal to the bytes on disk, so a flipped byte in a converted checkpoint fails its load."""
     from meshpar.checkpoint.checkpointer import _find_checkpoint_error
-    from meshpar.checkpoint.format import CheckpointError, _CheckedLoadPlanner, _crc_of_range, crc_key
+    from meshpar.checkpoint.format import CheckpointError, _CheckedLoadPlanner, crc_key, crc_of_range
 
     src, _ = ckpts["llama"]
     out = tmp_path / "re"
@@ -447,7 +447,7 @@ def test_converted_checkpoint_has_per_chunk_crcs_that_loads_check(ckpts, tmp_pat
     assert {f.name for f in (out / "crc").iterdir()} == {"0.json", "1.json"}
     assert crcs, "no checksums written"
     for i in items:
-        assert crcs[crc_key(i.relative_path, i.offset, i.length)] == _crc_of_range(out / i.relative_path, i.offset,
+        assert crcs[crc_key(i.relative_path, i.offset, i.length)] == crc_of_range(out / i.relative_path, i.offset,
                                                                                    i.length)
     fqn = "model.layers.0.attention.wq.weight"
     info = next(v for k, v in dcp.FileSystemReader(out).read_metadata().storage_data.items() if k.fqn == fqn)

@@ -119,7 +119,7 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 # --- per-chunk checksums ([Note: corrupt and truncated files]) -------------------------------------------
-def _crc_of_range(path: Path, offset: int, length: int, block: int = 1 << 24) -> int | None:
+def crc_of_range(path: Path, offset: int, length: int, block: int = 1 << 22) -> int | None:
     """CRC-32 of ``length`` bytes at ``offset``; None when the file is shorter than that."""
     crc = 0
     with open(path, "rb") as f:
@@ -162,7 +162,7 @@ class _Writer(FileSystemWriter):
         crcs = {}
         for r in results:
             info = r.storage_data
-            crcs[crc_key(info.relative_path, info.offset, info.length)] = _crc_of_range(
+            crcs[crc_key(info.relative_path, info.offset, info.length)] = crc_of_range(
                 root / info.relative_path, info.offset, info.length)
         write_crcs(root, self.rank, crcs)
         return future
@@ -220,7 +220,7 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
             where = f"checkpoint {self.path}: file {info.relative_path} (tensor {item.storage_index.fqn})"
             if not file.is_file():
                 raise CheckpointError(f"{where} is missing; the checkpoint is damaged: load an earlier one")
-            got = _crc_of_range(file, info.offset, info.length)
+            got = crc_of_range(file, info.offset, info.length)
             if got is None:
                 raise CheckpointError(f"{where} is truncated: it has {file.stat().st_size} bytes, the chunk "
                                       f"ends at byte {info.offset + info.length}; load an earlier checkpoint")

@@ -8,7 +8,6 @@ import io
 import json
 import math
 import shutil
-import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 
 from meshpar.checkpoint.atomic import fsync, write_atomic
-from meshpar.checkpoint.format import crc_key, write_crcs
+from meshpar.checkpoint.format import crc_key, crc_of_range, write_crcs
 from meshpar.convert.files import _fresh, _now, _read_json
 from meshpar.convert.layout import layout_chunks
 from meshpar.convert.spec import ConvertError, ModelSpec, spec_from_info
@@ -157,15 +156,15 @@ class DCPSink:
     def _append(self, ranks: Sequence[int], index: MetadataIndex, data: Tensor | bytes) -> None:
         rank = min(ranks, key=self.load.__getitem__)
         name = f"__{rank}_0.distcp"
-        if isinstance(data, Tensor):  # serialized first for its CRC: one tensor (chunk) at a time
-            buf = io.BytesIO()
-            torch.save(data, buf)
-            data = buf.getbuffer()
         with open(self.path / name, "ab") as f:  # opened per item: a 1024-rank layout needs no 1024 handles
             offset = f.tell()
-            f.write(data)
-        length = len(data)
-        self.crcs[rank][crc_key(name, offset, length)] = zlib.crc32(data)
+            if isinstance(data, Tensor):
+                torch.save(data, f)
+            else:
+                f.write(data)
+            length = f.tell() - offset
+        # read back (from the page cache) as training's saver does: no second copy of the chunk in memory
+        self.crcs[rank][crc_key(name, offset, length)] = crc_of_range(self.path / name, offset, length)
         self.load[rank] += length
         self.results.append(WriteResult(index=index, size_in_bytes=length,
                                         storage_data=_StorageInfo(name, offset, length)))
