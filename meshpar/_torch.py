@@ -53,7 +53,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 __all__ = [
     "REQUIRED", "CUDA_ONLY", "StridedShard", "tree_flatten", "tree_leaves", "tree_map", "flatten_mesh",
     "unflatten_mesh", "concatenate_meshes", "local_tensor", "module_parameters", "forward_hook_dicts",
-    "queue_backward_callback", "preserve_version_counter", "c10d_functional_ops", "attention_ops",
+    "queue_backward_callback", "post_accumulate_grad_hooks", "preserve_version_counter", "c10d_functional_ops",
+    "attention_ops",
     "profiler_enabled", "record_function_enter", "record_function_exit", "record_cuda_memory_history",
     "dump_cuda_memory_snapshot", "attach_cuda_oom_observer", "schedule_p2p", "set_schedule_p2p",
     "clear_dtensor_caches", "resolve",
@@ -114,6 +115,14 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     last reduce-scatters, reshard). Public alternative: none in 2.13 (a hook on the root's inputs
     misses parameters whose gradients land later)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list[Callable[[torch.Tensor], None]]:
+    """The hooks ``register_post_accumulate_grad_hook`` put on ``tensor``. FSDP assigns a sharded
+    parameter's gradient itself (autograd only ever sees the unsharded one), so it runs them, as
+    autograd would: an optimizer stepped in backward. Public alternative: none."""
+    hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
 
 
 def preserve_version_counter(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -279,6 +288,8 @@ REQUIRED: dict[str, str] = {
         "meshpar's tensor-parallel styles: vocab-parallel embedding, fused and replicated parallel",
     "torch.autograd.Variable._execution_engine": "FSDP's end-of-backward callback (fsdp/state.py)",
     "torch.autograd._unsafe_preserve_version_counter": "FSDP's all-gather copy-out (fsdp/param_group.py)",
+    "torch.nn.Parameter()._post_accumulate_grad_hooks":
+        "optimizer-in-backward hooks on fully-sharded parameters (fsdp/sharded_param.py)",
     "torch.ops._c10d_functional.reduce_scatter_tensor.default":
         "selective activation checkpointing keeps tensor-parallel reduce-scatters",
     "torch.ops.aten._scaled_dot_product_flash_attention.default": "selective activation checkpointing",

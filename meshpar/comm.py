@@ -41,8 +41,9 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,11 +135,14 @@ def _is_gloo(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, dim: str,
-               async_op: bool = False) -> Work:
-    """``output[N * n] <- concat over ranks of input[n]`` along dim 0."""
+               async_op: bool = False, custom: Callable | None = None) -> Work:
+    """``output[N * n] <- concat over ranks of input[n]`` along dim 0. ``custom``: a user's
+    all-gather (``FSDPModule.set_custom_all_gather``), called as PyTorch's engine calls it."""
     n = dist.get_world_size(group)
     _record("all_gather", dim, output.numel() * output.element_size() * (n - 1) / n)
     with record_function(f"meshpar::comm.all_gather[{dim}]"):
+        if custom is not None:
+            return Work(custom(output_tensor=output, input_tensor=input, group=group, async_op=async_op))
         if n == 1:
             output.copy_(input)
             return Work(None)
@@ -155,19 +159,28 @@ class ReduceScatterInput:
     ``reduce_scatter_rows``; the summed chunk lands in ``output``.
     """
 
-    def __init__(self, per_rank: int, group: dist.ProcessGroup, *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, per_rank: int, group: dist.ProcessGroup, *, dtype: torch.dtype, device: torch.device,
+                 custom: Any = None):
+        """``custom``: a user's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``); it allocates
+        both buffers and gets the plain ``[n, per_rank]`` layout."""
         self.n, self.rank, self.per_rank = dist.get_world_size(group), dist.get_rank(group), per_rank
-        self.exchange = self.n > 1 and (dist.get_backend(group) == "gloo" or torch.device(device).type == "cpu")
+        self.custom = custom
+        self.exchange = custom is None and self.n > 1 and (dist.get_backend(group) == "gloo"
+                                                           or torch.device(device).type == "cpu")
         rows = self.n - 1 if self.exchange else self.n
         with comm_buffers():
-            self.output = torch.empty(per_rank, dtype=dtype, device=device)
-            self.send = torch.empty(rows, per_rank, dtype=dtype, device=device) if self.n > 1 else None
+            if custom is not None:
+                self.output = custom.allocate((per_rank,), dtype=dtype, device=device)
+                self.send = custom.allocate((rows * per_rank,), dtype=dtype, device=device).view(rows, per_rank)
+            else:
+                self.output = torch.empty(per_rank, dtype=dtype, device=device)
+                self.send = torch.empty(rows, per_rank, dtype=dtype, device=device) if self.n > 1 else None
 
     @torch.no_grad()
     def copy_rows(self, offset: int, rows: torch.Tensor) -> None:
         """Columns ``offset : offset + k`` of every row, from ``rows`` (``[n, k]``)."""
         k = rows.shape[1]
-        if self.n == 1:
+        if self.n == 1 and self.custom is None:
             self.output[offset:offset + k].copy_(rows[0])
         elif not self.exchange:
             self.send[:, offset:offset + k].copy_(rows)
@@ -196,6 +209,9 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
     n = input.n
     _record("reduce_scatter", dim, input.nbytes * (n - 1) / n)
     with record_function(f"meshpar::comm.reduce_scatter[{dim}]"):
+        if input.custom is not None:
+            return Work(input.custom(output_tensor=input.output, input_tensor=input.send.view(-1), group=group,
+                                     op=dist.ReduceOp.SUM, async_op=async_op))
         if n == 1:
             return Work(None)
         if not input.exchange:

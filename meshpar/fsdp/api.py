@@ -6,27 +6,52 @@
 
 ``fully_shard`` changes the module's class to also derive from ``FSDPModule`` (no wrapper;
 parameter names unchanged) and replaces each managed parameter with an
-``nn.Parameter(DTensor)`` sharded on dim 0 over ``mesh`` (1-D), or over the second dim of
-a 2-D ``(replicate, shard)`` mesh (hybrid). Names and meanings follow PyTorch's
-``fully_shard`` so switching engines is one import; layers: api (here) -> hook state
-(state.py) -> parameter group (param_group.py) -> sharded parameter (sharded_param.py)
--> collectives (meshpar/comm.py).
+``nn.Parameter(DTensor)`` sharded on dim 0 (or the dim ``shard_placement_fn`` picks) over
+``mesh`` (1-D), or over the second dim of a 2-D ``(replicate, shard)`` mesh (hybrid).
+
+The API is torch 2.13's ``torch.distributed.fsdp`` FSDP2 API, name for name and signature
+for signature (tests/test_fsdp_api.py checks it; tests/test_fsdp_compat.py runs the same
+scripts under both engines), so switching engines is one import. Where meshpar differs,
+the README's FSDP section says so. Layers: api (here) -> hook state (state.py) -> parameter
+group (param_group.py) -> sharded parameter (sharded_param.py) -> collectives (meshpar/comm.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from meshpar._torch import module_parameters, unflatten_mesh
 from meshpar.fsdp.param_group import ParamGroup
-from meshpar.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from meshpar.fsdp.policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ShardedParam
-from meshpar.fsdp.state import FSDPState
+from meshpar.fsdp.state import CommContext, FSDPState
+
+
+class UnshardHandle:
+    """A handle on an ``FSDPModule.unshard(async_op=True)``: ``wait()`` completes it (forward waits
+    for it anyway, so waiting is needed only to use the parameters before the forward)."""
+
+    def wait(self) -> None:
+        return
+
+
+class _GroupsUnshardHandle(UnshardHandle):
+    def __init__(self, groups: list[ParamGroup]):
+        self._groups: list[ParamGroup] | None = groups
+
+    def wait(self) -> None:
+        for group in self._groups or ():
+            group.wait_for_gather()
+        self._groups = None  # hold no reference once done
 
 
 class FSDPModule:
@@ -34,55 +59,208 @@ class FSDPModule:
 
     _fsdp_state: FSDPState
 
-    def _states(self, recurse: bool) -> list[FSDPState]:
-        modules = self.modules() if recurse else [self]
-        return [m._fsdp_state for m in modules if isinstance(m, FSDPModule)]
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # ``type(fsdp_module)(...)`` (e.g. indexing into a sharded container) builds the original class
+        orig = next(c for c in cls.__mro__[1:] if c is not FSDPModule and not issubclass(c, FSDPModule))
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
 
-    def unshard(self, async_op: bool = False) -> None:
-        """All-gather this unit's parameters now (``async_op``: start it; forward waits for it)."""
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.unshard(async_op=async_op)
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        modules = self.modules() if recurse else [self]
+        states = {id(m._fsdp_state): m._fsdp_state for m in modules if isinstance(m, FSDPModule)}
+        return [s.group for s in states.values() if s.group is not None]
+
+    # --- unshard / reshard ---------------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters now (not recursive). ``async_op``: start it and return
+        an ``UnshardHandle``; forward waits for it, or call ``wait()`` to use them before."""
+        groups = self._groups(recurse=False)
+        for group in groups:
+            group.unshard(async_op=async_op)
+        if async_op:
+            return _GroupsUnshardHandle(groups)
+        return None
 
     def reshard(self) -> None:
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.reshard()
+        """Free this unit's unsharded parameters and register the sharded ones (not recursive)."""
+        for group in self._groups(recurse=False):
+            group.reshard()
 
+    def reset_iter_state(self) -> None:
+        """After a forward or backward that raised: on the root, drop the failed iteration's state
+        (its gradients not yet reduced, accumulation without sync, HSDP partial sums), reshard
+        every unit, and let the next iteration run normally."""
+        self._fsdp_state.reset_iteration()
+
+    # --- gradient accumulation -----------------------------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward keeps unsharded gradients (no reduce-scatter) until a step with True."""
-        for state in self._states(recurse):
-            if state.group is not None:
-                state.group.requires_gradient_sync = requires_gradient_sync
+        """False: backward keeps unsharded gradients (no reduce-scatter, nor HSDP all-reduce) until a
+        backward with True; they accumulate in ``reduce_dtype``."""
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
+            group.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP, False: reduce-scatter each backward but all-reduce across replicas only on a later
+        backward with True (the reduce-scatter outputs are summed meanwhile)."""
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for pipeline schedules and microbatching code. meshpar ends every backward with
+        its reductions complete and its gradients written, which is what PyTorch's engine does only
+        on the last one, so the flag changes no result (README: FSDP API)."""
+        self._fsdp_state.last_backward = is_last_backward
 
     def reduce_grads(self) -> None:
         """Reduce now the gradients this unit holds unsharded (accumulated over no-sync
         microbatches, or written outside its hooks, e.g. by ``torch.autograd.grad`` in a
         zero-bubble weight pass), wait, add them to the sharded ``.grad`` and reshard if
-        ``reshard_after_backward``. A no-op with nothing pending. Call with gradient sync on."""
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.finish_backward()
+        ``reshard_after_backward``. A no-op with nothing pending. Call with gradient sync on.
+        (meshpar's addition; not in PyTorch's API.)"""
+        for group in self._groups(recurse=False):
+            group.finish_backward()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` at runtime (True on the root, or False for evaluation)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}; "
+                             f"an int is accepted by fully_shard only")
+        for state in self._states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+            if state.group is not None:
+                state.group.post_forward = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        for state in self._states(recurse):
-            if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+        """False: keep the unsharded parameters after backward (no all-gather before the next
+        microbatch's forward, at their memory's cost)."""
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward does not all-gather this unit (its parameters are not needed for its
+        gradients, e.g. an embedding's)."""
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: a trainable parameter that got no gradient in a backward gets a zero gradient (so
+        every rank's optimizer steps it). meshpar's reduce-scatter always holds a row for it, so
+        ranks that used different parameters never mismatch either way."""
+        for group in self._groups(recurse):
+            group.reduce_unused = reduce_scatter_unused_params
+
+    # --- prefetching -----------------------------------------------------------------------------------
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these units (asynchronously) right after this one's all-gather in forward."""
         self._fsdp_state.forward_prefetch = [_state_of(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these units right after this one's all-gather in backward (default: the unit
+        before this one in forward order)."""
         self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
 
+    # --- reductions ------------------------------------------------------------------------------------
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
-        for state in self._states(recurse=True):
-            if state.group is not None:
-                state.group.divide_factor = factor
+        for group in self._groups(recurse=True):
+            group.divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in PyTorch: ``set_gradient_divide_factor``."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """meshpar's collectives always sum and divide after (no AVG or pre-multiplied sum), which is
+        what this asks for; accepted with either value (README: FSDP API)."""
+        for group in self._groups(recurse=False):
+            group.force_sum = enable
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook(output)`` on this unit's reduced gradient (the reduce-scatter output, or the
+        all-reduce output under HSDP), divided, before it is written to ``.grad``; ``hook`` may
+        change it in place (e.g. all-reduce it over another group). ``stream``: a CUDA stream to
+        run it on (not with HSDP)."""
+        for group in self._groups(recurse=False):
+            if stream is not None and group.mesh_info.replicate_dim is not None:
+                raise ValueError("set_all_reduce_hook: stream cannot be set under HSDP (the hook runs after "
+                                 "the replicas' all-reduce); pass stream=None")
+            group.all_reduce_hook = (hook, stream)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Reductions this unit may keep in flight before the next one waits for the oldest
+        (default 1: [Note: one reduction in flight]); more overlap, more memory."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for group in self._groups(recurse):
+            group.max_in_flight = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Reduce-scatter on a process group of its own over the same ranks, so it can run beside
+        the all-gathers (a collective over those ranks: call it on every one of them)."""
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for group in self._groups(recurse):
+            if not enable:
+                group.reduce_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(group.mesh_info.shard_group))
+            if ranks not in made:
+                made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            group.reduce_group = made[ranks]
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Use ``comm`` (PyTorch's ``AllGather`` interface: ``allocate(size, *, dtype, device)`` and
+        ``comm(output_tensor, input_tensor, group, async_op)``) for this unit's all-gathers."""
+        for group in self._groups(recurse=False):
+            group.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Use ``comm`` (PyTorch's ``ReduceScatter`` interface: ``allocate`` and ``comm(output_tensor,
+        input_tensor, group, op, async_op)``) for this unit's reduce-scatters."""
+        for group in self._groups(recurse=False):
+            group.custom_reduce_scatter = comm
+
+    # --- GPU-side features --------------------------------------------------------------------------
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The root's next all-gathers wait for ``event`` (recorded after the optimizer step) instead
+        of for everything queued before; pass a new event each iteration."""
+        self._fsdp_state.post_optim_event = event
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not available: meshpar allocates communication buffers from the ordinary caching allocator
+        (NCCL's zero-copy pools over NVLink SHARP are a GPU feature it does not use). False is
+        accepted (it is the default)."""
+        if enable:
+            raise NotImplementedError(
+                "set_allocate_memory_from_process_group_for_comm(True): meshpar does not allocate "
+                "communication buffers from the process group's allocator (an NCCL feature for zero-copy "
+                "transfers); its buffers come from the caching allocator. Leave it False.")
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Not available: symmetric-memory all-gathers are an NCCL GPU feature meshpar does not use."""
+        raise NotImplementedError(
+            f"set_symm_mem_for_comm({backend!r}): meshpar's all-gathers do not use symmetric memory (an NCCL "
+            f"copy-engine / symmetric-kernel GPU feature); drop the call, or use PyTorch's fully_shard for it.")
+
+    # --- helpers ---------------------------------------------------------------------------------------
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        modules = self.modules() if recurse else [self]
+        states = {id(m._fsdp_state): m._fsdp_state for m in modules if isinstance(m, FSDPModule)}
+        return list(states.values())
 
     def _apply(self, fn, recurse: bool = True):
-        # to_empty / .to replace our sharded Parameters; adopt the new ones (and keep ties).
+        # .to(dtype) / .to(device) / to_empty replace our sharded Parameters: reshard first (so the
+        # sharded ones are registered and converted), then adopt the new ones (and keep ties)
+        for group in self._groups(recurse=False):
+            group.reshard()
         result = super()._apply(fn, recurse)
-        if self._fsdp_state.group is not None:
-            for p in self._fsdp_state.group.all_params:
+        for group in self._groups(recurse=False):
+            for p in group.all_params:
                 p.refresh_after_apply()
         return result
 
@@ -93,10 +271,61 @@ def _state_of(module: nn.Module) -> FSDPState:
     return module._fsdp_state
 
 
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (a method other than ``forward`` that uses the parameters, e.g.
+    ``generate``) unshard before it runs and reshard after, as ``forward`` does. A no-op on a
+    module that is not fully sharded, so the same code runs with and without FSDP."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register as a forward method")
+    method = getattr(module, method_name)
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots (the model chunks of one pipeline stage) share their communication state:
+    in meshpar, one bound on the reductions in flight across all of them."""
+    if not modules:
+        return
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx takes fully_shard-ed modules; got {type(m).__name__}")
+    ctx = modules[0]._fsdp_state.comm_ctx or CommContext()
+    for m in modules:
+        state = m._fsdp_state
+        state.comm_ctx = ctx
+        if state.iteration is not None:  # already ran: switch the live iteration's queue too
+            state.iteration.comm_ctx = ctx
+            for s in state.iteration.states:
+                if s.group is not None:
+                    s.group.reduce_queue = ctx.reduce_queue
+
+
 _CLASSES: dict[type, type] = {}
 
 
-def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise ValueError("fully_shard without mesh= needs an initialized default process group "
+                         "(torch.distributed.init_process_group), or pass mesh=init_device_mesh(...)")
+    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None) -> MeshInfo:
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...): parameters that are DTensors on the full SPMD mesh are not supported "
+            "by meshpar yet; pass the data-parallel sub-mesh as mesh= (e.g. mesh['dp_shard'], or "
+            "mesh['dp_replicate', 'dp_shard'] for HSDP) and apply tensor parallelism on the tp sub-mesh.")
     if mesh.ndim == 1:
         return MeshInfo(mesh, shard_dim=0, replicate_dim=None)
     if mesh.ndim == 2:
@@ -108,55 +337,103 @@ def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
                      f"{mesh.mesh_dim_names}")
 
 
-def _managed(module: nn.Module, ignored: set[int]) -> tuple[dict[int, list[tuple[nn.Module, str]]], set[int]]:
-    """Parameters of ``module`` not owned by a nested unit: id -> every (module, attr) holding it."""
+def _managed(modules: list[nn.Module], ignored: set[int]) -> tuple[dict[int, list[tuple[nn.Module, str]]],
+                                                                  set[int]]:
+    """Parameters of ``modules`` not owned by a nested unit: id -> every (module, attr) holding it."""
     places: dict[int, list[tuple[nn.Module, str]]] = {}
     nested_ids: set[int] = set()
-    stack = [module]
+    roots = {id(m) for m in modules}
+    stack, seen = list(reversed(modules)), set()
     while stack:
         m = stack.pop()
-        if m is not module and isinstance(m, FSDPModule):
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if id(m) not in roots and isinstance(m, FSDPModule):
             if m._fsdp_state.group is not None:
                 nested_ids.update(p.orig_id for p in m._fsdp_state.group.all_params)
             continue
         for attr, p in module_parameters(m).items():
             if p is not None and id(p) not in ignored:
                 places.setdefault(id(p), []).append((m, attr))
-        stack.extend(m.children())
+        stack.extend(reversed(list(m.children())))
     return places, nested_ids
 
 
+def _shard_dim(fn: Callable | None, param: nn.Parameter, name: str, world: int) -> int:
+    """The dim ``shard_placement_fn`` picks for ``param`` (None: dim 0)."""
+    placement = fn(param) if fn is not None else None
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(f"shard_placement_fn returned {placement!r} for {name}; it must return Shard(dim) or None "
+                         f"(None: the default, Shard(0))")
+    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.ndim:
+        raise ValueError(f"shard_placement_fn returned Shard({placement.dim}) for {name}, of shape "
+                         f"{tuple(param.shape)}; the dim must exist")
+    if dim and param.shape[dim] % world:
+        raise ValueError(f"shard_placement_fn returned Shard({dim}) for {name}, of shape {tuple(param.shape)}: dim "
+                         f"{dim} ({param.shape[dim]}) must divide evenly by the {world} shard ranks (only dim 0 may "
+                         f"be uneven); pick another dim or return None for Shard(0)")
+    if dim and isinstance(param, DTensor):
+        raise NotImplementedError(f"{name} is tensor-parallel; FSDP shards a tensor-parallel parameter on dim 0 "
+                                  f"only (return None from shard_placement_fn for it)")
+    return dim
+
+
 _FULL_PRECISION = MixedPrecisionPolicy()
+_NO_OFFLOAD = OffloadPolicy()
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool | int | None = None,
-                mp_policy: MixedPrecisionPolicy = _FULL_PRECISION, offload_policy: CPUOffloadPolicy | None = None,
-                shard_threshold: int = 0, ignored_params: Iterable[nn.Parameter] | None = None) -> nn.Module:
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | int | None = None,
+                shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+                mp_policy: MixedPrecisionPolicy = _FULL_PRECISION, offload_policy: OffloadPolicy = _NO_OFFLOAD,
+                ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: DataParallelMeshDims | None = None,
+                shard_threshold: int = 0) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters (those no nested ``fully_shard`` took) over ``mesh``.
 
+    ``module``: a module, or a list of modules that form one unit (one all-gather, one
+    reduction; [Note: a group of several modules] in state.py). ``mesh``: 1-D (shard) or 2-D
+    (replicate, shard); None: every rank of the default process group.
     ``reshard_after_forward``: True frees unsharded parameters after forward and all-gathers
     again in backward; False keeps them until after backward; an int ``k`` keeps 1/k of them
     ([Note: int reshard_after_forward]); None (the default) is True, except for the root,
-    which backward needs first and so keeps them (as PyTorch's ``fully_shard`` does). ``shard_threshold``:
-    parameters with fewer elements stay replicated, their gradients all-reduced.
-    ``offload_policy``: keep shards, gradients and so optimizer state on CPU; the optimizer
-    steps there, and shards are copied to the device for each all-gather.
+    which backward needs first and so keeps them (as PyTorch's ``fully_shard`` does).
+    ``shard_placement_fn(param)``: ``Shard(d)`` shards ``param`` on dim d (which must divide
+    evenly unless d is 0), None on dim 0. ``offload_policy``: ``CPUOffloadPolicy()`` keeps
+    shards, gradients and so optimizer state on CPU. ``ignored_params``: left alone (not
+    sharded, not reduced). ``shard_threshold`` (meshpar's addition): parameters with fewer
+    elements stay replicated, their gradients all-reduced.
     """
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__bases__[-1].__name__}; "
-                         f"apply it once per module")
-    info = _mesh_info(mesh)
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise ValueError(f"fully_shard takes an nn.Module or a non-empty list of them; got {module!r}")
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard was already applied to this {type(m).__bases__[-1].__name__}; "
+                             f"apply it once per module")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard got the same module twice in one list")
+    if offload_policy is None:
+        offload_policy = _NO_OFFLOAD
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be OffloadPolicy() or CPUOffloadPolicy(...); got {offload_policy!r}")
+    info = _mesh_info(mesh or _default_mesh(), dp_mesh_dims)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         n = info.shard_size
         if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or n % reshard_after_forward:
             raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: an int must divide the shard group "
                              f"size {n} (e.g. the GPUs per node)")
-    places, nested_ids = _managed(module, {id(p) for p in ignored_params or ()})
+    places, nested_ids = _managed(modules, {id(p) for p in ignored_params or ()})
     params = {pid: module_parameters(pl[0][0])[pl[0][1]] for pid, pl in places.items()}
     devices = {p.device for p in params.values()}
     if len(devices) > 1:
-        raise ValueError(f"{type(module).__name__} has parameters on several devices ({sorted(map(str, devices))}); "
-                         f"move it to one device (or build it on meta) before fully_shard")
+        raise ValueError(f"{type(modules[0]).__name__} has parameters on several devices "
+                         f"({sorted(map(str, devices))}); move it to one device (or build it on meta) before "
+                         f"fully_shard")
+    dims = {}
     for pid, p in params.items():
         name = f"{type(places[pid][0][0]).__name__}.{places[pid][0][1]}"
         if pid in nested_ids:
@@ -171,19 +448,38 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: b
         if p.ndim == 0:
             raise ValueError(f"{name} is a 0-dim parameter; fully_shard needs at least one dim to shard "
                              f"(make it shape [1], or pass it in ignored_params)")
-    device = _device(mesh)
-    sharded = [ShardedParam(p, places[pid], info, device, shard=p.numel() >= shard_threshold,
-                            offload=offload_policy) for pid, p in params.items()]
+        dims[pid] = _shard_dim(shard_placement_fn, p, name, info.shard_size)
+    device = _device(info.mesh)
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+    sharded = [ShardedParam(p, places[pid], info, device, shard=p.numel() >= shard_threshold, shard_dim=dims[pid],
+                            offload=offload) for pid, p in params.items()]
     group = ParamGroup(sharded, info, mp_policy) if sharded else None
     if group is not None and reshard_after_forward is not None and not isinstance(reshard_after_forward, bool) \
             and reshard_after_forward < info.shard_size:
+        if len({group.compute_dtype(p) for p in group.params}) > 1:
+            raise NotImplementedError("an int reshard_after_forward with parameters of several dtypes in one unit "
+                                      "(no param_dtype to cast them to); pass True, or a param_dtype")
         group.post_forward = _post_forward_group(info, reshard_after_forward)
-    module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward)
-    cls = module.__class__
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.__class__ = _CLASSES[cls]
+    state = FSDPState(modules, group, mp_policy, reshard_after_forward)
+    if group is not None:
+        _register_state_dict_hooks(group)
+    for m in modules:
+        m._fsdp_state = state
+        cls = m.__class__
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        m.__class__ = _CLASSES[cls]
     return module
+
+
+def _register_state_dict_hooks(group: ParamGroup) -> None:
+    """``state_dict()`` / ``load_state_dict()`` see the sharded DTensors (reshard first, as PyTorch's
+    engine does), and a load that assigned new ones (``assign=True``) is adopted after."""
+    holders = {id(m): m for p in group.all_params for m, _ in p.places}
+    for m in holders.values():
+        m.register_state_dict_pre_hook(lambda *_: group.reshard())
+        m.register_load_state_dict_pre_hook(lambda *_: group.reshard())
+        m.register_load_state_dict_post_hook(lambda *_: [p.refresh_after_apply() for p in group.all_params] and None)
 
 
 def _post_forward_group(info: MeshInfo, k: int) -> tuple:
@@ -206,3 +502,4 @@ def _device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+

@@ -17,15 +17,14 @@ Flat layouts, for N shard ranks and parameters p_i of padded chunk size n_i = c_
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from meshpar import comm
-from meshpar._torch import preserve_version_counter
 from meshpar.comm import comm_buffers
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
@@ -47,15 +46,16 @@ from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
 
 
 class ReduceQueue:
-    """The reductions in flight across the units of one root, oldest first."""
+    """The reductions in flight across the units of one root, oldest first. A unit may keep
+    ``max_in_flight`` of them (``FSDPModule.set_reduce_scatter_max_input_buffers``; 1 by default,
+    see [Note: one reduction in flight])."""
 
-    def __init__(self, depth: int = 1):
-        self.depth = depth
+    def __init__(self) -> None:
         self.pending: deque[ParamGroup] = deque()
 
     def admit(self, group: ParamGroup) -> None:
-        """Make room for ``group``'s reduction: finish the oldest ones beyond ``depth - 1``."""
-        while len(self.pending) >= self.depth:
+        """Make room for ``group``'s reduction: finish the oldest ones beyond its limit."""
+        while len(self.pending) >= group.max_in_flight:
             self.pending.popleft().wait_for_reduce()
         self.pending.append(group)
 
@@ -81,30 +81,59 @@ class ParamGroup:
         self.mesh_info, self.mp = mesh_info, mp
         self.world = mesh_info.shard_size
         self.state = ParamState.SHARDED
-        self.requires_gradient_sync = True
+        # --- FSDPModule settings (names follow PyTorch's) ---
+        self.requires_gradient_sync = True  # False: keep unsharded gradients, reduce on a later backward
+        self.requires_all_reduce = True  # HSDP, False: reduce-scatter only, sum the partial results
         self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.reduce_unused = False  # True: a trainable parameter without a gradient gets a zero one
+        self.max_in_flight = 1  # reductions this unit may keep in flight: [Note: one reduction in flight]
         self.divide_factor: float | None = None  # default: the data-parallel world size
+        self.force_sum = False  # set_force_sum_reduction_for_comms: meshpar always sums, then divides
+        self.all_reduce_hook: tuple[Callable[[torch.Tensor], None], object] | None = None  # (hook, stream)
+        self.custom_all_gather = None  # FSDPModule.set_custom_all_gather
+        self.custom_reduce_scatter = None
+        self.reduce_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group
+        # --- in flight ---
         self._gather: tuple[comm.Work, torch.Tensor, int] | None = None  # all-gather in flight, its world
         # int reshard_after_forward: (group, k, dim name) of the k-rank group backward gathers in, and
         # this rank's 1/k of each unsharded parameter between forward and backward
         self.post_forward: tuple[dist.ProcessGroup, int, str] | None = None
         self._post_forward_shards: list[torch.Tensor] | None = None
         self._reduce: tuple[comm.Work, torch.Tensor, list[ShardedParam]] | None = None
+        self._partial: torch.Tensor | None = None  # HSDP without all-reduce: summed reduce-scatter outputs
+        self._partial_params: list[ShardedParam] | None = None
+        self._partial_with_grad: set[int] = set()
         self.reduce_queue: ReduceQueue | None = None  # shared by the units of one root (set at lazy init)
         self._grads_ready: set[int] = set()
         self._hooked: set[int] = set()
-        # [Note: one data-parallel rank]: no communication and no copies
-        self.alias = (self.world == 1 and mesh_info.replicate_size == 1
-                      and all(mp.param_dtype in (None, p.orig_dtype) for p in self.params))
 
-    # --- sizes ---------------------------------------------------------------------------------
+    # --- sizes and dtypes --------------------------------------------------------------------------
     @property
     def all_params(self) -> list[ShardedParam]:
         return self.params + self.replicated
 
     @property
+    def alias(self) -> bool:
+        """[Note: one data-parallel rank]: no communication and no copies."""
+        return (self.world == 1 and self.mesh_info.replicate_size == 1 and self.custom_all_gather is None
+                and all(self.mp.param_dtype in (None, p.orig_dtype) for p in self.params))
+
+    def compute_dtype(self, p: ShardedParam) -> torch.dtype:
+        return self.mp.param_dtype or p.orig_dtype
+
+    def _gather_layout(self) -> tuple[torch.dtype, list[int]]:
+        """The all-gather's dtype and each parameter's per-rank segment in it. Mixed dtypes (a frozen
+        fp32 parameter in a bf16 unit) travel as bytes in one collective, each segment 8-byte aligned
+        so it can be viewed back as its own dtype."""
+        dtypes = {self.compute_dtype(p) for p in self.params}
+        if len(dtypes) == 1:
+            return dtypes.pop(), [p.padded_numel for p in self.params]
+        return torch.uint8, [-(-p.padded_numel * self.compute_dtype(p).itemsize // 8) * 8 for p in self.params]
+
+    @property
     def per_rank_numel(self) -> int:
-        return sum(p.padded_numel for p in self.params)
+        return sum(self._gather_layout()[1])
 
     # --- unshard / reshard -----------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -112,6 +141,7 @@ class ParamGroup:
         if self.state is ParamState.UNSHARDED:
             return
         if self._gather is None and self.params and not self.alias:
+            custom = None
             if self._post_forward_shards is not None:  # backward after an int reshard_after_forward
                 group, world, dim = self.post_forward
                 rank, pieces = dist.get_rank(group), self._post_forward_shards
@@ -119,52 +149,66 @@ class ParamGroup:
                 fill = lambda send: torch.cat(pieces, out=send)
             else:
                 group, world, dim = self.mesh_info.shard_group, self.world, self.mesh_info.shard_dim_name
-                rank, n, dtype = self.mesh_info.shard_rank, self.per_rank_numel, self.mp.param_dtype
-                dtype, fill = dtype or self.params[0].orig_dtype, self._copy_in
+                dtype, segments = self._gather_layout()
+                rank, n, custom = self.mesh_info.shard_rank, sum(segments), self.custom_all_gather
+                fill = lambda send: self._copy_in(send, segments)
             # in place: this rank's input is its own slot of the output, so no separate send buffer
             # (one shard fewer at the peak; PyTorch's engine does the same)
             with comm_buffers():
-                recv = torch.empty(world * n, dtype=dtype, device=self.params[0].compute_device)
+                if custom is not None:
+                    recv = custom.allocate((world * n,), dtype=dtype, device=self.params[0].compute_device)
+                else:
+                    recv = torch.empty(world * n, dtype=dtype, device=self.params[0].compute_device)
             send = recv[rank * n:(rank + 1) * n]
             fill(send)
-            self._gather = (comm.all_gather(recv, send, group, async_op=True, dim=dim), recv, world)
+            self._gather = (comm.all_gather(recv, send, group, async_op=True, dim=dim, custom=custom), recv, world)
         if not async_op:
             self._finish_unshard()
 
-    def _copy_in(self, send: torch.Tensor) -> None:
+    def _copy_in(self, send: torch.Tensor, segments: list[int]) -> None:
         """This rank's chunks of every parameter, cast to param_dtype, into the flat ``send``."""
         with record_function("meshpar::fsdp.copy_in"):
             offset = 0
-            for p in self.params:
-                n = p.local_rows * p.inner  # rows past n are padding
-                send[offset:offset + n].copy_(p.local.reshape(-1), non_blocking=True)
-                offset += p.padded_numel
+            for p, seg in zip(self.params, segments, strict=True):
+                n = p.local_shape.numel()  # elements past n are padding
+                dst = send[offset:offset + seg]
+                if send.dtype == torch.uint8:
+                    dst = dst.view(self.compute_dtype(p))
+                dst[:n].copy_(p.local.reshape(-1), non_blocking=True)
+                offset += seg
 
     def _finish_unshard(self) -> None:
         if self._gather is not None:
             work, recv, world = self._gather
             self._gather = None
+            post_forward = self._post_forward_shards is not None
             self._post_forward_shards = None
             with record_function("meshpar::fsdp.all_gather_wait"):
                 work.wait()
             with record_function("meshpar::fsdp.copy_out"), torch.no_grad():
-                # recv[world, sum_i size_i]; parameter i's padded rows, in order, are its column block
-                sizes = [p.padded_numel * self.world // world for p in self.params]
+                # recv[world, sum_i size_i]; parameter i's padded chunks, in order, are its column block
+                segments = [p.padded_numel for p in self.params] if post_forward else self._gather_layout()[1]
+                sizes = [seg * self.world // world for seg in segments]
                 pieces = recv.view(world, -1).split(sizes, dim=1)
                 for p, piece in zip(self.params, pieces, strict=True):
-                    out = p.alloc_unsharded(recv.dtype, self.world).view(world, -1)
-                    with preserve_version_counter(p.unsharded):
-                        out.copy_(piece)
+                    if recv.dtype == torch.uint8:
+                        piece = piece.view(self.compute_dtype(p))[:, :p.padded_numel]
+                    p.write_unsharded(piece, world)
         for p in self.replicated + (self.params if self.alias else []):  # the local tensor is the whole parameter
-            dtype = self.mp.param_dtype or p.orig_dtype
-            data = p.local.to(p.compute_device, dtype, non_blocking=True)  # no copy unless offloaded or cast
+            data = p.local.to(p.compute_device, self.compute_dtype(p), non_blocking=True)  # no copy unless cast
             current = p.unsharded.to_local() if isinstance(p.unsharded, DTensor) else p.unsharded
-            if current is None or current.data_ptr() != data.data_ptr():
+            if current is None or current.data_ptr() != data.data_ptr() or current.shape != data.shape:
                 p.unsharded = p.as_unsharded_param(data)
         for p in self.all_params:
             p.to_unsharded()
             self._hook_grad(p)
         self.state = ParamState.UNSHARDED
+
+    def wait_for_gather(self) -> None:
+        """Finish an all-gather in flight (``UnshardHandle.wait``): the unsharded parameters are then
+        registered on the module."""
+        if self._gather is not None:
+            self._finish_unshard()
 
     def reshard(self, after_forward: bool = False) -> None:
         """Swap the sharded parameters back in and free the unsharded storage. ``after_forward``
@@ -178,7 +222,7 @@ class ParamGroup:
         if after_forward and self.post_forward is not None and self.params and not self.alias:
             group, k, _ = self.post_forward
             rank = dist.get_rank(group)
-            self._post_forward_shards = [p.unsharded_padded.view(k, -1)[rank].clone() for p in self.params]
+            self._post_forward_shards = [p.post_forward_piece(k, rank) for p in self.params]
         for p in self.all_params:
             p.to_sharded()
         if not self.alias:  # an alias shares the shard's storage: nothing to free
@@ -200,6 +244,14 @@ class ParamGroup:
 
         p.unsharded.register_post_accumulate_grad_hook(on_grad)
 
+    def reduce_dtype(self) -> torch.dtype:
+        # the parameters' own dtype unless reduce_dtype / param_dtype say otherwise (a unit whose
+        # parameters are all below shard_threshold has only replicated ones: those set it too, else
+        # a float64 unit would reduce in float32)
+        trainable = [p for p in self.all_params if p.requires_grad] or self.all_params
+        return self.mp.reduce_dtype or self.mp.param_dtype or (trainable[0].orig_dtype if trainable
+                                                                else torch.float32)
+
     def post_backward(self) -> None:
         """After this unit's backward: reduce (or keep, without sync) its gradients; reshard."""
         self._grads_ready.clear()
@@ -211,11 +263,12 @@ class ParamGroup:
                 if self.reduce_queue is not None:  # and across groups: [Note: one reduction in flight]
                     self.reduce_queue.admit(self)
                 self._start_reduce()
-            else:
+            else:  # no sync: sum the unsharded gradients, in reduce_dtype (as PyTorch's engine does)
+                dtype = self.reduce_dtype()
                 for p in self.all_params:
                     grad = p.take_unsharded_grad()
                     if grad is not None:
-                        p.accumulated_grad = grad
+                        p.accumulated_grad = grad if grad.dtype == dtype else grad.to(dtype)
 
     def _divide_factor(self) -> float:
         if self.divide_factor is not None:
@@ -223,37 +276,43 @@ class ParamGroup:
         return self.world * self.mesh_info.replicate_size
 
     def _start_reduce(self) -> None:
-        grads = {id(p): p.take_unsharded_grad() for p in self.all_params}
-        # the parameters' own dtype (a unit whose parameters are all below shard_threshold has only
-        # replicated ones: those set it too, else a float64 unit would reduce in float32)
-        reduce_dtype = self.mp.reduce_dtype or (self.all_params[0].orig_dtype if self.all_params else torch.float32)
+        grads = {id(p): p.take_unsharded_grad() for p in self.all_params if p.requires_grad}
+        if self.reduce_unused:  # PyTorch: zeros for trainable parameters that got no gradient
+            for p in self.all_params:
+                if id(p) in grads and grads[id(p)] is None:
+                    grads[id(p)] = torch.zeros(p.shape, dtype=self.reduce_dtype(), device=p.compute_device)
+        reduce_dtype = self.reduce_dtype()
+        # the parameters reduce-scattered: trainable ones, a zero row for those without a gradient on this
+        # rank (the collective's size must not depend on what one rank used); only those with a gradient
+        # get one back
+        trainable = [p for p in self.params if id(p) in grads]
         if self.alias:  # [Note: one data-parallel rank]: the gradient is already the reduced one
             factor = self._divide_factor()
-            for p in self.params:
+            for p in trainable:
                 grad = grads[id(p)]
                 if grad is not None:
                     grad = grad.to(reduce_dtype)
-                    p.add_sharded_grad(grad.div_(factor) if factor != 1 else grad)
-        elif self.params and any(grads[id(p)] is not None for p in self.params):
+                    if factor != 1:
+                        grad = grad.div_(factor)
+                    self._call_hook(grad)
+                    p.add_sharded_grad(grad)
+        elif trainable and (any(grads[id(p)] is not None for p in trainable) or self._partial is not None):
+            group = self.reduce_group or self.mesh_info.shard_group
             with record_function("meshpar::fsdp.reduce_copy_in"):
-                buffer = comm.ReduceScatterInput(self.per_rank_numel, self.mesh_info.shard_group,
-                                                 dtype=reduce_dtype, device=self.params[0].compute_device)
+                buffer = comm.ReduceScatterInput(sum(p.padded_numel for p in trainable), group, dtype=reduce_dtype,
+                                                 device=trainable[0].compute_device, custom=self.custom_reduce_scatter)
                 offset = 0
-                for p in self.params:
+                for p in trainable:
                     grad = grads[id(p)]
                     if grad is None:
                         buffer.zero_rows(offset, p.padded_numel)
                     else:
-                        padding = self.world * p.rows_per_rank - p.shape[0]
-                        rows = grad.reshape(p.shape[0], p.inner)
-                        buffer.copy_rows(offset, F.pad(rows, (0, 0, 0, padding)).view(self.world, -1) if padding
-                                         else rows.view(self.world, -1))
+                        buffer.copy_rows(offset, p.rows_of(grad.to(reduce_dtype), self.world))
                     offset += p.padded_numel
-            work = comm.reduce_scatter_rows(buffer, self.mesh_info.shard_group, async_op=True,
-                                            dim=self.mesh_info.shard_dim_name)
-            recv = buffer.output
-            self._reduce = (work, recv, self.params)
-        replicated = [(p, grads[id(p)]) for p in self.replicated if grads[id(p)] is not None]
+            work = comm.reduce_scatter_rows(buffer, group, async_op=True, dim=self.mesh_info.shard_dim_name)
+            with_grad = [p for p in trainable if grads[id(p)] is not None]
+            self._reduce = (work, buffer.output, trainable, with_grad)
+        replicated = [(p, grads[id(p)]) for p in self.replicated if grads.get(id(p)) is not None]
         if replicated:  # one all-reduce over the whole dp mesh for all small parameters
             flat = torch.cat([g.reshape(-1).to(reduce_dtype) for _, g in replicated])
             for dim in filter(lambda d: d is not None, (self.mesh_info.replicate_dim, self.mesh_info.shard_dim)):
@@ -262,22 +321,50 @@ class ParamGroup:
             for (p, _), piece in zip(replicated, flat.split([g.numel() for _, g in replicated]), strict=True):
                 p.add_sharded_grad(piece.view(p.shape))
 
+    def _call_hook(self, output: torch.Tensor) -> None:
+        """``FSDPModule.set_all_reduce_hook``: the user's hook on the reduced output, in place."""
+        if self.all_reduce_hook is None:
+            return
+        hook, stream = self.all_reduce_hook
+        with record_function("meshpar::fsdp.all_reduce_hook"):
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    hook(output)
+                torch.cuda.current_stream().wait_stream(stream)
+            else:
+                hook(output)
+
     def wait_for_reduce(self) -> None:
         """Finish the reduction in flight, if any, and hand the sharded gradients to the parameters."""
         if self._reduce is None:
             return
-        work, recv, params = self._reduce
+        work, recv, params, with_grad = self._reduce
         self._reduce = None
         with record_function("meshpar::fsdp.reduce_scatter_wait"):
             work.wait()
         if self.mesh_info.replicate_dim is not None:
+            if self._partial is not None:  # an earlier microbatch's reduce-scatter without the all-reduce
+                if self._partial_params != params:
+                    raise RuntimeError("the trainable parameters of an FSDP unit changed between microbatches "
+                                       "reduced with set_requires_all_reduce(False); keep requires_grad fixed "
+                                       "within one accumulation")
+                recv.add_(self._partial)
+                with_grad = self._partial_with_grad | {id(p) for p in with_grad}
+                with_grad = [p for p in params if id(p) in with_grad]
+                self._partial = self._partial_params = None
+            if not self.requires_all_reduce:  # keep the shard's sum for the microbatch that all-reduces
+                self._partial, self._partial_params = recv, params
+                self._partial_with_grad = {id(p) for p in with_grad}
+                return
             with record_function("meshpar::fsdp.all_reduce_replicas"):
                 comm.all_reduce(recv, self.mesh_info.replicate_group,
                                 dim=self.mesh_info.dim_name(self.mesh_info.replicate_dim))
         recv.div_(self._divide_factor())
-        offset = 0
+        self._call_hook(recv)
+        offset, assign = 0, {id(p) for p in with_grad}
         for p in params:
-            p.add_sharded_grad(recv[offset:offset + p.local_rows * p.inner].view(p.local_rows, *p.shape[1:]))
+            if id(p) in assign:
+                p.add_sharded_grad(p.local_of(recv[offset:offset + p.padded_numel]))
             offset += p.padded_numel
 
     def finish_backward(self) -> None:
@@ -291,3 +378,19 @@ class ParamGroup:
         self._grads_ready.clear()
         if self.reshard_after_backward:
             self.reshard()
+
+    def reset(self) -> None:
+        """``FSDPModule.reset_iter_state``: after a forward or backward that raised, drop what the
+        failed iteration left (collectives in flight are finished and discarded, with every gradient
+        not yet handed to the sharded parameters) and reshard."""
+        if self._reduce is not None:
+            self._reduce[0].wait()
+            self._reduce = None
+        self._partial = self._partial_params = None
+        self._grads_ready.clear()
+        self._post_forward_shards = None
+        for p in self.all_params:
+            p.accumulated_grad = None
+            if p.unsharded is not None:
+                p.unsharded.grad = None
+        self.reshard()

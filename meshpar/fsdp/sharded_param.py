@@ -10,6 +10,14 @@ each chunk has ``c = ceil(rows / N)`` rows, rank r owns rows ``[r*c, min((r+1)*c
 so the last ranks may own fewer rows or none. Collectives need equal sizes, so every rank
 sends ``c`` rows ("padded"); the padding rows are never read back.
 
+[Note: sharding on another dim]
+``shard_placement_fn`` may return ``Shard(d)``, d > 0. The dim must divide evenly by N (as in
+PyTorch's engine), so there is no padding: rank r holds ``chunk(N, dim=d)[r]``, contiguous,
+and sends it whole. Every collective still moves ``[N, n]`` rows of flat chunks; only the
+copies differ: ``rows_of`` cuts a full tensor into them (a view on dim 0, a strided copy
+on d) and ``write_unsharded`` puts them back, viewing the full tensor as
+``[..., N, S[d]/N, ...]`` with the rank dim moved to the front.
+
 [Note: FSDP on a tensor-parallel parameter]
 A parameter that is already a DTensor on a ``tp`` mesh is sharded on dim 0 of its TP-local
 tensor; the sharded DTensor lives on the joint mesh ``(dp..., tp)`` (one parent mesh).
@@ -36,12 +44,20 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from meshpar._torch import StridedShard, concatenate_meshes, local_tensor, module_parameters
+from meshpar._torch import (
+    StridedShard,
+    concatenate_meshes,
+    local_tensor,
+    module_parameters,
+    post_accumulate_grad_hooks,
+    preserve_version_counter,
+)
 from meshpar.fsdp.policies import CPUOffloadPolicy
 
 
@@ -86,8 +102,8 @@ class MeshInfo:
     def shard_dim_name(self) -> str:
         return self.dim_name(self.shard_dim)
 
-    def placements(self, sharded: bool) -> tuple[Placement, ...]:
-        shard: Placement = Shard(0) if sharded else Replicate()
+    def placements(self, sharded: bool, dim: int = 0) -> tuple[Placement, ...]:
+        shard: Placement = Shard(dim) if sharded else Replicate()
         return (shard,) if self.replicate_dim is None else (Replicate(), shard)
 
 
@@ -110,35 +126,47 @@ class ShardedParam:
     (more than one for tied weights)."""
 
     def __init__(self, param: nn.Parameter, places: list[tuple[nn.Module, str]], mesh_info: MeshInfo,
-                 device: torch.device, *, shard: bool, offload: CPUOffloadPolicy | None = None):
+                 device: torch.device, *, shard: bool, shard_dim: int = 0, offload: CPUOffloadPolicy | None = None):
         """``device``: where unsharded parameters and collectives live; the shard lives there too,
-        or on CPU with ``offload`` (pinned when an accelerator exists to copy to)."""
+        or on CPU with ``offload`` (pinned when an accelerator exists to copy to). ``shard_dim``:
+        the dim to shard ([Note: sharding on another dim])."""
         self.places, self.mesh_info, self.is_sharded = places, mesh_info, shard
         self.compute_device = device
-        self.orig_dtype, self.requires_grad = param.dtype, param.requires_grad
+        self.orig_dtype = param.dtype
         self.global_shape = param.shape
         self.tp: _TensorParallelSpec | None = None
         if isinstance(param, DTensor):  # sharded further on dim 0 of its tensor-parallel local tensor
             self.tp = _TensorParallelSpec(param.device_mesh, tuple(param.placements))
             param = param.to_local()
         self.shape = param.shape  # the tensor FSDP shards: the parameter, or its TP-local tensor
+        self.shard_dim = shard_dim if shard else 0
         n, r = (mesh_info.shard_size, mesh_info.shard_rank) if shard else (1, 0)
+        self.n = n  # ranks the parameter is split over (1: replicated)
         self.rows_per_rank = math.ceil(self.shape[0] / n) if self.shape[0] else 0  # c
         self.inner = math.prod(self.shape[1:])  # elements per row
         self.local_rows = max(0, min(self.rows_per_rank, self.shape[0] - r * self.rows_per_rank))
-        start = r * self.rows_per_rank
+        if self.shard_dim:  # [Note: sharding on another dim]: even, no padding
+            d = self.shard_dim
+            self.local_shape = torch.Size((*self.shape[:d], self.shape[d] // n, *self.shape[d + 1:]))
+            self._padded_numel = self.local_shape.numel()
+        else:
+            self.local_shape = torch.Size((self.local_rows, *self.shape[1:]))
+            self._padded_numel = self.rows_per_rank * self.inner
         if param.device.type == "meta":  # meta init: shards materialize with to_empty
             local_device = param.device
         else:
             local_device = torch.device("cpu") if offload is not None else device
         pin = offload is not None and offload.pin_memory and local_device.type == "cpu" and device.type != "cpu"
-        local = torch.empty((self.local_rows, *self.shape[1:]), dtype=param.dtype, device=local_device,
-                            pin_memory=pin)
+        local = torch.empty(self.local_shape, dtype=param.dtype, device=local_device, pin_memory=pin)
         if param.device.type != "meta":
             with torch.no_grad():
-                local.copy_(param.detach()[start:start + self.local_rows])
+                if self.shard_dim:
+                    local.copy_(param.detach().chunk(n, dim=self.shard_dim)[r])
+                else:
+                    start = r * self.rows_per_rank
+                    local.copy_(param.detach()[start:start + self.local_rows])
         self._mesh, self._placements = self._sharded_layout()
-        self.sharded = nn.Parameter(self._to_dtensor(local), requires_grad=self.requires_grad)
+        self.sharded = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
         self.orig_id = id(param)  # to detect a tie that spans two units
         self.unsharded: nn.Parameter | None = None
         self.unsharded_padded: torch.Tensor | None = None  # [N*c, ...] view of the unsharded storage
@@ -149,8 +177,47 @@ class ShardedParam:
     # --- sizes -------------------------------------------------------------------------------
     @property
     def padded_numel(self) -> int:
-        """Elements this rank sends per all-gather (its chunk padded to ``c`` rows)."""
-        return self.rows_per_rank * self.inner
+        """Elements this rank sends per all-gather (its chunk, padded to ``c`` rows on dim 0)."""
+        return self._padded_numel
+
+    @property
+    def requires_grad(self) -> bool:
+        """Read from the sharded parameter, so ``requires_grad_`` after fully_shard takes effect."""
+        return self.sharded.requires_grad
+
+    # --- flat rows: the per-rank chunks every collective moves --------------------------------------
+    def rows_of(self, full: torch.Tensor, world: int) -> torch.Tensor:
+        """``full`` (the unsharded shape) as ``[world, padded_numel * N / world]``: row i is rank i's
+        chunk (dim 0: padded rows, a view when no padding is needed; dim d: a strided copy)."""
+        if self.shard_dim:
+            d, shape = self.shard_dim, self.shape
+            return full.reshape(*shape[:d], world, shape[d] // world, *shape[d + 1:]).movedim(d, 0).reshape(world, -1)
+        padding = self.n * self.rows_per_rank - self.shape[0]
+        rows = full.reshape(self.shape[0], self.inner)
+        return (F.pad(rows, (0, 0, 0, padding)) if padding else rows).view(world, -1)
+
+    def write_unsharded(self, pieces: torch.Tensor, world: int) -> None:
+        """Fill the unsharded parameter from ``pieces`` (``[world, m]``, row i from rank i of a
+        ``world``-rank all-gather) without bumping autograd's version counter."""
+        out = self.alloc_unsharded(pieces.dtype, self.n)
+        with preserve_version_counter(self.unsharded):
+            if self.shard_dim:
+                d, shape = self.shard_dim, self.shape
+                chunk = (*shape[:d], shape[d] // world, *shape[d + 1:])
+                out.view(*shape[:d], world, shape[d] // world, *shape[d + 1:]).copy_(
+                    pieces.view(world, *chunk).movedim(0, d))
+            else:
+                out.view(world, -1).copy_(pieces)
+
+    def local_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk, shaped like the local shard, from its flat (padded) row."""
+        return flat[:self.local_shape.numel()].view(self.local_shape)
+
+    def post_forward_piece(self, k: int, rank: int) -> torch.Tensor:
+        """Rank ``rank`` of ``k``'s share of the unsharded parameter (int reshard_after_forward)."""
+        if self.shard_dim:
+            return self.rows_of(self.unsharded_padded, k)[rank].clone()
+        return self.unsharded_padded.view(k, -1)[rank].clone()
 
     @property
     def local(self) -> torch.Tensor:
@@ -160,7 +227,7 @@ class ShardedParam:
         """Mesh and placements of the sharded DTensor. With tensor parallelism, the joint mesh
         (data-parallel dims outermost) and, as PyTorch's fully_shard makes them, a strided shard
         when TP already splits dim 0: [Note: FSDP on a tensor-parallel parameter]."""
-        dp = self.mesh_info.placements(self.is_sharded)
+        dp = self.mesh_info.placements(self.is_sharded, self.shard_dim)
         if self.tp is None:
             return self.mesh_info.mesh, dp
         tp_shards_dim0 = math.prod(self.tp.mesh.size(i) for i, pl in enumerate(self.tp.placements)
@@ -179,24 +246,33 @@ class ShardedParam:
             module_parameters(module)[attr] = param
 
     def refresh_after_apply(self) -> None:
-        """After ``module._apply`` (``to_empty``, ``.to``) replaced our sharded parameter, adopt the
-        new one and make every tied place hold it again."""
+        """After ``module._apply`` (``to_empty``, ``.to``) or ``load_state_dict(assign=True)`` replaced
+        our sharded parameter, adopt the new one (and its dtype: ``model.to(torch.float32)``
+        changes what is gathered) and make every tied place hold it again."""
         module, attr = self.places[0]
         new = module_parameters(module)[attr]
-        if new is not self.sharded:
+        if new is not self.sharded and new is not self.unsharded:
             if not isinstance(new, DTensor):
                 raise RuntimeError(f"{type(module).__name__}.{attr} is no longer a sharded DTensor after a module "
-                                   f"conversion; convert fully-sharded modules with to_empty / .to only")
+                                   f"conversion; convert fully-sharded modules with to_empty / .to only, and load "
+                                   f"state dicts of DTensors")
+            if not isinstance(new, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=self.sharded.requires_grad)
             self.sharded = new
-        self.set_on_modules(self.sharded)
+        if self.sharded.dtype != self.orig_dtype:
+            self.orig_dtype = self.sharded.dtype
+            self.unsharded = self.unsharded_padded = None  # reallocated in the new dtype on the next unshard
+        if self.state is ParamState.SHARDED:
+            self.set_on_modules(self.sharded)
 
     # --- unsharded buffer ----------------------------------------------------------------------
     def alloc_unsharded(self, dtype: torch.dtype, world: int) -> torch.Tensor:
-        """Allocate (or re-allocate) the unsharded storage; returns its padded [N*c, ...] view."""
+        """Allocate (or re-allocate) the unsharded storage; returns its padded [N*c, ...] view
+        (the full shape when sharded on another dim: no padding)."""
         nbytes = world * self.padded_numel * dtype.itemsize
         if self.unsharded is None or self.unsharded.dtype != dtype:
-            storage = torch.empty(world * self.rows_per_rank, *self.shape[1:], dtype=dtype,
-                                  device=self.compute_device)
+            rows = world * self.rows_per_rank if not self.shard_dim else self.shape[0]
+            storage = torch.empty(rows, *self.shape[1:], dtype=dtype, device=self.compute_device)
             self.unsharded_padded = storage
             self.unsharded = self.as_unsharded_param(storage[:self.shape[0]])
         elif self.unsharded_padded.untyped_storage().size() != nbytes:
@@ -215,6 +291,8 @@ class ShardedParam:
             self.unsharded_padded.untyped_storage().resize_(0)
 
     def to_unsharded(self) -> None:
+        if self.unsharded.requires_grad != self.requires_grad:  # frozen or unfrozen since the last unshard
+            self.unsharded.requires_grad_(self.requires_grad)
         self.set_on_modules(self.unsharded)
         self.state = ParamState.UNSHARDED
 
@@ -237,9 +315,13 @@ class ShardedParam:
         return grad
 
     def add_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Accumulate a reduced local gradient into ``sharded.grad`` (a DTensor like the parameter)."""
+        """Accumulate a reduced local gradient into ``sharded.grad`` (a DTensor like the parameter),
+        then run the parameter's post-accumulate-grad hooks (optimizer in backward), as autograd
+        runs them for a parameter it accumulates into."""
         local_grad = local_grad.to(self.local.device, self.orig_dtype)  # to CPU when offloaded
         if self.sharded.grad is None:
             self.sharded.grad = self._to_dtensor(local_grad)
         else:
             local_tensor(self.sharded.grad).add_(local_grad)
+        for hook in post_accumulate_grad_hooks(self.sharded):
+            hook(self.sharded)

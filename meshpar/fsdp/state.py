@@ -31,6 +31,17 @@ Step time did not move (median ms over 16 steps, two runs each, bench_fsdp):
       4      287.4, 276.3    271.0, 286.9    348.4-361.0
 
 On gloo the prefetch queues behind our own all-gather on the same group anyway.
+
+[Note: a group of several modules]
+``fully_shard([norm, head])`` makes one unit of several modules: one all-gather, one
+reduction. Every module's forward pre-hook unshards (a no-op once unsharded) and casts its
+inputs; the unit's post-forward work (reshard, backward hooks) runs when the last of its
+modules has run in this pass. A pass may run only some of them (a chunked loss: the model's
+forward runs ``norm``, the loss calls ``head`` per chunk): the root's post-forward then
+completes the unit, hooking the root's output so backward unshards it again, and the later
+standalone calls leave it unsharded until its backward, as PyTorch's engine does. Autograd
+accumulates a parameter's gradient from every call before its hook fires, so the unit still
+reduces once.
 """
 
 from __future__ import annotations
@@ -41,47 +52,72 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from meshpar._torch import queue_backward_callback, tree_flatten, tree_map
+from meshpar._torch import queue_backward_callback
 from meshpar.fsdp.param_group import ParamGroup, ReduceQueue
 from meshpar.fsdp.policies import MixedPrecisionPolicy
+from meshpar.fsdp.tree import cast_floats, iter_tensors
+
+
+class CommContext:
+    """What roots that share communication share (``share_comm_ctx``: the model chunks of one
+    pipeline stage): the queue bounding the reductions in flight."""
+
+    def __init__(self) -> None:
+        self.reduce_queue = ReduceQueue()
 
 
 class Iteration:
     """What the units of one root share."""
 
-    def __init__(self) -> None:
+    def __init__(self, comm_ctx: CommContext) -> None:
         self.order: list[FSDPState] = []  # forward order of units with parameters
         self.order_frozen = False
         self.callback_queued = False
         self.states: list[FSDPState] = []
-        self.reduce_queue = ReduceQueue()
+        self.comm_ctx = comm_ctx
+
+    @property
+    def reduce_queue(self) -> ReduceQueue:
+        return self.comm_ctx.reduce_queue
 
 
 class FSDPState:
-    def __init__(self, module: nn.Module, group: ParamGroup | None, mp: MixedPrecisionPolicy,
+    def __init__(self, modules: list[nn.Module], group: ParamGroup | None, mp: MixedPrecisionPolicy,
                  reshard_after_forward: bool | int | None):
-        self.module, self.group, self.mp = module, group, mp
-        self.reshard_after_forward = reshard_after_forward
+        self.modules, self.group, self.mp = modules, group, mp
+        self.module = modules[0]
+        self.reshard_after_forward = reshard_after_forward  # None: True, except at the root
         self.is_root: bool | None = None
         self.iteration: Iteration | None = None
+        self.comm_ctx: CommContext | None = None  # set by share_comm_ctx, else made at lazy init
         self.forward_prefetch: list[FSDPState] | None = None  # explicit lists override the order
         self.backward_prefetch: list[FSDPState] | None = None
         self._in_backward = False
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward, prepend=False)
+        self._to_run: set[int] = set()  # ids of this unit's modules yet to run in this forward pass
+        self.post_optim_event: Any = None  # FSDPModule.set_post_optim_event (read at the root)
+        self.last_backward = True  # FSDPModule.set_is_last_backward: recorded, changes nothing here
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, prepend=False)
+
+    @property
+    def name(self) -> str:
+        return ", ".join(type(m).__name__ for m in self.modules)
 
     # --- root and lazy initialization --------------------------------------------------------------
     def _lazy_init(self) -> None:
         self.is_root = True
-        self.iteration = Iteration()
+        self.iteration = Iteration(self.comm_ctx or CommContext())
+        seen: set[int] = set()
         for m in self.module.modules():
             state = getattr(m, "_fsdp_state", None)
-            if state is None:
+            if state is None or id(state) in seen:
                 continue
+            seen.add(id(state))
             if state is not self:
                 if state.is_root:
-                    raise RuntimeError(f"{type(m).__name__} ran forward as an FSDP root before its parent "
-                                       f"{type(self.module).__name__}; run the outermost module first")
+                    raise RuntimeError(f"{state.name} ran forward as an FSDP root before its parent "
+                                       f"{self.name}; run the outermost module first")
                 state.is_root = False
             state.iteration = self.iteration
             self.iteration.states.append(state)
@@ -90,25 +126,36 @@ class FSDPState:
                 for p in state.group.all_params:
                     p.refresh_after_apply()
 
+    def _reshards_after_forward(self) -> bool:
+        reshard = self.reshard_after_forward
+        return not self.is_root if reshard is None else bool(reshard)
+
     # --- forward -------------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.is_root is None:
             self._lazy_init()
         it = self.iteration
         with record_function("meshpar::fsdp.pre_forward"):
+            if self.post_optim_event is not None:  # the all-gathers wait for the optimizer step
+                self.post_optim_event.wait()
+                self.post_optim_event = None
+            first = not self._to_run  # the first of this unit's modules in this pass
+            if first:
+                self._to_run = {id(m) for m in self.modules}
             if self.group is not None:
-                if not it.order_frozen and torch.is_grad_enabled():
+                if first and not self._in_backward and not it.order_frozen and torch.is_grad_enabled():
                     it.order.append(self)
                 self.group.unshard()  # ours first: [Note: prefetch after our own unshard]
-                for target in self._forward_targets():
-                    target.group.unshard(async_op=True)
+                if first and not self._in_backward:
+                    for target in self._forward_targets():
+                        target.group.unshard(async_op=True)
             if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
-                args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
+                args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
         return args, kwargs
 
     def _forward_targets(self) -> list[FSDPState]:
         if self.forward_prefetch is not None:
-            return self.forward_prefetch
+            return [t for t in self.forward_prefetch if t.group is not None]
         order = self.iteration.order
         if not self.iteration.order_frozen or self not in order:
             return []
@@ -117,44 +164,60 @@ class FSDPState:
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         with record_function("meshpar::fsdp.post_forward"):
-            if not torch.is_grad_enabled():  # no backward will come: free everything now
-                if self.group is not None:
-                    self.group.reshard()
-            else:
-                reshard = self.reshard_after_forward
-                if self.group is not None and (not self.is_root if reshard is None else reshard):
-                    self.group.reshard(after_forward=True)
-                self._register_pre_backward(output)
-            if self.is_root and torch.is_grad_enabled():  # a no-grad forward records no order
-                self.iteration.order_frozen = True
-            if self.mp.output_dtype is not None:
-                output = _cast_floats(output, self.mp.output_dtype)
+            if self._in_backward:  # recomputation (activation checkpointing): backward reshards
+                return self._cast_output(output)
+            self._to_run.discard(id(module))
+            if self._to_run:  # [Note: a group of several modules]: the unit's other modules still to run
+                return self._cast_output(output)
+            output = self._complete_forward(output)
+            if self.is_root:
+                for state in self.iteration.states:  # units some of whose modules did not run
+                    if state is not self and state._to_run:
+                        output = state._complete_forward(output)
+                        state._to_run.clear()
+                if torch.is_grad_enabled():  # a no-grad forward records no order
+                    self.iteration.order_frozen = True
+        return self._cast_output(output)
+
+    def _complete_forward(self, output: Any) -> Any:
+        """The unit's post-forward: reshard (per ``reshard_after_forward``) and hook ``output``'s
+        gradients to unshard this unit again in backward."""
+        if not torch.is_grad_enabled():  # no backward will come: free everything now
+            if self.group is not None:
+                self.group.reshard()
+            return output
+        if self.group is not None and self._reshards_after_forward():
+            self.group.reshard(after_forward=True)
+        self._register_pre_backward(output)
         return output
+
+    def _cast_output(self, output: Any) -> Any:
+        return output if self.mp.output_dtype is None else cast_floats(output, self.mp.output_dtype)
 
     # --- backward ------------------------------------------------------------------------------------
     def _register_pre_backward(self, output: Any) -> None:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        for t in tensors:
-            t.register_hook(self._pre_backward)
+        for t in iter_tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._pre_backward)
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         it = self.iteration
         if not it.callback_queued:
             it.callback_queued = True
             queue_backward_callback(self._root_end_of_backward)
-        if self._in_backward:
-            return grad
-        self._in_backward = True
         with record_function("meshpar::fsdp.pre_backward"):
-            if self.group is not None:
+            if self.group is not None and self.group.unshard_in_backward:
                 self.group.unshard()  # ours first: [Note: prefetch after our own unshard]
+            if not self._in_backward:
+                self._in_backward = True
                 for target in self._backward_targets():
-                    target.group.unshard(async_op=True)
+                    if target.group.unshard_in_backward:
+                        target.group.unshard(async_op=True)
         return grad
 
     def _backward_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
-            return self.backward_prefetch
+            return [t for t in self.backward_prefetch if t.group is not None]
         order = self.iteration.order
         if self not in order:
             return []
@@ -167,12 +230,22 @@ class FSDPState:
                 if state.group is not None:
                     state.group.finish_backward()
                 state._in_backward = False
-            self.iteration.reduce_queue.clear()
+                state._to_run.clear()
             self.iteration.callback_queued = False
 
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-    return tree_map(cast, tree)
+    # --- recovery ------------------------------------------------------------------------------------
+    def reset_iteration(self) -> None:
+        """``FSDPModule.reset_iter_state``: see ``ParamGroup.reset``."""
+        if self.is_root is False:
+            raise RuntimeError(f"reset_iter_state must be called on the root FSDP module (the one fully_shard "
+                               f"was applied to last, which runs forward first), not on {self.name}")
+        if self.iteration is None:
+            return
+        for state in self.iteration.states:
+            if state.group is not None:
+                state.group.reset()
+            state._in_backward = False
+            state._to_run.clear()
+        self.iteration.callback_queued = False
+        if not self.iteration.order_frozen:  # a forward that raised recorded part of an order
+            self.iteration.order.clear()

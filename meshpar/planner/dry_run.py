@@ -234,8 +234,7 @@ def _units(stage: torch.nn.Module) -> list[Unit]:
         group = m._fsdp_state.group if isinstance(m, FSDPModule) else None
         if group is None or not group.params:
             continue
-        compute = group.mp.param_dtype or group.params[0].orig_dtype
-        reduce = group.mp.reduce_dtype or group.params[0].orig_dtype
+        compute, reduce = group.compute_dtype(group.params[0]), group.reduce_dtype()
         n = group.world * group.per_rank_numel
         units.append(Unit(name or "root", n * compute.itemsize, n * reduce.itemsize))
     return units
