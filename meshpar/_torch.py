@@ -44,14 +44,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 
 # --- pytrees --------------------------------------------------------------------------------------
-# The tensors in a module's nested inputs / outputs (FSDP's backward hooks and casts, the trace
-# labels). Public alternative: ``torch.utils.pytree`` is announced but not in 2.13; ``optree``
-# would add a dependency.
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+# The tensors in a module's nested inputs / outputs (the trace labels; FSDP walks them itself,
+# dataclasses included: meshpar/fsdp/tree.py). Public alternative: ``torch.utils.pytree`` is
+# announced but not in 2.13; ``optree`` would add a dependency.
+from torch.utils._pytree import tree_leaves
 
 # Bound at import; the names of _LAZY below (MemTracker, FakeTensorMode, FakeStore, ...) on first use.
 __all__ = [
-    "REQUIRED", "CUDA_ONLY", "StridedShard", "tree_flatten", "tree_leaves", "tree_map", "flatten_mesh",
+    "REQUIRED", "CUDA_ONLY", "StridedShard", "tree_leaves", "flatten_mesh",
     "unflatten_mesh", "concatenate_meshes", "local_tensor", "module_parameters", "forward_hook_dicts",
     "queue_backward_callback", "post_accumulate_grad_hooks", "preserve_version_counter", "c10d_functional_ops",
     "attention_ops",
@@ -273,8 +273,6 @@ REQUIRED: dict[str, str] = {
     "torch.distributed.tensor.placement_types._StridedShard":
         "FSDP over tensor parallel, GPT-2's fused q|k|v (tensor_parallel.py, fsdp/sharded_param.py, checkpoints, "
         "init, clipping, conversion)",
-    "torch.utils._pytree.tree_flatten": "FSDP's backward hooks (fsdp/state.py)",
-    "torch.utils._pytree.tree_map": "FSDP's mixed-precision casts (fsdp/state.py)",
     "torch.utils._pytree.tree_leaves": "tensor-parallel trace labels (profiling/labels.py)",
     "torch.distributed.device_mesh.DeviceMesh._flatten": "the flattened dp mesh (mesh.py)",
     "torch.distributed.device_mesh.DeviceMesh._unflatten": "fully_shard with an int reshard_after_forward",
