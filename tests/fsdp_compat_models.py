@@ -1,27 +1,34 @@
-"""Models, data, the training loop and the result comparison behind tests/test_fsdp_compat.py.
+"""Models, data, the training loop, the comparison and the harness behind tests/test_fsdp_compat.py.
 
 Everything here is engine-agnostic: a scenario builds a model from these pieces, applies
 ``E.fully_shard`` (torch's or meshpar's), trains with ``train`` and writes what it observed
-into a ``Record``; ``assert_same_record`` then holds meshpar's record to torch's. Models take
+into a ``Record``; ``both`` runs it under each engine and ``assert_same_record`` holds
+meshpar's record to torch's (``engines``: torch's twice when MESHPAR_COMPAT_SELF=1). Models take
 the default dtype (float64 in the compat job, float32 in the mixed-precision scenario) and
 have awkward row counts (7, 19, 3, 1) so that shards are uneven at 2 ranks and empty at 4.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 from tests.fsdp_models import DIM, HIDDEN, IN, OUT, Block, Net
-from tests.parity import upcast
+from tests.parity import TOL, upcast
 
 VOCAB, SEQ, BATCH = 19, 5, 12  # 19 embedding rows: uneven at 2 and 4 ranks; 3 microbatches of every rank's rows
 
@@ -221,3 +228,69 @@ def assert_same_record(got: Record, want: Record, tol: float, what: str = "meshp
         elif type(g) is not type(w) or g != w:
             bad.append(f"{key}: {g!r} vs {w!r}")
     assert not bad, f"{what}: {len(bad)} of {len(want)} values differ (tol {tol}):\n" + "\n".join(bad[:20])
+
+
+# --- the harness: one scenario under both engines -----------------------------------------------------
+SELF = os.environ.get("MESHPAR_COMPAT_SELF") == "1"  # torch against torch: the sanity mode
+
+
+def engines() -> tuple[ModuleType, ModuleType]:
+    """(reference, engine under test): torch's and meshpar's, or torch's twice in sanity mode."""
+    import meshpar.fsdp as meshpar_fsdp
+
+    return torch_fsdp, (torch_fsdp if SELF else meshpar_fsdp)
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    mesh: DeviceMesh  # 1-D ("dp_shard",) at 2 ranks; 2x2 ("dp_replicate", "dp_shard") at 4
+    tmp: Path  # shared by the ranks of one job
+
+
+def both(scenario: Callable[..., Record], ctx: Ctx, *args, tol: float = TOL) -> tuple[Record, Record]:
+    """``scenario(E, ctx, *args)`` under torch's engine, then under meshpar's; their records must agree."""
+    ref, ours = engines()
+    want = scenario(ref, ctx, *args)
+    got = scenario(ours, ctx, *args)
+    assert_same_record(got, want, tol, f"{getattr(scenario, '__name__', scenario)}{args}: meshpar vs torch")
+    return got, want
+
+
+def subcases(runs: dict[str, Callable[[], object]]) -> None:
+    """Run every sub-case even when one fails, then fail with all their errors (first line each)."""
+    errors = []
+    for label, run in runs.items():
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 - reported together below
+            errors.append(f"[{label}] {type(e).__name__}: {str(e).strip()}")
+    assert not errors, f"{len(errors)} of {len(runs)} sub-cases failed:\n" + "\n".join(errors)
+
+
+def each(scenario: Callable[..., Record], ctx: Ctx, labels: tuple, **kwargs) -> None:
+    """``both(scenario, ctx, label)`` for each label, every one run (see ``subcases``)."""
+    subcases({str(label): functools.partial(both, scenario, ctx, label, **kwargs) for label in labels})
+
+
+def shard_blocks(E: ModuleType, model: nn.Module, mesh: DeviceMesh, **kwargs) -> nn.Module:
+    """``E.fully_shard`` each of ``model.layers``, then the root (the usual layout)."""
+    for block in model.layers:
+        E.fully_shard(block, mesh=mesh, **kwargs)
+    return E.fully_shard(model, mesh=mesh, **kwargs)
+
+
+def none_grads(model: nn.Module) -> list[str]:
+    """The parameters whose ``.grad`` is None, by name."""
+    return sorted(name for name, p in model.named_parameters() if p.grad is None)
+
+
+def scenario_case(scenario: Callable[..., Record], *labels: object, tol: float = TOL) -> Callable[[Ctx], None]:
+    """A ``CaseSet`` case running ``both(scenario, ctx, label)`` for each label (or once, without)."""
+    def case(ctx: Ctx) -> None:
+        if labels:
+            each(scenario, ctx, labels, tol=tol)
+        else:
+            both(scenario, ctx, tol=tol)
+    return case

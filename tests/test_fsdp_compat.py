@@ -6,7 +6,7 @@ names (``E.fully_shard``, ``E.FSDPModule`` and its methods, ``E.MixedPrecisionPo
 user of torch's API writes them, and returns a ``Record`` of what it saw: the loss of every
 step, every parameter gathered (``full_tensor()``) with its placements and dtype, gradients
 where the scenario defines them, and any other observable (which gradients are None, an
-error). ``_both`` runs the scenario under torch's engine, then under meshpar's, on the same
+error). ``both`` runs the scenario under torch's engine, then under meshpar's, on the same
 ranks, and asserts the records are equal. **Torch's engine (torch 2.13, CPU, gloo) is the
 reference**: where meshpar differs, meshpar is wrong.
 
@@ -20,7 +20,7 @@ comparison sound, so a failure in the normal mode is meshpar's. ``test_compariso
 plants a gradient error of 1e-6 and asserts the comparison catches it.
 
 To add a scenario: write ``_name(E, ctx) -> Record`` using only ``E.*`` names, a case that
-calls ``_both(_name, ctx)`` (loop sub-cases inside it), register it in ``CASES`` and add its
+calls ``both(_name, ctx)`` (loop sub-cases inside it), register it in ``CASES`` and add its
 ``test_*``; then run it in sanity mode. Models, data, loop and comparison:
 tests/fsdp_compat_models.py.
 """
@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -39,13 +37,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.distributed.fsdp as torch_fsdp
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from tests.distributed import CaseSet
 from tests.fsdp_compat_models import (
+    Ctx,
     Faulty,
     Gated,
     Inputs,
@@ -55,70 +53,24 @@ from tests.fsdp_compat_models import (
     Scaled,
     Stage,
     assert_same_record,
+    both,
     build,
     chunked_lm_loss,
+    each,
+    engines,
     lm_batch,
     lm_loss,
     local,
     net_batch,
     net_loss,
+    none_grads,
+    scenario_case,
+    shard_blocks,
+    subcases,
     train,
 )
 from tests.fsdp_models import Net
 from tests.parity import TOL, default_dtype, must_fail
-
-SELF = os.environ.get("MESHPAR_COMPAT_SELF") == "1"  # torch against torch: the sanity mode
-
-
-def _engines() -> tuple[ModuleType, ModuleType]:
-    """(reference, engine under test): torch's and meshpar's, or torch's twice in sanity mode."""
-    import meshpar.fsdp as meshpar_fsdp
-
-    return torch_fsdp, (torch_fsdp if SELF else meshpar_fsdp)
-
-
-@dataclass
-class Ctx:
-    rank: int
-    world: int
-    mesh: DeviceMesh  # 1-D ("dp_shard",) at 2 ranks; 2x2 ("dp_replicate", "dp_shard") at 4
-    tmp: Path  # shared by the ranks of one job
-
-
-def _both(scenario: Callable[..., Record], ctx: Ctx, *args, tol: float = TOL) -> tuple[Record, Record]:
-    """``scenario(E, ctx, *args)`` under torch's engine, then under meshpar's; their records must agree."""
-    ref, ours = _engines()
-    want = scenario(ref, ctx, *args)
-    got = scenario(ours, ctx, *args)
-    assert_same_record(got, want, tol, f"{getattr(scenario, '__name__', scenario)}{args}: meshpar vs torch")
-    return got, want
-
-
-def _subcases(runs: dict[str, Callable[[], object]]) -> None:
-    """Run every sub-case even when one fails, then fail with all their errors (first line each)."""
-    errors = []
-    for label, run in runs.items():
-        try:
-            run()
-        except Exception as e:  # noqa: BLE001 - reported together below
-            errors.append(f"[{label}] {type(e).__name__}: {str(e).strip()}")
-    assert not errors, f"{len(errors)} of {len(runs)} sub-cases failed:\n" + "\n".join(errors)
-
-
-def _each(scenario: Callable[..., Record], ctx: Ctx, labels: tuple, **kwargs) -> None:
-    """``_both(scenario, ctx, label)`` for each label, every one run (see ``_subcases``)."""
-    _subcases({str(label): functools.partial(_both, scenario, ctx, label, **kwargs) for label in labels})
-
-
-def _shard_blocks(E: ModuleType, model: nn.Module, mesh: DeviceMesh, **kwargs) -> nn.Module:
-    """``E.fully_shard`` each of ``model.layers``, then the root (the usual layout)."""
-    for block in model.layers:
-        E.fully_shard(block, mesh=mesh, **kwargs)
-    return E.fully_shard(model, mesh=mesh, **kwargs)
-
-
-def _none_grads(model: nn.Module) -> list[str]:
-    return sorted(name for name, p in model.named_parameters() if p.grad is None)
 
 
 # --- 1. frozen parameters inside one group ------------------------------------------------------------
@@ -129,23 +81,20 @@ def _frozen_in_group(E: ModuleType, ctx: Ctx, kind: str) -> Record:
         model = build(Net)
         for p in (model.layers[1].a.weight, model.gain, model.emb.weight):
             p.requires_grad_(False)
-        _shard_blocks(E, model, ctx.mesh)
+        shard_blocks(E, model, ctx.mesh)
         loss_fn, batch = net_loss, net_batch
     else:  # a frozen embedding beside the trainable norm and head, one group
         model = build(Lm)
         model.tok.weight.requires_grad_(False)
-        _shard_blocks(E, model, ctx.mesh)
+        shard_blocks(E, model, ctx.mesh)
         loss_fn, batch = lm_loss, lm_batch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # over all, frozen too
     loss_fn(model, local(batch(0))).backward()
-    rec["grad is None"] = _none_grads(model)
+    rec["grad is None"] = none_grads(model)
     opt.zero_grad()
     train(model, rec, kind, loss_fn=loss_fn, batch=batch, opt=opt)
     return rec
 
-
-def _case_frozen_in_group(ctx: Ctx) -> None:
-    _each(_frozen_in_group, ctx, ("net", "lm"))
 
 
 # --- 2. a frozen unit; a frozen parameter of another dtype ---------------------------------------------
@@ -156,20 +105,17 @@ def _frozen_across_groups(E: ModuleType, ctx: Ctx, kind: str) -> Record:
         model.layers[0].requires_grad_(False)
     else:  # a float32 frozen parameter in a float64 group
         model.layers[1] = Scaled()
-    _shard_blocks(E, model, ctx.mesh)
+    shard_blocks(E, model, ctx.mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train(model, rec, kind, opt=opt)  # records each step's gradients, "None" for the frozen
     return rec
 
 
-def _case_frozen_across_groups(ctx: Ctx) -> None:
-    _each(_frozen_across_groups, ctx, ("frozen unit", "float32 frozen"))
-
 
 # --- 3. optimizer in backward ---------------------------------------------------------------------------
 def _optimizer_in_backward(E: ModuleType, ctx: Ctx) -> Record:
     rec = Record()
-    model = _shard_blocks(E, build(Net), ctx.mesh)
+    model = shard_blocks(E, build(Net), ctx.mesh)
     optims = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
 
     def step(p: torch.Tensor) -> None:  # as in PyTorch's optimizer-in-backward tutorial
@@ -182,20 +128,17 @@ def _optimizer_in_backward(E: ModuleType, ctx: Ctx) -> Record:
         loss = net_loss(model, local(net_batch(i)))
         loss.backward()
         rec.loss(str(i), loss)
-        rec[f"{i}.grad is None"] = _none_grads(model)  # the hooks zeroed them all
+        rec[f"{i}.grad is None"] = none_grads(model)  # the hooks zeroed them all
     rec["steps taken"] = sorted(int(o.state[p]["step"]) if p in o.state else 0 for p, o in optims.items())
     rec.params("end", model)
     return rec
 
 
-def _case_optimizer_in_backward(ctx: Ctx) -> None:
-    _both(_optimizer_in_backward, ctx)
-
 
 # --- 4. a tied weight with uneven rows; a weight shared across two groups --------------------------------
 def _shared_uneven(E: ModuleType, ctx: Ctx) -> Record:
     rec = Record()
-    model = _shard_blocks(E, build(Lm, tied=True), ctx.mesh)  # tok and head in the root: one group
+    model = shard_blocks(E, build(Lm, tied=True), ctx.mesh)  # tok and head in the root: one group
     rec["tied after fully_shard"] = model.head.weight is model.tok.weight
     train(model, rec, "tied", loss_fn=lm_loss, batch=lm_batch)
     rec["tied after training"] = model.head.weight is model.tok.weight
@@ -212,7 +155,7 @@ def _shared_across_groups(E: ModuleType, ctx: Ctx) -> str:
     model = build(Lm, tied=True)
     try:
         E.fully_shard(model.head, mesh=ctx.mesh)
-        _shard_blocks(E, model, ctx.mesh)
+        shard_blocks(E, model, ctx.mesh)
         lm_loss(model, local(lm_batch(0))).backward()
     except ValueError as e:
         assert "shared" in str(e), f"{E.__name__}: an unclear error for a weight shared across groups: {e}"
@@ -221,15 +164,15 @@ def _shared_across_groups(E: ModuleType, ctx: Ctx) -> str:
 
 
 def _case_shared_uneven(ctx: Ctx) -> None:
-    _subcases({"tied in one group": lambda: _both(_shared_uneven, ctx),
+    subcases({"tied in one group": lambda: both(_shared_uneven, ctx),
                **{f"shared across groups, {E.__name__}": functools.partial(_shared_across_groups, E, ctx)
-                  for E in _engines()}})
+                  for E in engines()}})
 
 
 # --- 5. .to(dtype) / .to(device) after fully_shard -------------------------------------------------------
 def _to_dtype_device(E: ModuleType, ctx: Ctx) -> Record:
     rec = Record()
-    model = _shard_blocks(E, build(Net), ctx.mesh)
+    model = shard_blocks(E, build(Net), ctx.mesh)
     train(model, rec, "float64", steps=1)
     for step, target in enumerate((torch.float32, torch.float64, "cpu")):
         model.to(target)
@@ -240,16 +183,13 @@ def _to_dtype_device(E: ModuleType, ctx: Ctx) -> Record:
     return rec
 
 
-def _case_to_dtype_device(ctx: Ctx) -> None:
-    _both(_to_dtype_device, ctx)
-
 
 # --- 6. reset_iter_state after a failed forward or backward -----------------------------------------------
 def _reset_iter_state(E: ModuleType, ctx: Ctx, where: str) -> Record:
     rec = Record()
     model = build(Net)
     model.layers[1] = Faulty()
-    _shard_blocks(E, model, ctx.mesh)
+    shard_blocks(E, model, ctx.mesh)
     opt = train(model, rec, "before", steps=1)
     setattr(model.layers[1], f"fail_{where}", True)
     try:
@@ -264,14 +204,11 @@ def _reset_iter_state(E: ModuleType, ctx: Ctx, where: str) -> Record:
     return rec
 
 
-def _case_reset_iter_state(ctx: Ctx) -> None:
-    _each(_reset_iter_state, ctx, ("forward", "backward"))
-
 
 # --- 7. two forwards, one backward -------------------------------------------------------------------------
 def _double_forward(E: ModuleType, ctx: Ctx) -> Record:
     rec = Record()
-    model = _shard_blocks(E, build(Net), ctx.mesh)
+    model = shard_blocks(E, build(Net), ctx.mesh)
 
     def two_losses(model: nn.Module, batch: tuple) -> torch.Tensor:
         x, y = batch
@@ -281,9 +218,6 @@ def _double_forward(E: ModuleType, ctx: Ctx) -> Record:
     return rec
 
 
-def _case_double_forward(ctx: Ctx) -> None:
-    _both(_double_forward, ctx)
-
 
 # --- 8. list groups: a group whose modules the forward runs only partly -----------------------------------
 def _partial_group_forward(E: ModuleType, ctx: Ctx, layout: str) -> Record:
@@ -291,7 +225,7 @@ def _partial_group_forward(E: ModuleType, ctx: Ctx, layout: str) -> Record:
     if layout == "[norm, head]":  # torch's docstring case: forward runs norm, the loss runs head per chunk
         model = build(Lm, hidden_only=True)
         E.fully_shard([model.norm, model.head], mesh=ctx.mesh)
-        _shard_blocks(E, model, ctx.mesh)
+        shard_blocks(E, model, ctx.mesh)
         train(model, rec, layout, loss_fn=chunked_lm_loss, batch=lm_batch)
     else:  # two sibling blocks in one group
         model = build(Net)
@@ -302,15 +236,12 @@ def _partial_group_forward(E: ModuleType, ctx: Ctx, layout: str) -> Record:
     return rec
 
 
-def _case_partial_group_forward(ctx: Ctx) -> None:
-    _each(_partial_group_forward, ctx, ("[norm, head]", "[block0, block1]"))
-
 
 # --- 9. gradient accumulation: every combination of the accumulation switches ------------------------------
 def _accumulation(E: ModuleType, ctx: Ctx, switches: tuple[tuple[str, bool], ...]) -> Record:
     """Three microbatches per step; ``switches`` on the first two, all True on the last."""
     rec, early = Record(), dict(switches)
-    model = _shard_blocks(E, build(Net), ctx.mesh)
+    model = shard_blocks(E, build(Net), ctx.mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         x, y = local(net_batch(step))
@@ -338,7 +269,7 @@ def _case_accumulation(ctx: Ctx) -> None:
     # all-reduce) on the early microbatches, or no sync at all
     names = ("sync", "reshard", "is_last") if ctx.world == 2 else ("sync", "all_reduce")
     combos = [tuple(zip(names, values, strict=True)) for values in itertools.product((False, True), repeat=len(names))]
-    _each(_accumulation, ctx, tuple(combos))
+    each(_accumulation, ctx, tuple(combos))
 
 
 # --- 10. set_all_reduce_hook: HSDP made by the user, against native HSDP ------------------------------------
@@ -346,7 +277,7 @@ def _all_reduce_hook(E: ModuleType, ctx: Ctx, native: bool) -> Record:
     rec = Record()
     model = build(Net)
     if native:
-        _shard_blocks(E, model, ctx.mesh)
+        shard_blocks(E, model, ctx.mesh)
     else:  # FSDP over dp_shard; the hook averages the reduced shards over dp_replicate
         replicas = ctx.mesh["dp_replicate"]
 
@@ -354,7 +285,7 @@ def _all_reduce_hook(E: ModuleType, ctx: Ctx, native: bool) -> Record:
             dist.all_reduce(grad, group=replicas.get_group())
             grad.div_(replicas.size())
 
-        _shard_blocks(E, model, ctx.mesh["dp_shard"])
+        shard_blocks(E, model, ctx.mesh["dp_shard"])
         for module in model.modules():
             if isinstance(module, E.FSDPModule):
                 module.set_all_reduce_hook(hook)
@@ -363,10 +294,10 @@ def _all_reduce_hook(E: ModuleType, ctx: Ctx, native: bool) -> Record:
 
 
 def _case_all_reduce_hook(ctx: Ctx) -> None:
-    _subcases({"user-made HSDP": lambda: _both(_all_reduce_hook, ctx, False),
-               "native HSDP": lambda: _both(_all_reduce_hook, ctx, True),
-               "user-made vs native, torch": lambda: _user_vs_native(ctx, _engines()[0]),
-               "user-made vs native, meshpar": lambda: _user_vs_native(ctx, _engines()[1])})
+    subcases({"user-made HSDP": lambda: both(_all_reduce_hook, ctx, False),
+               "native HSDP": lambda: both(_all_reduce_hook, ctx, True),
+               "user-made vs native, torch": lambda: _user_vs_native(ctx, engines()[0]),
+               "user-made vs native, meshpar": lambda: _user_vs_native(ctx, engines()[1])})
 
 
 def _user_vs_native(ctx: Ctx, E: ModuleType) -> None:
@@ -379,7 +310,7 @@ def _user_vs_native(ctx: Ctx, E: ModuleType) -> None:
 # --- 11. explicit prefetch lists; unshard(async_op=True) -----------------------------------------------------
 def _prefetch_lists(E: ModuleType, ctx: Ctx) -> Record:
     rec = Record()
-    model = _shard_blocks(E, build(Net), ctx.mesh)
+    model = shard_blocks(E, build(Net), ctx.mesh)
     blocks = list(model.layers)
     model.set_modules_to_forward_prefetch(blocks[:2])
     for i, block in enumerate(blocks):
@@ -396,21 +327,25 @@ def _prefetch_lists(E: ModuleType, ctx: Ctx) -> Record:
     return rec
 
 
-def _case_prefetch_lists(ctx: Ctx) -> None:
-    _both(_prefetch_lists, ctx)
-
 
 # --- 12. mixed precision ------------------------------------------------------------------------------------
 # Compared bit for bit (tol 0): both engines cast the same fp32 shards to bf16, compute with the
 # same kernels, and reduce two addends per element (a + b == b + a exactly; the divide by 2 is
 # exact), so the arithmetic is identical by construction, as in tests/test_fsdp.py's _case_bf16.
+_BF16 = dict(param_dtype=torch.bfloat16)
+_MIXED_PRECISION = {  # sub-case -> policy
+    "bf16 params, fp32 reduce": dict(**_BF16, reduce_dtype=torch.float32),  # with no-sync accumulation
+    "bf16 params, default reduce": _BF16,  # torch: reduce_dtype None reduces in param_dtype
+    "nested inputs": dict(**_BF16, cast_forward_inputs=True),
+    "fp32 params, bf16 reduce": dict(reduce_dtype=torch.bfloat16),
+    "output_dtype": dict(**_BF16, reduce_dtype=torch.float32, output_dtype=torch.float32),  # on the root only
+}
+
+
 @default_dtype(torch.float32)  # fp32 master weights, as in training
 def _mixed_precision(E: ModuleType, ctx: Ctx, kind: str) -> Record:
     rec = Record()
-    policy = {"bf16 params, fp32 reduce": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-              "nested inputs": dict(param_dtype=torch.bfloat16, cast_forward_inputs=True),
-              "fp32 params, bf16 reduce": dict(reduce_dtype=torch.bfloat16),
-              "output_dtype": dict(param_dtype=torch.bfloat16, output_dtype=torch.float32)}[kind]
+    policy = _MIXED_PRECISION[kind]
     model = build(Nested if kind == "nested inputs" else Net)
     blocks = {k: v for k, v in policy.items() if k != "output_dtype"}  # the root's output only
     for block in model.layers:
@@ -427,9 +362,11 @@ def _mixed_precision(E: ModuleType, ctx: Ctx, kind: str) -> Record:
             return torch.nn.functional.mse_loss(out.float(), y)
     else:
         loss_fn = net_loss
-        with torch.no_grad():
-            rec["output dtype"] = str(model(local(net_batch(9))[0]).dtype)
     train(model, rec, kind, loss_fn=loss_fn)
+    # Last: torch keeps the root unsharded after a no_grad forward (the root does not reshard
+    # after forward), so an optimizer built after one would hold the unsharded tensors.
+    with torch.no_grad():
+        rec["output dtype"] = str(model(local(net_batch(9))[0]).dtype) if kind != "nested inputs" else "-"
     return rec
 
 
@@ -448,21 +385,17 @@ def _accumulation_mp(model: nn.Module, rec: Record) -> None:
     rec.params("end", model)
 
 
-def _case_mixed_precision(ctx: Ctx) -> None:
-    _each(_mixed_precision, ctx, ("bf16 params, fp32 reduce", "nested inputs", "fp32 params, bf16 reduce",
-                                  "output_dtype"), tol=0.0)
-
 
 # --- 13. state_dict round trip --------------------------------------------------------------------------
 def _state_dict_roundtrip(E: ModuleType, ctx: Ctx) -> Record:
     rec = Record()
-    model = _shard_blocks(E, build(Net), ctx.mesh)
+    model = shard_blocks(E, build(Net), ctx.mesh)
     train(model, rec, "trained", steps=2, grads=False)
     sd = model.state_dict()
     rec["state_dict"] = sorted((k, type(v).__name__, str(getattr(v, "placements", None))) for k, v in sd.items())
     model.load_state_dict(sd)
     rec.params("reloaded", model)
-    fresh = _shard_blocks(E, build(Net, seed=1), ctx.mesh)
+    fresh = shard_blocks(E, build(Net, seed=1), ctx.mesh)
     fresh.load_state_dict(sd)
     rec.params("fresh", fresh)
     for key, m in (("reloaded", model), ("fresh", fresh)):  # new optimizers: the two continue alike
@@ -471,7 +404,7 @@ def _state_dict_roundtrip(E: ModuleType, ctx: Ctx) -> Record:
 
 
 def _case_state_dict_roundtrip(ctx: Ctx) -> None:
-    got, want = _both(_state_dict_roundtrip, ctx)
+    got, want = both(_state_dict_roundtrip, ctx)
     for r in (got, want):
         same = {k.replace("reloaded", "fresh"): v for k, v in r.items() if k.startswith("reloaded")}
         assert_same_record(Record({k: r[k] for k in same}), Record(same), 0.0, "fresh model vs reloaded model")
@@ -489,7 +422,7 @@ def _placement(kind: str, world: int) -> Callable[[nn.Parameter], Shard | None]:
 def _shard_placement_fn(E: ModuleType, ctx: Ctx, kind: str) -> Record:
     rec = Record()
     model = build(Net)
-    _shard_blocks(E, model, ctx.mesh, shard_placement_fn=_placement(kind, ctx.world))
+    shard_blocks(E, model, ctx.mesh, shard_placement_fn=_placement(kind, ctx.world))
     rec["local shapes"] = [(n, tuple(p.to_local().shape)) for n, p in model.named_parameters()]
     train(model, rec, kind)
     return rec
@@ -498,10 +431,10 @@ def _shard_placement_fn(E: ModuleType, ctx: Ctx, kind: str) -> Record:
 def _dcp_between(src: ModuleType, dst: ModuleType, ctx: Ctx, path: str) -> None:
     """Save a trained model under ``src`` (dim-1 placements), load it into a fresh one under ``dst``."""
     fn = _placement("dim 1", ctx.world)
-    model = _shard_blocks(src, build(Net), ctx.mesh, shard_placement_fn=fn)
+    model = shard_blocks(src, build(Net), ctx.mesh, shard_placement_fn=fn)
     train(model, Record(), "src", steps=1, grads=False)
     dcp.save(model.state_dict(), checkpoint_id=path)
-    fresh = _shard_blocks(dst, build(Net, seed=1), ctx.mesh, shard_placement_fn=fn)
+    fresh = shard_blocks(dst, build(Net, seed=1), ctx.mesh, shard_placement_fn=fn)
     sd = fresh.state_dict()
     dcp.load(sd, checkpoint_id=path)
     fresh.load_state_dict(sd)
@@ -512,8 +445,8 @@ def _dcp_between(src: ModuleType, dst: ModuleType, ctx: Ctx, path: str) -> None:
 
 
 def _case_shard_placement_fn(ctx: Ctx) -> None:
-    ref, ours = _engines()
-    _subcases({**{kind: functools.partial(_both, _shard_placement_fn, ctx, kind) for kind in ("dim 1", "largest dim")},
+    ref, ours = engines()
+    subcases({**{kind: functools.partial(both, _shard_placement_fn, ctx, kind) for kind in ("dim 1", "largest dim")},
                "dcp torch -> meshpar": lambda: _dcp_between(ref, ours, ctx, str(ctx.tmp / "torch_to_meshpar")),
                "dcp meshpar -> torch": lambda: _dcp_between(ours, ref, ctx, str(ctx.tmp / "meshpar_to_torch"))})
 
@@ -525,17 +458,16 @@ def _module_methods(E: ModuleType, ctx: Ctx, kind: str) -> Record:
     if kind == "unshard_in_backward":  # the embedding's own unit: backward needs only the indices
         E.fully_shard(model.tok, mesh=ctx.mesh)
         model.tok.set_unshard_in_backward(False)
-        _shard_blocks(E, model, ctx.mesh)
+        shard_blocks(E, model, ctx.mesh)
         train(model, rec, kind, loss_fn=lm_loss, batch=lm_batch)
         return rec
-    _shard_blocks(E, model, ctx.mesh)
+    shard_blocks(E, model, ctx.mesh)
     if kind == "generate":  # a method other than forward, gathering the root's parameters
         E.register_fsdp_forward_method(model, "generate")
         train(model, rec, kind, steps=1)
         with torch.no_grad():
             rec["generate"] = model.generate(local(net_batch(5))[0])
-        rec["root sharded after generate"] = isinstance(model.emb.weight, DTensor)
-        model.reshard()
+        model.reshard()  # torch leaves the root unsharded after a no_grad call (the root keeps its gather)
         rec.params("after generate", model)
         train(model, rec, "then", first=1, steps=1)
     elif kind == "reshard_after_forward":
@@ -574,8 +506,8 @@ def _share_comm_ctx(E: ModuleType, ctx: Ctx) -> Record:
     """Two roots in sequence, like two pipeline chunks on one rank."""
     rec = Record()
     model = build(Net)  # without its gain: emb, blocks 0-1 | block 2, out
-    roots = [_shard_blocks(E, Stage(model.emb, model.layers[:2], None), ctx.mesh),
-             _shard_blocks(E, Stage(None, model.layers[2:], model.out), ctx.mesh)]
+    roots = [shard_blocks(E, Stage(model.emb, model.layers[:2], None), ctx.mesh),
+             shard_blocks(E, Stage(None, model.layers[2:], model.out), ctx.mesh)]
     E.share_comm_ctx(roots)
     opt = torch.optim.AdamW([p for r in roots for p in r.parameters()], lr=1e-2)
     for i in range(3):
@@ -593,15 +525,15 @@ def _share_comm_ctx(E: ModuleType, ctx: Ctx) -> Record:
 def _case_list_groups_and_methods(ctx: Ctx) -> None:
     kinds = ("generate", "reshard_after_forward", "unshard_in_backward", "unused params", "divide factor",
              "max input buffers", "separate reduce-scatter group", "force sum")
-    _subcases({**{kind: functools.partial(_both, _module_methods, ctx, kind) for kind in kinds},
-               "share_comm_ctx": lambda: _both(_share_comm_ctx, ctx)})
+    subcases({**{kind: functools.partial(both, _module_methods, ctx, kind) for kind in kinds},
+               "share_comm_ctx": lambda: both(_share_comm_ctx, ctx)})
 
 
 # --- the comparison bites --------------------------------------------------------------------------------
 def _planted(E: ModuleType, ctx: Ctx, scale: float) -> Record:
     """Net trained with every gradient scaled by ``scale`` (a hook on the output's gradient)."""
     rec = Record()
-    model = _shard_blocks(E, build(Net), ctx.mesh)
+    model = shard_blocks(E, build(Net), ctx.mesh)
 
     def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
         x, y = batch
@@ -614,7 +546,7 @@ def _planted(E: ModuleType, ctx: Ctx, scale: float) -> Record:
 
 
 def _case_comparison_bites(ctx: Ctx) -> None:
-    ref, ours = _engines()
+    ref, ours = engines()
     want = _planted(ref, ctx, 1.0)
     assert_same_record(_planted(ref, ctx, 1.0), want, TOL, "torch vs torch, no bug")
     got = _planted(ours, ctx, 1 + 1e-6)
@@ -632,18 +564,18 @@ def _setup(tmp: Path) -> Ctx:
 
 CASES = CaseSet({
     "comparison_bites": (_case_comparison_bites, 2),
-    "frozen_in_group": (_case_frozen_in_group, 2),
-    "frozen_across_groups": (_case_frozen_across_groups, 2),
-    "optimizer_in_backward": (_case_optimizer_in_backward, 2),
+    "frozen_in_group": (scenario_case(_frozen_in_group, "net", "lm"), 2),
+    "frozen_across_groups": (scenario_case(_frozen_across_groups, "frozen unit", "float32 frozen"), 2),
+    "optimizer_in_backward": (scenario_case(_optimizer_in_backward), 2),
     "shared_uneven": (_case_shared_uneven, 2),
-    "to_dtype_device": (_case_to_dtype_device, 2),
-    "reset_iter_state": (_case_reset_iter_state, 2),
-    "double_forward": (_case_double_forward, 2),
-    "partial_group_forward": (_case_partial_group_forward, 2),
+    "to_dtype_device": (scenario_case(_to_dtype_device), 2),
+    "reset_iter_state": (scenario_case(_reset_iter_state, "forward", "backward"), 2),
+    "double_forward": (scenario_case(_double_forward), 2),
+    "partial_group_forward": (scenario_case(_partial_group_forward, "[norm, head]", "[block0, block1]"), 2),
     "accumulation": (_case_accumulation, (2, 4)),
     "all_reduce_hook": (_case_all_reduce_hook, 4),
-    "prefetch_lists": (_case_prefetch_lists, 2),
-    "mixed_precision": (_case_mixed_precision, 2),
+    "prefetch_lists": (scenario_case(_prefetch_lists), 2),
+    "mixed_precision": (scenario_case(_mixed_precision, *_MIXED_PRECISION, tol=0.0), 2),
     "state_dict_roundtrip": (_case_state_dict_roundtrip, 2),
     "shard_placement_fn": (_case_shard_placement_fn, 2),
     "list_groups_and_methods": (_case_list_groups_and_methods, 2),
