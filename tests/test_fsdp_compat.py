@@ -16,13 +16,25 @@ bf16 bit for bit, with the reason next to it.
 
 Sanity mode: ``MESHPAR_COMPAT_SELF=1 pytest tests/test_fsdp_compat.py`` runs torch against
 torch. Every scenario must pass that way: it proves the scenario is deterministic and its
-comparison sound, so a failure in the normal mode is meshpar's. ``test_comparison_bites``
+comparison sound, so a failure in the normal mode is meshpar's. The ``comparison_bites`` case
 plants a gradient error of 1e-6 and asserts the comparison catches it.
 
-To add a scenario: write ``_name(E, ctx) -> Record`` using only ``E.*`` names, a case that
-calls ``both(_name, ctx)`` (loop sub-cases inside it), register it in ``CASES`` and add its
-``test_*``; then run it in sanity mode. Models, data, loop and comparison:
-tests/fsdp_compat_models.py.
+Each case loops its sub-cases and reports every failing one (``subcases``), with the values
+that differ and by how much. A sub-case in which the ranks disagree on collectives hangs
+its world's job until the ``CASES`` timeout, failing every case of that world size.
+
+Torch behaviours worth knowing (they are the spec here): a weight shared by two groups is
+refused only at the first forward; after a no_grad forward the root stays unsharded (it
+does not reshard after forward), so an optimizer built then holds unsharded tensors;
+``reduce_dtype=None`` with a ``param_dtype`` reduces in ``param_dtype``; and
+``set_gradient_divide_factor``, ``set_all_reduce_hook``, ``set_unshard_in_backward``,
+``set_force_sum_reduction_for_comms``, ``unshard`` and ``reshard`` act on the one module,
+not its FSDP submodules.
+
+To add a scenario: write ``_name(E, ctx[, label]) -> Record`` using only ``E.*`` names,
+register ``scenario_case(_name, *labels)`` (or a case function calling ``both``) in
+``CASES`` (``test_matches_torch_fsdp`` runs every case), then run it in sanity mode. Models,
+data, loop, comparison and harness: tests/fsdp_compat_models.py.
 """
 
 from __future__ import annotations
@@ -482,8 +494,9 @@ def _module_methods(E: ModuleType, ctx: Ctx, kind: str) -> Record:
             opt.zero_grad()
             rec.loss(str(i), loss)
         rec.params("end", model)
-    elif kind == "unused params":  # gain unused on step 1: a zero gradient, not None
-        model.set_reduce_scatter_unused_params(True)
+    elif kind.startswith("unused params"):  # gain unused on step 1: with the flag a zero gradient, else None
+        if kind == "unused params":
+            model.set_reduce_scatter_unused_params(True)
         opt = train(model, rec, kind, steps=1)
         model.use_gain = False
         train(model, rec, kind, opt=opt, first=1, steps=1)
@@ -523,8 +536,8 @@ def _share_comm_ctx(E: ModuleType, ctx: Ctx) -> Record:
 
 
 def _case_list_groups_and_methods(ctx: Ctx) -> None:
-    kinds = ("generate", "reshard_after_forward", "unshard_in_backward", "unused params", "divide factor",
-             "max input buffers", "separate reduce-scatter group", "force sum")
+    kinds = ("generate", "reshard_after_forward", "unshard_in_backward", "unused params", "unused params, no flag",
+             "divide factor", "max input buffers", "separate reduce-scatter group", "force sum")
     subcases({**{kind: functools.partial(both, _module_methods, ctx, kind) for kind in kinds},
                "share_comm_ctx": lambda: both(_share_comm_ctx, ctx)})
 
