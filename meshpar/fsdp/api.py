@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshpar._torch import module_parameters, unflatten_mesh
 from meshpar.fsdp.param_group import ParamGroup
@@ -163,8 +163,9 @@ class FSDPModule:
 
     # --- reductions ------------------------------------------------------------------------------------
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
-        for group in self._groups(recurse=True):
+        """Divide this unit's reduced gradients by ``factor`` instead of the data-parallel world size
+        (not recursive, as in PyTorch's engine: call it on each unit)."""
+        for group in self._groups(recurse=False):
             group.divide_factor = factor
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -320,12 +321,30 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+def _spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
+    """``dp_mesh_dims``: the data-parallel sub-mesh of the full SPMD ``mesh`` ([Note: parameters on
+    the full SPMD mesh] in sharded_param.py)."""
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError("fully_shard(dp_mesh_dims=...) needs a mesh with named dims "
+                         "(init_device_mesh(..., mesh_dim_names=(...)))")
+    unknown = [n for n in (*dims.shard_names, *dims.replicate_names) if n not in names]
+    if unknown:
+        raise ValueError(f"dp_mesh_dims names {unknown}, not dims of the mesh {names}")
+    if len(dims.shard_names) != 1 or len(dims.replicate_names) > 1:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dims}: meshpar takes exactly one shard dim and at most one replicate dim; flatten "
+            f"several into one mesh dim first (or pass the data-parallel sub-mesh as mesh=)")
+    shard, replicate = dims.shard_names[0], (dims.replicate_names or (None,))[0]
+    spmd_dims = (names.index(shard), None if replicate is None else names.index(replicate))
+    if replicate is None:
+        return MeshInfo(mesh[shard], shard_dim=0, replicate_dim=None, spmd=mesh, spmd_dims=spmd_dims)
+    return MeshInfo(mesh[replicate, shard], shard_dim=1, replicate_dim=0, spmd=mesh, spmd_dims=spmd_dims)
+
+
 def _mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None) -> MeshInfo:
     if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...): parameters that are DTensors on the full SPMD mesh are not supported "
-            "by meshpar yet; pass the data-parallel sub-mesh as mesh= (e.g. mesh['dp_shard'], or "
-            "mesh['dp_replicate', 'dp_shard'] for HSDP) and apply tensor parallelism on the tp sub-mesh.")
+        return _spmd_mesh_info(mesh, dp_mesh_dims)
     if mesh.ndim == 1:
         return MeshInfo(mesh, shard_dim=0, replicate_dim=None)
     if mesh.ndim == 2:
@@ -358,6 +377,18 @@ def _managed(modules: list[nn.Module], ignored: set[int]) -> tuple[dict[int, lis
                 places.setdefault(id(p), []).append((m, attr))
         stack.extend(reversed(list(m.children())))
     return places, nested_ids
+
+
+def _check_spmd_param(p: nn.Parameter, name: str, info: MeshInfo) -> None:
+    if not isinstance(p, DTensor) or p.device_mesh != info.spmd:
+        raise ValueError(f"{name} is not a DTensor on the mesh passed to fully_shard; with dp_mesh_dims every "
+                         f"parameter must be one (distribute it on the full mesh, Replicate() on the "
+                         f"data-parallel dims)")
+    for i in info.spmd_dims:
+        if i is not None and not isinstance(p.placements[i], Replicate):
+            raise ValueError(f"{name} is {p.placements[i]} on the data-parallel mesh dim "
+                             f"{info.spmd.mesh_dim_names[i]!r}; with dp_mesh_dims it must be Replicate() there "
+                             f"(FSDP shards it)")
 
 
 def _shard_dim(fn: Callable | None, param: nn.Parameter, name: str, world: int) -> int:
@@ -404,7 +435,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     ``shard_placement_fn(param)``: ``Shard(d)`` shards ``param`` on dim d (which must divide
     evenly unless d is 0), None on dim 0. ``offload_policy``: ``CPUOffloadPolicy()`` keeps
     shards, gradients and so optimizer state on CPU. ``ignored_params``: left alone (not
-    sharded, not reduced). ``shard_threshold`` (meshpar's addition): parameters with fewer
+    sharded, not reduced). ``dp_mesh_dims``: ``mesh`` is the full SPMD mesh, every parameter a
+    DTensor on it (Replicate on the dims named here), sharded over ``shard`` and replicated
+    over ``replicate`` ([Note: parameters on the full SPMD mesh] in sharded_param.py).
+    ``shard_threshold`` (meshpar's addition): parameters with fewer
     elements stay replicated, their gradients all-reduced.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -422,6 +456,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         raise TypeError(f"offload_policy must be OffloadPolicy() or CPUOffloadPolicy(...); got {offload_policy!r}")
     info = _mesh_info(mesh or _default_mesh(), dp_mesh_dims)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        if info.spmd is not None:
+            raise NotImplementedError("an int reshard_after_forward with dp_mesh_dims; pass True or False")
         n = info.shard_size
         if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or n % reshard_after_forward:
             raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: an int must divide the shard group "
@@ -442,9 +478,12 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         if not p.is_floating_point():
             raise ValueError(f"{name} is {p.dtype}; fully_shard shards floating-point parameters only "
                              f"(register it as a buffer, or pass it in ignored_params)")
-        if isinstance(p, DTensor) and len(p.device_mesh.shape) != 1:
+        if info.spmd is not None:
+            _check_spmd_param(p, name, info)
+        elif isinstance(p, DTensor) and len(p.device_mesh.shape) != 1:
             raise NotImplementedError(f"{name} is a DTensor on a {p.device_mesh.ndim}-D mesh; fully_shard composes "
-                                      f"with 1-D tensor parallelism (a tp sub-mesh) only")
+                                      f"with 1-D tensor parallelism (a tp sub-mesh), or takes the full mesh with "
+                                      f"dp_mesh_dims")
         if p.ndim == 0:
             raise ValueError(f"{name} is a 0-dim parameter; fully_shard needs at least one dim to shard "
                              f"(make it shape [1], or pass it in ignored_params)")

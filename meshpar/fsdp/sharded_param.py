@@ -73,6 +73,10 @@ class MeshInfo:
     mesh: DeviceMesh
     shard_dim: int  # mesh dim index parameters are sharded over
     replicate_dim: int | None  # mesh dim index gradients are all-reduced over (hybrid), else None
+    # dp_mesh_dims: the full SPMD mesh parameters are DTensors on, and the indices of its shard and
+    # replicate dims ([Note: parameters on the full SPMD mesh])
+    spmd: DeviceMesh | None = None
+    spmd_dims: tuple[int, int | None] | None = None
 
     @property
     def shard_group(self):
@@ -105,6 +109,17 @@ class MeshInfo:
     def placements(self, sharded: bool, dim: int = 0) -> tuple[Placement, ...]:
         shard: Placement = Shard(dim) if sharded else Replicate()
         return (shard,) if self.replicate_dim is None else (Replicate(), shard)
+
+
+# [Note: parameters on the full SPMD mesh]
+# With ``dp_mesh_dims`` a parameter is a DTensor on the whole mesh, Replicate on the data-parallel
+# dims and (say) Shard on ``tp``. Its local tensor is the TP-local one, so FSDP shards it exactly
+# as a parameter of a tp sub-mesh ([Note: FSDP on a tensor-parallel parameter]); only the sharded
+# DTensor differs: it stays on the full mesh, in its dim order, with the shard dim's Replicate
+# replaced by Shard(d), or StridedShard(d, sf) when later mesh dims (sf ranks in all) already
+# split dim d, as PyTorch's engine places it. Its gradient may be Partial on the data-parallel
+# dims (a batch sharded over them): that local partial sum is what FSDP reduces, so only the other
+# dims are redistributed.
 
 
 @dataclass(frozen=True)
@@ -228,6 +243,15 @@ class ShardedParam:
         (data-parallel dims outermost) and, as PyTorch's fully_shard makes them, a strided shard
         when TP already splits dim 0: [Note: FSDP on a tensor-parallel parameter]."""
         dp = self.mesh_info.placements(self.is_sharded, self.shard_dim)
+        if self.mesh_info.spmd is not None:  # [Note: parameters on the full SPMD mesh]
+            spmd, (shard_idx, _) = self.mesh_info.spmd, self.mesh_info.spmd_dims
+            placements = list(self.tp.placements)
+            if self.is_sharded:
+                d = self.shard_dim
+                sf = math.prod(spmd.size(j) for j in range(shard_idx + 1, spmd.ndim)
+                               if isinstance(placements[j], Shard) and placements[j].dim == d)
+                placements[shard_idx] = StridedShard(d, split_factor=sf) if sf > 1 else Shard(d)
+            return spmd, tuple(placements)
         if self.tp is None:
             return self.mesh_info.mesh, dp
         tp_shards_dim0 = math.prod(self.tp.mesh.size(i) for i, pl in enumerate(self.tp.placements)
@@ -307,8 +331,12 @@ class ShardedParam:
         if self.unsharded is not None:
             self.unsharded.grad = None
         if isinstance(grad, DTensor):  # TP: reduce the local gradient of this TP shard
+            target = self.tp.placements
+            if self.mesh_info.spmd is not None:  # FSDP reduces the data-parallel dims itself
+                dp = {i for i in self.mesh_info.spmd_dims if i is not None}
+                target = tuple(grad.placements[i] if i in dp else pl for i, pl in enumerate(target))
             with record_function("meshpar::tp.partial_grad"):  # Partial -> Replicate: an all-reduce
-                grad = grad.redistribute(placements=self.tp.placements).to_local()
+                grad = grad.redistribute(placements=target).to_local()
         if self.accumulated_grad is not None:
             grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)
             self.accumulated_grad = None
