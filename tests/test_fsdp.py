@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from meshpar import comm
-from meshpar.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from meshpar.fsdp import DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, fully_shard
 from meshpar.fsdp.param_group import ParamGroup
 from meshpar.fsdp.sharded_param import ShardedParam
 from meshpar.models.gpt2.model import GPT2
@@ -51,6 +51,7 @@ from tests.distributed import CaseSet
 from tests.fsdp_models import (
     GPT,
     HIDDEN,
+    IN,
     NET,
     TINY_GPT2,
     Block,
@@ -541,6 +542,40 @@ def _case_bad_input(ctx: Ctx) -> None:
     shard_units(net, fully_shard, mesh=ctx.mesh)
     with pytest.raises(ValueError, match="Linear is not fully sharded"):
         net.layers[0].set_modules_to_forward_prefetch([net.layers[1].a])
+    # the torch 2.13 API's arguments
+    rejects(Block(), r"must return Shard\(dim\) or None", shard_placement_fn=lambda p: Replicate())
+    rejects(Block(), r"Shard\(2\) for Linear\.weight, of shape \(19, 6\); the dim must exist",
+            shard_placement_fn=lambda p: Shard(2))
+    rejects(Block(), r"dp_mesh_dims names \['nope'\]", dp_mesh_dims=DataParallelMeshDims(shard="nope"))
+    rejects(Block(), r"Linear\.weight is not a DTensor on the mesh passed to fully_shard",
+            dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
+    with pytest.raises(NotImplementedError, match="exactly one shard dim"):
+        fully_shard(Block(), mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b")),
+                    dp_mesh_dims=DataParallelMeshDims(shard=("a", "b")))
+    with pytest.raises(ValueError, match="non-empty list"):
+        fully_shard([], mesh=ctx.mesh)
+    block = Block()
+    with pytest.raises(ValueError, match="same module twice"):
+        fully_shard([block, block], mesh=ctx.mesh)
+    with pytest.raises(TypeError, match="offload_policy must be"):
+        fully_shard(Block(), mesh=ctx.mesh, offload_policy=MixedPrecisionPolicy())
+    with pytest.raises(ValueError, match="should be a bool"):
+        net.set_reshard_after_forward(1)
+    with pytest.raises(ValueError, match="positive int, got 0"):
+        net.set_reduce_scatter_max_input_buffers(0)
+    with pytest.raises(TypeError, match="must be an int, got bool"):
+        net.set_reduce_scatter_max_input_buffers(True)
+    net(torch.randn(2, IN)).sum().backward()
+    with pytest.raises(RuntimeError, match="reset_iter_state must be called on the root"):
+        net.layers[0].reset_iter_state()
+    net.reset_iter_state()
+
+
+def _case_bad_input_sharded(ctx: Ctx) -> None:
+    """Errors that need two shard ranks: Shard(d), d > 0, must divide evenly."""
+    with pytest.raises(ValueError, match=r"Shard\(1\) for Linear\.weight, of shape \(6, 19\): dim 1 \(19\) must "
+                                         r"divide evenly by the 2 shard ranks"):
+        fully_shard(Block(), mesh=ctx.mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
 
 
 # --- 13. explicit prefetch lists ----------------------------------------------------------------------------
@@ -663,6 +698,7 @@ CASES = CaseSet({
     "state_dict": (_case_state_dict, (1, 2, 4)),
     "dcp": (_case_dcp, (2, 4)),
     "bad_input": (_case_bad_input, (1,)),
+    "bad_input_sharded": (_case_bad_input_sharded, (2,)),
     "prefetch": (_case_prefetch, (1, 2, 4)),
     "eval": (_case_eval, (1, 2, 4)),
     "one_rank_exact": (_case_one_rank_exact, (1,)),
@@ -671,7 +707,7 @@ CASES = CaseSet({
 }, setup=_setup, timeout=240)
 
 
-_NOT_PARITY = ("nested_counts", "bad_input", "state_dict")  # they check structure, not numbers
+_NOT_PARITY = ("nested_counts", "bad_input", "bad_input_sharded", "state_dict")  # they check structure, not numbers
 
 
 def _worlds(case: str) -> Callable:
@@ -743,6 +779,11 @@ def test_dcp_checkpoints_move_between_engines(world):
 @_worlds("bad_input")
 def test_bad_input_is_rejected(world):
     CASES.check("bad_input", world)
+
+
+@_worlds("bad_input_sharded")
+def test_bad_input_is_rejected_sharded(world):
+    CASES.check("bad_input_sharded", world)
 
 
 @_worlds("prefetch")
