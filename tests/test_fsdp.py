@@ -571,6 +571,31 @@ def _case_bad_input(ctx: Ctx) -> None:
     net.reset_iter_state()
 
 
+def _case_post_optim_event(ctx: Ctx) -> None:
+    """``set_post_optim_event``: the root's next forward waits for the event before its first all-gather,
+    once (CPU has no events, so a stand-in records when ``wait`` is called)."""
+    calls: list[str] = []
+
+    class Event:
+        def wait(self) -> None:
+            calls.append("wait")
+
+    net = Net()
+    shard_units(net, fully_shard, mesh=ctx.mesh)
+    real = comm.all_gather
+
+    def spy(*args, **kwargs):
+        calls.append("all_gather")
+        return real(*args, **kwargs)
+
+    with mock.patch.object(comm, "all_gather", spy):
+        net.set_post_optim_event(Event())
+        net(torch.randn(2, IN)).sum().backward()
+        net(torch.randn(2, IN)).sum().backward()
+    assert calls.count("wait") == 1, calls
+    assert calls[0] == "wait", f"an all-gather ran before the event was waited on: {calls[:3]}"
+
+
 def _case_bad_input_sharded(ctx: Ctx) -> None:
     """Errors that need two shard ranks: Shard(d), d > 0, must divide evenly."""
     with pytest.raises(ValueError, match=r"Shard\(1\) for Linear\.weight, of shape \(6, 19\): dim 1 \(19\) must "
@@ -699,6 +724,7 @@ CASES = CaseSet({
     "dcp": (_case_dcp, (2, 4)),
     "bad_input": (_case_bad_input, (1,)),
     "bad_input_sharded": (_case_bad_input_sharded, (2,)),
+    "post_optim_event": (_case_post_optim_event, (1, 2)),
     "prefetch": (_case_prefetch, (1, 2, 4)),
     "eval": (_case_eval, (1, 2, 4)),
     "one_rank_exact": (_case_one_rank_exact, (1,)),
@@ -707,7 +733,8 @@ CASES = CaseSet({
 }, setup=_setup, timeout=240)
 
 
-_NOT_PARITY = ("nested_counts", "bad_input", "bad_input_sharded", "state_dict")  # they check structure, not numbers
+# they check structure, not numbers
+_NOT_PARITY = ("nested_counts", "bad_input", "bad_input_sharded", "state_dict", "post_optim_event")
 
 
 def _worlds(case: str) -> Callable:
@@ -784,6 +811,11 @@ def test_bad_input_is_rejected(world):
 @_worlds("bad_input_sharded")
 def test_bad_input_is_rejected_sharded(world):
     CASES.check("bad_input_sharded", world)
+
+
+@_worlds("post_optim_event")
+def test_post_optim_event_is_waited_on_before_the_next_all_gather(world):
+    CASES.check("post_optim_event", world)
 
 
 @_worlds("prefetch")
