@@ -58,7 +58,7 @@ class Lm(nn.Module):
 class _RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
+        return x.clone()  # not a view: FSDP warns that a view output may skip its pre-backward hook
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
