@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
@@ -284,6 +284,15 @@ def shard_blocks(E: ModuleType, model: nn.Module, mesh: DeviceMesh, **kwargs) ->
 def none_grads(model: nn.Module) -> list[str]:
     """The parameters whose ``.grad`` is None, by name."""
     return sorted(name for name, p in model.named_parameters() if p.grad is None)
+
+
+def setup(tmp: Path) -> Ctx:
+    """The compat jobs' ``CaseSet`` setup: float64 (tests/parity.py [Note: parity in float64]) and the
+    mesh: 1-D ``dp_shard`` at 2 ranks, 2x2 ``(dp_replicate, dp_shard)`` at 4."""
+    torch.set_default_dtype(torch.float64)
+    world = dist.get_world_size()
+    shape, names = ((world,), ("dp_shard",)) if world == 2 else ((2, 2), ("dp_replicate", "dp_shard"))
+    return Ctx(dist.get_rank(), world, init_device_mesh("cpu", shape, mesh_dim_names=names), tmp)
 
 
 def scenario_case(scenario: Callable[..., Record], *labels: object, tol: float = TOL) -> Callable[[Ctx], None]:

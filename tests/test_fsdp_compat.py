@@ -31,6 +31,10 @@ does not reshard after forward), so an optimizer built then holds unsharded tens
 ``set_force_sum_reduction_for_comms``, ``unshard`` and ``reshard`` act on the one module,
 not its FSDP submodules.
 
+Communication and layout (accumulation switches, all-reduce hooks, ``shard_placement_fn``
+and its checkpoints, custom collectives, ``dp_mesh_dims``) are in tests/test_fsdp_compat_comm.py,
+a second job of the same harness.
+
 To add a scenario: write ``_name(E, ctx[, label]) -> Record`` using only ``E.*`` names,
 register ``scenario_case(_name, *labels)`` (or a case function calling ``both``) in
 ``CASES`` (``test_matches_torch_fsdp`` runs every case), then run it in sanity mode. Models,
@@ -40,18 +44,12 @@ data, loop, comparison and harness: tests/fsdp_compat_models.py.
 from __future__ import annotations
 
 import functools
-import itertools
-from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from tests.distributed import CaseSet
 from tests.fsdp_compat_models import (
@@ -68,7 +66,6 @@ from tests.fsdp_compat_models import (
     both,
     build,
     chunked_lm_loss,
-    each,
     engines,
     lm_batch,
     lm_loss,
@@ -77,6 +74,7 @@ from tests.fsdp_compat_models import (
     net_loss,
     none_grads,
     scenario_case,
+    setup,
     shard_blocks,
     subcases,
     train,
@@ -256,76 +254,6 @@ def _partial_group_forward(E: ModuleType, ctx: Ctx, layout: str) -> Record:
 
 
 
-# --- 9. gradient accumulation: every combination of the accumulation switches ------------------------------
-def _accumulation(E: ModuleType, ctx: Ctx, switches: tuple[tuple[str, bool], ...]) -> Record:
-    """Three microbatches per step; ``switches`` on the first two, all True on the last."""
-    rec, early = Record(), dict(switches)
-    model = shard_blocks(E, build(Net), ctx.mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        x, y = local(net_batch(step))
-        for i, mb in enumerate(zip(x.chunk(3), y.chunk(3), strict=True)):
-            last = i == 2
-            model.set_requires_gradient_sync(last or early["sync"])
-            if "all_reduce" in early:  # after requires_gradient_sync, which sets both
-                model.set_requires_all_reduce(last or early["all_reduce"])
-            if "reshard" in early:
-                model.set_reshard_after_backward(last or early["reshard"])
-            if early.get("is_last"):
-                model.set_is_last_backward(last)
-            loss = net_loss(model, mb) / 3
-            loss.backward()
-            rec.loss(f"{step}.{i}", loss)
-        rec.grads(str(step), model)
-        opt.step()
-        opt.zero_grad()
-    rec.params("end", model)
-    return rec
-
-
-def _case_accumulation(ctx: Ctx) -> None:
-    # 1-D: sync x reshard-after-backward x is-last-backward; HSDP 2x2: reduce-scatter only (no
-    # all-reduce) on the early microbatches, or no sync at all
-    names = ("sync", "reshard", "is_last") if ctx.world == 2 else ("sync", "all_reduce")
-    combos = [tuple(zip(names, values, strict=True)) for values in itertools.product((False, True), repeat=len(names))]
-    each(_accumulation, ctx, tuple(combos))
-
-
-# --- 10. set_all_reduce_hook: HSDP made by the user, against native HSDP ------------------------------------
-def _all_reduce_hook(E: ModuleType, ctx: Ctx, native: bool) -> Record:
-    rec = Record()
-    model = build(Net)
-    if native:
-        shard_blocks(E, model, ctx.mesh)
-    else:  # FSDP over dp_shard; the hook averages the reduced shards over dp_replicate
-        replicas = ctx.mesh["dp_replicate"]
-
-        def hook(grad: torch.Tensor) -> None:
-            dist.all_reduce(grad, group=replicas.get_group())
-            grad.div_(replicas.size())
-
-        shard_blocks(E, model, ctx.mesh["dp_shard"])
-        for module in model.modules():
-            if isinstance(module, E.FSDPModule):
-                module.set_all_reduce_hook(hook)
-    train(model, rec, "hsdp", grads=False)
-    return rec
-
-
-def _case_all_reduce_hook(ctx: Ctx) -> None:
-    subcases({"user-made HSDP": lambda: both(_all_reduce_hook, ctx, False),
-               "native HSDP": lambda: both(_all_reduce_hook, ctx, True),
-               "user-made vs native, torch": lambda: _user_vs_native(ctx, engines()[0]),
-               "user-made vs native, meshpar": lambda: _user_vs_native(ctx, engines()[1])})
-
-
-def _user_vs_native(ctx: Ctx, E: ModuleType) -> None:
-    user, native = _all_reduce_hook(E, ctx, False), _all_reduce_hook(E, ctx, True)
-    # the same averages either way; only the placements differ ((Shard(0),) vs (Replicate(), Shard(0)))
-    values = lambda r: Record({k: v for k, v in r.items() if not k.endswith(".layout")})
-    assert_same_record(values(user), values(native), TOL, f"{E.__name__}: user-made HSDP vs native HSDP")
-
-
 # --- 11. explicit prefetch lists; unshard(async_op=True) -----------------------------------------------------
 def _prefetch_lists(E: ModuleType, ctx: Ctx) -> Record:
     rec = Record()
@@ -427,47 +355,6 @@ def _case_state_dict_roundtrip(ctx: Ctx) -> None:
     for r in (got, want):
         same = {k.replace("reloaded", "fresh"): v for k, v in r.items() if k.startswith("reloaded")}
         assert_same_record(Record({k: r[k] for k in same}), Record(same), 0.0, "fresh model vs reloaded model")
-
-
-# --- 14. shard_placement_fn; checkpoints between engines with such placements ---------------------------
-def _placement(kind: str, world: int) -> Callable[[nn.Parameter], Shard | None]:
-    if kind == "dim 1":  # Shard(1) where dim 1 divides the world, else None: torch's default Shard(0)
-        return lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % world == 0 else None
-    # the largest dim, where sharding it is even (a nonzero dim must be), else None
-    return lambda p: Shard(d) if (d := max(range(p.ndim), key=lambda i: p.shape[i])) == 0 \
-        or p.shape[d] % world == 0 else None
-
-
-def _shard_placement_fn(E: ModuleType, ctx: Ctx, kind: str) -> Record:
-    rec = Record()
-    model = build(Net)
-    shard_blocks(E, model, ctx.mesh, shard_placement_fn=_placement(kind, ctx.world))
-    rec["local shapes"] = [(n, tuple(p.to_local().shape)) for n, p in model.named_parameters()]
-    train(model, rec, kind)
-    return rec
-
-
-def _dcp_between(src: ModuleType, dst: ModuleType, ctx: Ctx, path: str) -> None:
-    """Save a trained model under ``src`` (dim-1 placements), load it into a fresh one under ``dst``."""
-    fn = _placement("dim 1", ctx.world)
-    model = shard_blocks(src, build(Net), ctx.mesh, shard_placement_fn=fn)
-    train(model, Record(), "src", steps=1, grads=False)
-    dcp.save(model.state_dict(), checkpoint_id=path)
-    fresh = shard_blocks(dst, build(Net, seed=1), ctx.mesh, shard_placement_fn=fn)
-    sd = fresh.state_dict()
-    dcp.load(sd, checkpoint_id=path)
-    fresh.load_state_dict(sd)
-    want, got = Record(), Record()
-    want.params("p", model)
-    got.params("p", fresh)
-    assert_same_record(got, want, 0.0, f"dcp from {src.__name__} to {dst.__name__}")
-
-
-def _case_shard_placement_fn(ctx: Ctx) -> None:
-    ref, ours = engines()
-    subcases({**{kind: functools.partial(both, _shard_placement_fn, ctx, kind) for kind in ("dim 1", "largest dim")},
-               "dcp torch -> meshpar": lambda: _dcp_between(ref, ours, ctx, str(ctx.tmp / "torch_to_meshpar")),
-               "dcp meshpar -> torch": lambda: _dcp_between(ours, ref, ctx, str(ctx.tmp / "meshpar_to_torch"))})
 
 
 # --- 15. FSDPModule's other methods ---------------------------------------------------------------------
@@ -574,14 +461,7 @@ def _case_comparison_bites(ctx: Ctx) -> None:
     assert ".grad: max diff" in message, message
 
 
-# --- the jobs ----------------------------------------------------------------------------------------------
-def _setup(tmp: Path) -> Ctx:
-    torch.set_default_dtype(torch.float64)  # tests/parity.py [Note: parity in float64]
-    world = dist.get_world_size()
-    shape, names = ((world,), ("dp_shard",)) if world == 2 else ((2, 2), ("dp_replicate", "dp_shard"))
-    return Ctx(dist.get_rank(), world, init_device_mesh("cpu", shape, mesh_dim_names=names), tmp)
-
-
+# --- the job ------------------------------------------------------------------------------------------------
 CASES = CaseSet({
     "comparison_bites": (_case_comparison_bites, 2),
     "frozen_in_group": (scenario_case(_frozen_in_group, "net", "lm"), 2),
@@ -592,14 +472,11 @@ CASES = CaseSet({
     "reset_iter_state": (scenario_case(_reset_iter_state, "forward", "backward"), 2),
     "double_forward": (scenario_case(_double_forward), 2),
     "partial_group_forward": (scenario_case(_partial_group_forward, "[norm, head]", "[block0, block1]"), 2),
-    "accumulation": (_case_accumulation, (2, 4)),
-    "all_reduce_hook": (_case_all_reduce_hook, 4),
     "prefetch_lists": (scenario_case(_prefetch_lists), 2),
     "mixed_precision": (scenario_case(_mixed_precision, *_MIXED_PRECISION, tol=0.0), 2),
     "state_dict_roundtrip": (_case_state_dict_roundtrip, 2),
-    "shard_placement_fn": (_case_shard_placement_fn, 2),
     "list_groups_and_methods": (_case_list_groups_and_methods, 2),
-}, setup=_setup, timeout=300)
+}, setup=setup, timeout=300)
 
 
 @pytest.mark.parity
