@@ -209,6 +209,25 @@ def train(model: nn.Module, record: Record, key: str, *, steps: int = 3, loss_fn
     return opt
 
 
+def train_accumulating(model: nn.Module, record: Record, switch: Callable[[bool], None], *, steps: int = 2,
+                       micro: int = 3) -> None:
+    """AdamW ``steps`` of ``micro`` microbatches each (this rank's slice of ``net_batch``);
+    ``switch(last)`` before each microbatch sets the engine's accumulation switches. Records
+    every microbatch's loss, each step's gradients, then the parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = local(net_batch(step))
+        for i, mb in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            switch(i == micro - 1)
+            loss = net_loss(model, mb) / micro
+            loss.backward()
+            record.loss(f"{step}.{i}", loss)
+        record.grads(str(step), model)
+        opt.step()
+        opt.zero_grad()
+    record.params("end", model)
+
+
 def assert_same_record(got: Record, want: Record, tol: float, what: str = "meshpar vs torch") -> None:
     """``got`` has ``want``'s keys; tensors agree in dtype and to ``tol`` (0: bit for bit), other
     values exactly. Every mismatch is listed (key: max difference), not just the first."""

@@ -78,6 +78,7 @@ from tests.fsdp_compat_models import (
     shard_blocks,
     subcases,
     train,
+    train_accumulating,
 )
 from tests.fsdp_models import Net
 from tests.parity import TOL, default_dtype, must_fail
@@ -318,18 +319,7 @@ def _mixed_precision(E: ModuleType, ctx: Ctx, kind: str) -> Record:
 
 
 def _accumulation_mp(model: nn.Module, rec: Record) -> None:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        x, y = local(net_batch(step))
-        for i, mb in enumerate(zip(x.chunk(3), y.chunk(3), strict=True)):
-            model.set_requires_gradient_sync(i == 2)
-            loss = net_loss(model, mb) / 3
-            loss.backward()
-            rec.loss(f"{step}.{i}", loss)
-        rec.grads(str(step), model)
-        opt.step()
-        opt.zero_grad()
-    rec.params("end", model)
+    train_accumulating(model, rec, model.set_requires_gradient_sync)
 
 
 

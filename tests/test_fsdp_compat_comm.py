@@ -33,14 +33,12 @@ from tests.fsdp_compat_models import (
     build,
     each,
     engines,
-    local,
-    net_batch,
-    net_loss,
     scenario_case,
     setup,
     shard_blocks,
     subcases,
     train,
+    train_accumulating,
 )
 from tests.fsdp_models import Net
 from tests.parity import TOL
@@ -51,25 +49,17 @@ def _accumulation(E: ModuleType, ctx: Ctx, switches: tuple[tuple[str, bool], ...
     """Three microbatches per step; ``switches`` on the first two, all True on the last."""
     rec, early = Record(), dict(switches)
     model = shard_blocks(E, build(Net), ctx.mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        x, y = local(net_batch(step))
-        for i, mb in enumerate(zip(x.chunk(3), y.chunk(3), strict=True)):
-            last = i == 2
-            model.set_requires_gradient_sync(last or early["sync"])
-            if "all_reduce" in early:  # after requires_gradient_sync, which sets both
-                model.set_requires_all_reduce(last or early["all_reduce"])
-            if "reshard" in early:
-                model.set_reshard_after_backward(last or early["reshard"])
-            if early.get("is_last"):
-                model.set_is_last_backward(last)
-            loss = net_loss(model, mb) / 3
-            loss.backward()
-            rec.loss(f"{step}.{i}", loss)
-        rec.grads(str(step), model)
-        opt.step()
-        opt.zero_grad()
-    rec.params("end", model)
+
+    def switch(last: bool) -> None:
+        model.set_requires_gradient_sync(last or early["sync"])
+        if "all_reduce" in early:  # after requires_gradient_sync, which sets both
+            model.set_requires_all_reduce(last or early["all_reduce"])
+        if "reshard" in early:
+            model.set_reshard_after_backward(last or early["reshard"])
+        if early.get("is_last"):
+            model.set_is_last_backward(last)
+
+    train_accumulating(model, rec, switch)
     return rec
 
 
