@@ -50,26 +50,36 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 # [Note: communication buffers are tagged here, counted elsewhere]
-# Storages allocated inside ``comm_buffers()`` are collective buffers. Only a thread-local depth
-# lives here, so FSDP can mark its buffers without importing the memory tracker that reads the
-# mark (meshpar/profiling/memory.py, through ``in_comm_buffers()``).
+# Storages allocated inside ``comm_buffers()`` are collective buffers, and inside
+# ``gradient_buffers()`` gradients FSDP holds itself (summed without sync, in reduce_dtype).
+# Only a thread-local tag lives here, so FSDP can mark its buffers without importing the memory
+# tracker that reads the mark (meshpar/profiling/memory.py, through ``buffer_tag()``).
 _scope = threading.local()
 
 
 @contextlib.contextmanager
-def comm_buffers() -> Iterator[None]:
-    """Storages allocated in this block (on this thread) are communication buffers."""
-    depth = getattr(_scope, "depth", 0)
-    _scope.depth = depth + 1
+def _tagged(tag: str) -> Iterator[None]:
+    before = getattr(_scope, "tag", None)
+    _scope.tag = tag
     try:
         yield
     finally:
-        _scope.depth = depth
+        _scope.tag = before
 
 
-def in_comm_buffers() -> bool:
-    """Whether this thread is inside a ``comm_buffers()`` block."""
-    return getattr(_scope, "depth", 0) > 0
+def comm_buffers() -> contextlib.AbstractContextManager:
+    """Storages allocated in this block (on this thread) are communication buffers."""
+    return _tagged("communication")
+
+
+def gradient_buffers() -> contextlib.AbstractContextManager:
+    """Storages allocated in this block (on this thread) are gradients."""
+    return _tagged("gradient")
+
+
+def buffer_tag() -> str | None:
+    """``"communication"``, ``"gradient"`` or None: the innermost block this thread is in."""
+    return getattr(_scope, "tag", None)
 
 
 @dataclass(eq=False)  # compared by identity: nested count() blocks must each remove their own

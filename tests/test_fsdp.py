@@ -565,6 +565,8 @@ def _case_bad_input(ctx: Ctx) -> None:
         net.set_reduce_scatter_max_input_buffers(0)
     with pytest.raises(TypeError, match="must be an int, got bool"):
         net.set_reduce_scatter_max_input_buffers(True)
+    with pytest.raises(AssertionError, match="cannot be deep-copied"):
+        copy.deepcopy(net)
     net(torch.randn(2, IN)).sum().backward()
     with pytest.raises(RuntimeError, match="reset_iter_state must be called on the root"):
         net.layers[0].reset_iter_state()

@@ -66,6 +66,11 @@ class FSDPModule:
         self.__init__(*args, **kwargs)
         return self
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise AssertionError(f"a fully_shard-ed {type(self).__name__} cannot be deep-copied (its parameters are shards "
+                             f"tied to process groups); copy the module before fully_shard, or move state with "
+                             f"state_dict() / load_state_dict()")
+
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         modules = self.modules() if recurse else [self]
         states = {id(m._fsdp_state): m._fsdp_state for m in modules if isinstance(m, FSDPModule)}
@@ -422,7 +427,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
                 mp_policy: MixedPrecisionPolicy = _FULL_PRECISION, offload_policy: OffloadPolicy = _NO_OFFLOAD,
                 ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: DataParallelMeshDims | None = None,
-                shard_threshold: int = 0) -> nn.Module | list[nn.Module]:
+                shard_threshold: int = 0, accumulate_dtype: torch.dtype | None = None) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters (those no nested ``fully_shard`` took) over ``mesh``.
 
     ``module``: a module, or a list of modules that form one unit (one all-gather, one
@@ -439,7 +444,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     DTensor on it (Replicate on the dims named here), sharded over ``shard`` and replicated
     over ``replicate`` ([Note: parameters on the full SPMD mesh] in sharded_param.py).
     ``shard_threshold`` (meshpar's addition): parameters with fewer
-    elements stay replicated, their gradients all-reduced.
+    elements stay replicated, their gradients all-reduced. ``accumulate_dtype`` (meshpar's
+    addition): the dtype unsharded gradients are summed in across microbatches without
+    gradient sync (None: ``reduce_dtype``, as in PyTorch's engine; [Note: accumulating in
+    reduce_dtype] in param_group.py).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
@@ -492,7 +500,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     sharded = [ShardedParam(p, places[pid], info, device, shard=p.numel() >= shard_threshold, shard_dim=dims[pid],
                             offload=offload) for pid, p in params.items()]
-    group = ParamGroup(sharded, info, mp_policy) if sharded else None
+    group = ParamGroup(sharded, info, mp_policy, accumulate_dtype) if sharded else None
     if group is not None and reshard_after_forward is not None and not isinstance(reshard_after_forward, bool) \
             and reshard_after_forward < info.shard_size:
         if len({group.compute_dtype(p) for p in group.params}) > 1:

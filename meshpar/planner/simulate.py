@@ -189,9 +189,13 @@ class _NcclReduceScatterInput(comm.ReduceScatterInput):
     """The reduce-scatter input as NCCL runs it: all ``n`` rows in one buffer, no receive buffer
     ([Note: reduce-scatter on gloo] describes the CPU path the fake tensors' device would pick)."""
 
-    def __init__(self, per_rank: int, group: dist.ProcessGroup, *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, per_rank: int, group: dist.ProcessGroup, *, dtype: torch.dtype, device: torch.device,
+                 custom: Any = None):
+        if custom is not None:  # a user's reduce-scatter allocates its own buffers, in the same layout
+            super().__init__(per_rank, group, dtype=dtype, device=device, custom=custom)
+            return
         self.n, self.rank, self.per_rank = dist.get_world_size(group), dist.get_rank(group), per_rank
-        self.exchange = False
+        self.exchange, self.custom = False, None
         with comm_buffers():
             self.output = torch.empty(per_rank, dtype=dtype, device=device)
             self.send = torch.empty(self.n, per_rank, dtype=dtype, device=device) if self.n > 1 else None

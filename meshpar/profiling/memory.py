@@ -6,7 +6,8 @@ parameter, buffer, gradient, activation, temporary or optimizer state) with thre
 
 - communication buffers are a category of their own: storages allocated inside
   ``comm_buffers()`` (meshpar's FSDP all-gather and reduce-scatter buffers) count there,
-  not as activations or temporaries;
+  not as activations or temporaries, and those inside ``gradient_buffers()`` (gradients FSDP
+  sums itself across microbatches) count as gradients;
 - storages allocated before the tracker and later resized (FSDP frees and refills unsharded
   parameters with ``storage.resize_``) are adopted when first resized, as parameters;
 - ``timeline`` records the live bytes per category after every change (at most one point
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from meshpar._torch import MemRefType, MemTracker, RefType, UpdateType, WeakRefInfo  # imported on first use
-from meshpar.comm import in_comm_buffers
+from meshpar.comm import buffer_tag
 
 
 class Category(RefType):
@@ -79,8 +80,11 @@ class AllocationTracker(MemTracker):
 
     # --- categories ---------------------------------------------------------------------------------
     def _track(self, reftype: RefType, t: torch.Tensor) -> None:
-        if in_comm_buffers():
+        tag = buffer_tag()
+        if tag == "communication":
             reftype = Category.COMM
+        elif tag == "gradient":
+            reftype = Category.GRAD
         super()._track(reftype, t)
 
     def _track_resize(self) -> None:
