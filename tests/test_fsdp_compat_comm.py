@@ -200,13 +200,11 @@ def _spmd_mesh(names: tuple[str, str]) -> DeviceMesh:
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
 
 
-def _spmd(E: ModuleType, ctx: Ctx, layout: str) -> Record:
+def _spmd_model(E: ModuleType, names: tuple[str, str], seed: int = 0) -> nn.Module:
     """A column-parallel then a row-parallel Linear as DTensors on a 2x2 mesh (tp, where it has one,
-    splits 6 rows into 3, which dp_shard splits unevenly), the batch sharded over the dp dims."""
-    names = _SPMD[layout]
+    splits 6 rows into 3, which dp_shard splits unevenly), fully sharded with ``dp_mesh_dims``."""
     mesh = _spmd_mesh(names)
-    rec = Record()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     for layer, weight, bias in ((model[0], Shard(0), Shard(0)), (model[2], Shard(1), Replicate())):
         for name, placement in (("weight", weight), ("bias", bias)):
@@ -214,10 +212,15 @@ def _spmd(E: ModuleType, ctx: Ctx, layout: str) -> Record:
             setattr(layer, name, nn.Parameter(distribute_tensor(getattr(layer, name).detach(), mesh, placements)))
     dims = E.DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate" if "dp_replicate" in names else None)
     E.fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims)
-    E.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    return E.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+
+
+def _spmd_train(model: nn.Module, names: tuple[str, str], rec: Record, steps: int = 3) -> None:
+    """AdamW on a batch sharded over the data-parallel dims; loss = mean square of the full output."""
+    mesh = _spmd_mesh(names)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = [Shard(0) if n.startswith("dp") else Replicate() for n in names]
-    for step in range(3):
+    for step in range(steps):
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
         loss = (model(distribute_tensor(x, mesh, batch)).full_tensor() ** 2).mean()
         loss.backward()
@@ -226,7 +229,36 @@ def _spmd(E: ModuleType, ctx: Ctx, layout: str) -> Record:
         opt.step()
         opt.zero_grad()
     rec.params("end", model)
+
+
+def _spmd(E: ModuleType, ctx: Ctx, layout: str) -> Record:
+    rec = Record()
+    _spmd_train(_spmd_model(E, _SPMD[layout]), _SPMD[layout], rec)
     return rec
+
+
+def _spmd_dcp(src: ModuleType, dst: ModuleType, ctx: Ctx, path: str) -> None:
+    """A checkpoint of a (dp_shard, tp) model (StridedShard placements) saved under ``src``, loaded
+    into a fresh model under ``dst``: the same parameters, bit for bit."""
+    names = _SPMD["(dp_shard, tp)"]
+    model = _spmd_model(src, names)
+    _spmd_train(model, names, Record(), steps=1)
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    fresh = _spmd_model(dst, names, seed=1)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    fresh.load_state_dict(sd)
+    want, got = Record(), Record()
+    want.params("p", model)
+    got.params("p", fresh)
+    assert_same_record(got, want, 0.0, f"dcp from {src.__name__} to {dst.__name__}")
+
+
+def _case_dp_mesh_dims(ctx: Ctx) -> None:
+    ref, ours = engines()
+    subcases({**{layout: functools.partial(both, _spmd, ctx, layout) for layout in _SPMD},
+              "dcp torch -> meshpar": lambda: _spmd_dcp(ref, ours, ctx, str(ctx.tmp / "spmd_torch_to_meshpar")),
+              "dcp meshpar -> torch": lambda: _spmd_dcp(ours, ref, ctx, str(ctx.tmp / "spmd_meshpar_to_torch"))})
 
 
 # --- the jobs ----------------------------------------------------------------------------------------------
@@ -235,7 +267,7 @@ CASES = CaseSet({
     "all_reduce_hook": (_case_all_reduce_hook, 4),
     "shard_placement_fn": (_case_shard_placement_fn, 2),
     "custom_comms": (scenario_case(_custom_comms), 2),
-    "dp_mesh_dims": (scenario_case(_spmd, *_SPMD), 4),
+    "dp_mesh_dims": (_case_dp_mesh_dims, 4),
 }, setup=setup, timeout=300)
 
 
