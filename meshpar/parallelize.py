@@ -48,12 +48,12 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
     layout = mesh.layout
     dp_mesh = mesh.world["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
     reshard = cfg.reshard_after_forward and layout.pp == 1
-    # microbatches without sync sum their gradients in the compute dtype: [Note: accumulating in
-    # reduce_dtype] (meshpar/fsdp/param_group.py)
-    extras = dict(shard_threshold=cfg.shard_threshold, accumulate_dtype=getattr(torch, cfg.param_dtype))
+    # microbatches without sync sum their gradients in the compute dtype (None, without mixed
+    # precision: the parameters' own): [Note: accumulating in reduce_dtype] (meshpar/fsdp/param_group.py)
+    block_mp = mixed_precision(cfg, root=False)
+    extras = dict(shard_threshold=cfg.shard_threshold, accumulate_dtype=block_mp.param_dtype)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mixed_precision(cfg, root=False),
-                    **extras)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **extras)
     # the root keeps its parameters after forward (None), backward needs them first
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False,
                 mp_policy=mixed_precision(cfg, root=True), **extras)
