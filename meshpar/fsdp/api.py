@@ -224,6 +224,7 @@ class FSDPModule:
         ``comm(output_tensor, input_tensor, group, async_op)``) for this unit's all-gathers."""
         for group in self._groups(recurse=False):
             group.custom_all_gather = comm
+            group.refresh_layout()  # no aliasing at one rank: the user's collective runs
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Use ``comm`` (PyTorch's ``ReduceScatter`` interface: ``allocate`` and ``comm(output_tensor,
@@ -266,8 +267,7 @@ class FSDPModule:
             group.reshard()
         result = super()._apply(fn, recurse)
         for group in self._groups(recurse=False):
-            for p in group.all_params:
-                p.refresh_after_apply()
+            group.refresh()
         return result
 
 
@@ -526,7 +526,7 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
     for m in holders.values():
         m.register_state_dict_pre_hook(lambda *_: group.reshard())
         m.register_load_state_dict_pre_hook(lambda *_: group.reshard())
-        m.register_load_state_dict_post_hook(lambda *_: [p.refresh_after_apply() for p in group.all_params] and None)
+        m.register_load_state_dict_post_hook(lambda *_: group.refresh())
 
 
 def _post_forward_group(info: MeshInfo, k: int) -> tuple:

@@ -125,33 +125,38 @@ class ParamGroup:
         self.reduce_queue: ReduceQueue | None = None  # shared by the units of one root (set at lazy init)
         self._grads_ready: set[int] = set()
         self._hooked: set[int] = set()
+        self.refresh_layout()
 
     # --- sizes and dtypes --------------------------------------------------------------------------
-    @property
-    def all_params(self) -> list[ShardedParam]:
-        return self.params + self.replicated
+    def refresh(self) -> None:
+        """After the sharded parameters may have been replaced (``.to``, ``to_empty``, a load with
+        ``assign=True``): adopt them, then recompute what depends on their dtypes."""
+        for p in self.all_params:
+            p.refresh_after_apply()
+        self.refresh_layout()
 
-    @property
-    def alias(self) -> bool:
-        """[Note: one data-parallel rank]: no communication and no copies."""
-        return (self.world == 1 and self.mesh_info.replicate_size == 1 and self.custom_all_gather is None
-                and all(self.mp.param_dtype in (None, p.orig_dtype) for p in self.params))
+    def refresh_layout(self) -> None:
+        """``alias`` ([Note: one data-parallel rank]: no communication and no copies) and the
+        all-gather's dtype and per-parameter segments. Mixed dtypes (a frozen fp32 parameter in a
+        bf16 unit) travel as bytes in one collective, each segment 8-byte aligned so it can be
+        viewed back as its own dtype."""
+        self.all_params = self.params + self.replicated
+        self.alias = (self.world == 1 and self.mesh_info.replicate_size == 1 and self.custom_all_gather is None
+                      and all(self.mp.param_dtype in (None, p.orig_dtype) for p in self.params))
+        dtypes = {self.compute_dtype(p) for p in self.params}
+        if len(dtypes) <= 1:
+            segments = [p.padded_numel for p in self.params]
+            self._layout = (dtypes.pop() if dtypes else torch.float32, segments)
+        else:
+            self._layout = (torch.uint8, [-(-p.padded_numel * self.compute_dtype(p).itemsize // 8) * 8
+                                          for p in self.params])
+        self.per_rank_numel = sum(self._layout[1])
 
     def compute_dtype(self, p: ShardedParam) -> torch.dtype:
         return self.mp.param_dtype or p.orig_dtype
 
     def _gather_layout(self) -> tuple[torch.dtype, list[int]]:
-        """The all-gather's dtype and each parameter's per-rank segment in it. Mixed dtypes (a frozen
-        fp32 parameter in a bf16 unit) travel as bytes in one collective, each segment 8-byte aligned
-        so it can be viewed back as its own dtype."""
-        dtypes = {self.compute_dtype(p) for p in self.params}
-        if len(dtypes) == 1:
-            return dtypes.pop(), [p.padded_numel for p in self.params]
-        return torch.uint8, [-(-p.padded_numel * self.compute_dtype(p).itemsize // 8) * 8 for p in self.params]
-
-    @property
-    def per_rank_numel(self) -> int:
-        return sum(self._gather_layout()[1])
+        return self._layout
 
     # --- unshard / reshard -----------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:

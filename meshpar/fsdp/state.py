@@ -123,8 +123,7 @@ class FSDPState:
             self.iteration.states.append(state)
             if state.group is not None:
                 state.group.reduce_queue = self.iteration.reduce_queue
-                for p in state.group.all_params:
-                    p.refresh_after_apply()
+                state.group.refresh()
 
     def _reshards_after_forward(self) -> bool:
         reshard = self.reshard_after_forward
