@@ -281,7 +281,7 @@ REQUIRED: dict[str, str] = {
     "torch.nn.Module()._parameters": "FSDP and tensor parallel: tied and replaced parameters",
     "torch.nn.Module()._forward_pre_hooks": "tensor-parallel trace labels (profiling/labels.py)",
     "torch.nn.Module()._forward_hooks": "tensor-parallel trace labels (profiling/labels.py)",
-    "torch.nn.Module._apply": "fully-sharded modules through to_empty / .to (fsdp/api.py overrides it)",
+    "torch.nn.Module._apply": "fully-sharded modules through to_empty / .to (fsdp/module.py overrides it)",
     "torch.distributed.tensor.parallel.ParallelStyle._apply":
         "meshpar's tensor-parallel styles: vocab-parallel embedding, fused and replicated parallel",
     "torch.autograd.Variable._execution_engine": "FSDP's end-of-backward callback (fsdp/state.py)",

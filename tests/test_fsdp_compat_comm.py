@@ -126,20 +126,26 @@ def _shard_placement_fn(E: ModuleType, ctx: Ctx, kind: str) -> Record:
     return rec
 
 
-def _dcp_between(src: ModuleType, dst: ModuleType, ctx: Ctx, path: str) -> None:
-    """Save a trained model under ``src`` (dim-1 placements), load it into a fresh one under ``dst``."""
-    fn = _placement("dim 1", ctx.world)
-    model = shard_blocks(src, build(Net), ctx.mesh, shard_placement_fn=fn)
-    train(model, Record(), "src", steps=1, grads=False)
+def _dcp_moves(model: nn.Module, fresh: nn.Module, path: str, what: str) -> None:
+    """Save ``model`` with DCP, load it into ``fresh`` (another engine, other initial values): the
+    same parameters, bit for bit."""
     dcp.save(model.state_dict(), checkpoint_id=path)
-    fresh = shard_blocks(dst, build(Net, seed=1), ctx.mesh, shard_placement_fn=fn)
     sd = fresh.state_dict()
     dcp.load(sd, checkpoint_id=path)
     fresh.load_state_dict(sd)
     want, got = Record(), Record()
     want.params("p", model)
     got.params("p", fresh)
-    assert_same_record(got, want, 0.0, f"dcp from {src.__name__} to {dst.__name__}")
+    assert_same_record(got, want, 0.0, what)
+
+
+def _dcp_between(src: ModuleType, dst: ModuleType, ctx: Ctx, path: str) -> None:
+    """A trained model under ``src`` (dim-1 placements) into a fresh one under ``dst``."""
+    fn = _placement("dim 1", ctx.world)
+    model = shard_blocks(src, build(Net), ctx.mesh, shard_placement_fn=fn)
+    train(model, Record(), "src", steps=1, grads=False)
+    fresh = shard_blocks(dst, build(Net, seed=1), ctx.mesh, shard_placement_fn=fn)
+    _dcp_moves(model, fresh, path, f"dcp from {src.__name__} to {dst.__name__}")
 
 
 def _case_shard_placement_fn(ctx: Ctx) -> None:
@@ -238,20 +244,11 @@ def _spmd(E: ModuleType, ctx: Ctx, layout: str) -> Record:
 
 
 def _spmd_dcp(src: ModuleType, dst: ModuleType, ctx: Ctx, path: str) -> None:
-    """A checkpoint of a (dp_shard, tp) model (StridedShard placements) saved under ``src``, loaded
-    into a fresh model under ``dst``: the same parameters, bit for bit."""
+    """A trained (dp_shard, tp) model (StridedShard placements) under ``src`` into a fresh one under ``dst``."""
     names = _SPMD["(dp_shard, tp)"]
     model = _spmd_model(src, names)
     _spmd_train(model, names, Record(), steps=1)
-    dcp.save(model.state_dict(), checkpoint_id=path)
-    fresh = _spmd_model(dst, names, seed=1)
-    sd = fresh.state_dict()
-    dcp.load(sd, checkpoint_id=path)
-    fresh.load_state_dict(sd)
-    want, got = Record(), Record()
-    want.params("p", model)
-    got.params("p", fresh)
-    assert_same_record(got, want, 0.0, f"dcp from {src.__name__} to {dst.__name__}")
+    _dcp_moves(model, _spmd_model(dst, names, seed=1), path, f"dcp from {src.__name__} to {dst.__name__}")
 
 
 def _case_dp_mesh_dims(ctx: Ctx) -> None:

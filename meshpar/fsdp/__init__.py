@@ -1,14 +1,9 @@
 """meshpar's FSDP engine: per-parameter sharding on DTensor (see api.py for the layering).
 
-The public names are those of torch 2.13's ``torch.distributed.fsdp`` FSDP2 API."""
+The public names are those of PyTorch 2.13's FSDP2 API."""
 
-from meshpar.fsdp.api import (
-    FSDPModule,
-    UnshardHandle,
-    fully_shard,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
+from meshpar.fsdp.api import fully_shard
+from meshpar.fsdp.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from meshpar.fsdp.policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [

@@ -118,7 +118,8 @@ class ParamGroup:
         # this rank's 1/k of each unsharded parameter between forward and backward
         self.post_forward: tuple[dist.ProcessGroup, int, str] | None = None
         self._post_forward_shards: list[torch.Tensor] | None = None
-        self._reduce: tuple[comm.Work, torch.Tensor, list[ShardedParam]] | None = None
+        # reduction in flight: (work, output, the parameters reduced, those of them with a gradient)
+        self._reduce: tuple[comm.Work, torch.Tensor, list[ShardedParam], list[ShardedParam]] | None = None
         self._partial: torch.Tensor | None = None  # HSDP without all-reduce: summed reduce-scatter outputs
         self._partial_params: list[ShardedParam] | None = None
         self._partial_with_grad: set[int] = set()
@@ -155,9 +156,6 @@ class ParamGroup:
     def compute_dtype(self, p: ShardedParam) -> torch.dtype:
         return self.mp.param_dtype or p.orig_dtype
 
-    def _gather_layout(self) -> tuple[torch.dtype, list[int]]:
-        return self._layout
-
     # --- unshard / reshard -----------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gather (``async_op``) or complete the unshard."""
@@ -172,7 +170,7 @@ class ParamGroup:
                 fill = lambda send: torch.cat(pieces, out=send)
             else:
                 group, world, dim = self.mesh_info.shard_group, self.world, self.mesh_info.shard_dim_name
-                dtype, segments = self._gather_layout()
+                dtype, segments = self._layout
                 rank, n, custom = self.mesh_info.shard_rank, sum(segments), self.custom_all_gather
                 fill = lambda send: self._copy_in(send, segments)
             # in place: this rank's input is its own slot of the output, so no separate send buffer
@@ -210,7 +208,7 @@ class ParamGroup:
                 work.wait()
             with record_function("meshpar::fsdp.copy_out"), torch.no_grad():
                 # recv[world, sum_i size_i]; parameter i's padded chunks, in order, are its column block
-                segments = [p.padded_numel for p in self.params] if post_forward else self._gather_layout()[1]
+                segments = [p.padded_numel for p in self.params] if post_forward else self._layout[1]
                 sizes = [seg * self.world // world for seg in segments]
                 pieces = recv.view(world, -1).split(sizes, dim=1)
                 for p, piece in zip(self.params, pieces, strict=True):

@@ -46,6 +46,7 @@ reduces once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -225,12 +226,16 @@ class FSDPState:
 
     def _root_end_of_backward(self) -> None:
         with record_function("meshpar::fsdp.end_of_backward"):
-            for state in self.iteration.states:
-                if state.group is not None:
-                    state.group.finish_backward()
-                state._in_backward = False
-                state._to_run.clear()
-            self.iteration.callback_queued = False
+            self._end_iteration(ParamGroup.finish_backward)
+
+    def _end_iteration(self, end_group: Callable[[ParamGroup], None]) -> None:
+        """``end_group`` on every unit's group, then clear the iteration's per-pass state."""
+        for state in self.iteration.states:
+            if state.group is not None:
+                end_group(state.group)
+            state._in_backward = False
+            state._to_run.clear()
+        self.iteration.callback_queued = False
 
     # --- recovery ------------------------------------------------------------------------------------
     def reset_iteration(self) -> None:
@@ -240,11 +245,6 @@ class FSDPState:
                                f"was applied to last, which runs forward first), not on {self.name}")
         if self.iteration is None:
             return
-        for state in self.iteration.states:
-            if state.group is not None:
-                state.group.reset()
-            state._in_backward = False
-            state._to_run.clear()
-        self.iteration.callback_queued = False
+        self._end_iteration(ParamGroup.reset)
         if not self.iteration.order_frozen:  # a forward that raised recorded part of an order
             self.iteration.order.clear()
