@@ -24,6 +24,7 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -68,6 +69,16 @@ def _rank_main(rank: int, world_size: int, port: int, init_pg: bool, fn: Callabl
             dist.destroy_process_group()
 
 
+def _exit(code: int | None) -> str:
+    """An exit code in words: negative codes are signals (-6 SIGABRT: a C++ abort, like a gloo enforce)."""
+    if code is not None and code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return str(code)
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
                     init_process_group: bool = True) -> list[Any]:
     ctx = mp.get_context("spawn")
@@ -79,19 +90,21 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
+    grace: float | None = None  # after a failure (or a death), peers blocked on it get 5 s, then are killed
     try:
         while len(outcomes) < world_size:
-            # After a failure, peers blocked on the failed rank are given a few seconds, then killed.
-            failed = any(not ok for ok, _ in outcomes.values())
-            wait = min(deadline, time.monotonic() + 5) if failed else deadline
-            try:
-                rank, ok, value = results.get(timeout=max(wait - time.monotonic(), 0.01))
+            wait = min(deadline, grace) if grace is not None else deadline
+            try:  # poll each second: a rank that died without reporting is noticed at once
+                rank, ok, value = results.get(timeout=min(max(wait - time.monotonic(), 0.01), 1.0))
                 outcomes[rank] = (ok, value)
+                if not ok and grace is None:
+                    grace = time.monotonic() + 5
             except queue_mod.Empty:
-                if failed or time.monotonic() >= deadline:
+                if time.monotonic() >= wait:
                     break
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break  # a rank died without reporting (killed, segfault)
+                dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
+                if dead and grace is None:  # killed, aborted (a gloo enforce), segfault; its report may lag
+                    grace = time.monotonic() + 5
     finally:
         for p in procs:
             p.join(timeout=1)
@@ -103,8 +116,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     missing = [r for r in range(world_size) if r not in outcomes]
     if errors or missing:
         lines = [f"{len(errors)} of {world_size} ranks failed" + (
-            f"; ranks {missing} never reported (hung past {timeout:.0f}s, or died: exit codes "
-            f"{[procs[r].exitcode for r in missing]})" if missing else "")]
+            f"; ranks {missing} never reported (exit codes {[_exit(procs[r].exitcode) for r in missing]}: "
+            f"killed here = hung past {timeout:.0f}s, or blocked on a failed peer)" if missing else "")]
         raise AssertionError("\n".join(lines + errors))
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
@@ -188,6 +201,9 @@ class CaseSet:
                                                         timeout=self.timeout)
             except AssertionError as e:  # a hang or a crash: every case of this world fails with it
                 self._outcomes[world] = e
+            except BaseException as e:  # pytest-timeout's, or ^C: the rest of this world's cases fail at
+                self._outcomes[world] = AssertionError(f"the job was interrupted: {e!r}")  # once, unspawned
+                raise
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return self._outcomes[world]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -705,6 +706,60 @@ def _case_catches_bugs(ctx: Ctx) -> None:
         must_fail(lambda model=model, ref=ref, run=run: assert_parity(model, ref, run), bug)
 
 
+# --- 17. every reduction starts from its hook, however often the unsharded parameters are remade ----------
+def _case_hooks_survive_new_unsharded(ctx: Ctx) -> None:
+    """``model.to(dtype)`` remakes the unsharded parameters (so does casting a replicated one for
+    mixed precision, each unshard). Every new one must get the gradient hook that starts its
+    group's reduction during backward: a group left for the end of backward on one rank only
+    issues its collectives in another order than its peers, and gloo hangs or aborts
+    ([Note: hook the object, not its id] in meshpar/fsdp/param_group.py). So: no group may
+    reach the end of backward with gradients still to reduce, over dtype flips and over
+    mixed-precision steps with replicated parameters, and the run must actually have reused
+    an address for a new unsharded parameter (else it proved nothing)."""
+    late: list[list[str]] = []
+    in_finish = [False]
+    finish, post = ParamGroup.finish_backward, ParamGroup.post_backward
+
+    def spy_finish(self: ParamGroup) -> None:
+        in_finish[0] = True
+        try:
+            finish(self)
+        finally:
+            in_finish[0] = False
+
+    def spy_post(self: ParamGroup) -> None:
+        if in_finish[0]:
+            late.append([f"{type(m).__name__}.{attr}" for m, attr in (q.places[0] for q in self.all_params)])
+        post(self)
+
+    reused = 0
+    with mock.patch.object(ParamGroup, "finish_backward", spy_finish), \
+            mock.patch.object(ParamGroup, "post_backward", spy_post):
+        for setting in ("dtype flips", "mixed precision, replicated"):
+            model = Net()
+            mp = MixedPrecisionPolicy(param_dtype=torch.float32) if setting != "dtype flips" else None
+            kwargs = {"mp_policy": mp, "shard_threshold": 10**6} if mp else {}  # every parameter replicated
+            shard_units(model, fully_shard, mesh=ctx.mesh, **kwargs)
+            seen: dict[int, weakref.ref] = {}  # id -> the last unsharded parameter seen with it (not kept alive)
+
+            def note(module: nn.Module, _args: tuple, seen: dict[int, weakref.ref] = seen) -> None:
+                nonlocal reused
+                for p in module.parameters(recurse=False):  # in forward: the engine's unsharded ones
+                    reused += id(p) in seen and seen[id(p)]() is not p
+                    seen[id(p)] = weakref.ref(p)
+
+            for m in model.modules():
+                if isinstance(m, nn.Linear):
+                    m.register_forward_pre_hook(note)  # after the engine's own pre-hook, which is prepended
+            for i in range(20):
+                dtype = torch.float32 if setting == "dtype flips" and i % 2 else torch.float64
+                model.to(dtype)
+                model(torch.randn(2, IN, dtype=dtype)).sum().backward()
+                model.zero_grad()
+    assert not late, f"groups reduced at the end of backward (their hooks were lost): {late}"
+    assert reused, "no new unsharded parameter reused an old one's address: the hazard was not exercised"
+
+
 # --- the jobs ----------------------------------------------------------------------------------------------
 def _setup(tmp: Path) -> Ctx:
     torch.set_default_dtype(torch.float64)  # models and batches: tests/parity.py [Note: parity in float64]
@@ -731,12 +786,14 @@ CASES = CaseSet({
     "eval": (_case_eval, (1, 2, 4)),
     "one_rank_exact": (_case_one_rank_exact, (1,)),
     "catches_bugs": (_case_catches_bugs, (2,)),
+    "hooks_survive_new_unsharded": (_case_hooks_survive_new_unsharded, (2,)),
     "nested_counts": (_case_nested_counts, (1,)),  # last: when it fails it leaves a stale counter behind
 }, setup=_setup, timeout=240)
 
 
 # they check structure, not numbers
-_NOT_PARITY = ("nested_counts", "bad_input", "bad_input_sharded", "state_dict", "post_optim_event")
+_NOT_PARITY = ("nested_counts", "bad_input", "bad_input_sharded", "state_dict", "post_optim_event",
+               "hooks_survive_new_unsharded")
 
 
 def _worlds(case: str) -> Callable:
@@ -838,3 +895,8 @@ def test_one_rank_matches_plain_training_exactly(world):
 @_worlds("catches_bugs")
 def test_parity_catches_planted_bugs(world):
     CASES.check("catches_bugs", world)
+
+
+@_worlds("hooks_survive_new_unsharded")
+def test_hooks_survive_new_unsharded(world):
+    CASES.check("hooks_survive_new_unsharded", world)

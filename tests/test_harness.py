@@ -28,6 +28,13 @@ def _rank0_hangs() -> None:
         time.sleep(60)
 
 
+def _rank1_aborts() -> None:
+    if dist.get_rank() == 1:
+        import os
+        os.abort()  # what a gloo enforce ("collective mismatch") does: no Python exception, no report
+    time.sleep(60)  # rank 0 blocks on something that never notices (a collective over another transport)
+
+
 def test_results_in_rank_order():
     assert run_distributed(_sum_ranks, 3, timeout=60) == [(0, 6), (1, 6), (2, 6)]
 
@@ -40,6 +47,14 @@ def test_failure_names_rank_and_traceback():
 def test_hang_is_killed_at_the_deadline():
     with pytest.raises(AssertionError, match=r"ranks \[0\] never reported"):
         run_distributed(_rank0_hangs, 2, timeout=8)
+
+
+def test_dead_rank_fails_fast_not_at_the_deadline():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[0, 1\] never reported \(exit codes \['-9 \(SIGKILL\)', "
+                                             r"'-6 \(SIGABRT\)'\]"):  # 0 killed here, 5 s after 1 died
+        run_distributed(_rank1_aborts, 2, timeout=120)
+    assert time.monotonic() - start < 60  # seconds after the abort, not the 120 s deadline
 
 
 # --- CaseSet ----------------------------------------------------------------------------------------

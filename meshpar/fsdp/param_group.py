@@ -16,6 +16,7 @@ Flat layouts, for N shard ranks and parameters p_i of padded chunk size n_i = c_
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -125,7 +126,6 @@ class ParamGroup:
         self._partial_with_grad: set[int] = set()
         self.reduce_queue: ReduceQueue | None = None  # shared by the units of one root (set at lazy init)
         self._grads_ready: set[int] = set()
-        self._hooked: set[int] = set()
         self.refresh_layout()
 
     # --- sizes and dtypes --------------------------------------------------------------------------
@@ -253,10 +253,21 @@ class ParamGroup:
 
     # --- gradients -------------------------------------------------------------------------------
     def _hook_grad(self, p: ShardedParam) -> None:
-        """Count accumulated gradients; the last one of the group starts its reduction."""
-        if id(p.unsharded) in self._hooked or not p.requires_grad:
+        """Count accumulated gradients; the last one of the group starts its reduction.
+
+        [Note: hook the object, not its id]
+        A new unsharded parameter is made whenever the old one cannot serve (``model.to(dtype)``,
+        a replicated parameter cast for mixed precision). Remembering hooked parameters by
+        ``id()`` once skipped hooking such a new one whenever CPython gave it the address of a
+        dead, hooked one: that rank then reduced the group at the end of backward instead of
+        from the hook, the ranks issued their collectives in different orders, and gloo failed
+        with "Received data size doesn't match expected size" (one rank in 2, a few dtype flips
+        in; tests/test_fsdp.py::test_hooks_survive_new_unsharded). A weak reference to the
+        hooked parameter itself cannot be confused with a newcomer.
+        """
+        if not p.requires_grad or (p.hooked is not None and p.hooked() is p.unsharded):
             return
-        self._hooked.add(id(p.unsharded))
+        p.hooked = weakref.ref(p.unsharded)
 
         def on_grad(_: torch.Tensor, key: int = id(p)) -> None:
             self._grads_ready.add(key)

@@ -40,6 +40,7 @@ the values written are the ones forward used.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -186,6 +187,8 @@ class ShardedParam:
         self.unsharded: nn.Parameter | None = None
         self.unsharded_padded: torch.Tensor | None = None  # [N*c, ...] view of the unsharded storage
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, across no-sync microbatches
+        # the unsharded parameter that carries our post-accumulate-grad hook: [Note: hook the object, not its id]
+        self.hooked: weakref.ref[nn.Parameter] | None = None
         self.state = ParamState.SHARDED
         self.set_on_modules(self.sharded)
 
