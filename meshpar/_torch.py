@@ -359,3 +359,23 @@ def resolve(dotted: str) -> Any:
         if call:
             obj = obj()
     return obj
+
+
+# --- the classes of a DCP checkpoint's metadata ------------------------------------------------------------
+# (module, name) of every class torch 2.13's FileSystemWriter pickles into ``.metadata`` (beside
+# torch dtypes, layouts and ``torch.Size``, and the ``pathlib`` path of ``StorageMeta.checkpoint_id``):
+# the allow-list of meshpar's restricted unpickler ([Note: loading never runs code from the file] in
+# meshpar/checkpoint/format.py). Two are private; REQUIRED checks that they still exist. Public
+# alternative: none (DCP's own reader unpickles without restriction).
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+DCP_METADATA_GLOBALS = frozenset({
+    *((_DCP_MD, name) for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
+                                   "TensorStorageMetadata", "BytesStorageMetadata", "StorageMeta",
+                                   "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+})
+REQUIRED.update({f"{module}.{name}": "loading DCP checkpoints: the allow-list of .metadata's unpickler "
+                 "(checkpoint/format.py)" for module, name in DCP_METADATA_GLOBALS if name.startswith("_")})
+__all__ += ["DCP_METADATA_GLOBALS"]

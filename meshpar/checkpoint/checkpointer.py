@@ -20,19 +20,43 @@ cover, so a checkpoint saved on any layout loads on any other (``model.*`` and `
 by global name and shape; the data position by global sample count, see meshpar/data.py).
 
 [Note: a checkpoint is complete or invisible]
-Every rank writes into ``<dir>/.step_<N>.partial/``. DCP's save returns on the coordinator
-(rank 0) only after every rank has reported its writes and ``.metadata`` is written; rank 0
-then writes ``meshpar.json`` and renames the folder to ``step_<N>`` (one ``os.replace``).
-A crash or kill before that leaves a ``.partial`` folder, which no loader looks at and the
-next run removes; ``latest()`` takes the newest folder that has both ``meshpar.json`` and
-``.metadata``. Older checkpoints beyond ``checkpoint.keep`` are removed only after the
-rename, so the last good checkpoint is never at risk.
+Every rank writes into ``<dir>/.step_<N>.partial/``. DCP's last step runs on the coordinator
+(rank 0) only after every rank has reported its writes; there it writes ``.metadata``, then
+(``_Writer.publish``) ``recipe.toml`` and ``meshpar.json``, and renames the folder to
+``step_<N>`` (one ``os.replace``); DCP then tells every rank the outcome, so once ``save``
+(``wait``, when async) returns on any rank, ``step_<N>`` exists. An error on any rank or in
+any of these (a full disk, a folder gone read-only) fails the save on every rank with a
+CheckpointError naming the step, and rank 0 removes the ``.partial`` folder; a crash or kill
+leaves it, and no loader looks at it (the next run removes it). ``latest()`` takes the newest
+folder that has both ``meshpar.json`` and ``.metadata``. Older checkpoints are removed only
+after the rename ([Note: what checkpoint.keep deletes]), so the last good checkpoint is never
+at risk.
+
+[Note: the checkpoint folder is probed before the first step]
+A run that saves would otherwise learn that ``checkpoint.dir`` is read-only, full or not a
+folder at its first save, hours in. So the Checkpointer, when ``checkpoint.every > 0``,
+creates the folder and a small file in it (written, fsynced, removed) as it is built, before
+the first step, and raises a CheckpointError naming the folder, the OS's reason and the fix.
+Every rank probes (``.write_probe.rank<r>``), without a collective: each rank writes its own
+shard files into that folder, and on a cluster the folder is a mount that one node may lack
+or see read-only, which rank 0's probe alone would not notice. A failed probe fails that
+rank at once, as any error before the first step does, and the launcher stops the others.
+A disk that fills later still fails at save time, cleanly (above).
+
+[Note: what checkpoint.keep deletes]
+After publishing step N, rank 0 keeps the newest ``keep`` complete checkpoints with steps up
+to N and deletes the older ones, except the checkpoint a restart of this run would resume
+from (``resume_path()``: ``checkpoint.load_from``'s, else the newest in ``dir``): a run
+resumed from ``load_from = <dir>/step_4`` resumes from it again when restarted, so it stays.
+Checkpoints above N (an earlier, longer run's, in the same ``dir``) are neither deleted nor
+counted: this run did not write them and has nothing newer to replace them with.
 
 The files themselves (per-chunk CRCs, fused projections as chunks): meshpar/checkpoint/format.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -49,7 +73,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
@@ -59,6 +83,7 @@ from torch.distributed.tensor import DTensor
 from meshpar.checkpoint.atomic import fsync_dir, write_atomic
 from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it here
     CheckpointError,
+    SafeReader,
     _CheckedLoadPlanner,
     _SavePlanner,
     _strided_as_pieces,
@@ -183,6 +208,29 @@ class Checkpointer:
             # async saves run DCP's collectives on a background thread: they get their own gloo
             # group so they never interleave with the training step's collectives
             self._group = dist.new_group(backend="gloo")
+        if cfg.every:
+            self._probe()
+
+    def _probe(self) -> None:
+        """Fail now if this rank cannot write into ``root`` ([Note: the checkpoint folder is probed
+        before the first step])."""
+        probe = self.root / f".write_probe.rank{self.rank}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, bytes(4096))  # one block: a full disk refuses it here or at the fsync
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
+            where = f" at {e.filename}" if e.filename and Path(e.filename) not in (self.root, probe) else ""
+            raise CheckpointError(f"checkpoint.dir {self.root} is not writable on rank {self.rank}: "
+                                  f"{e.strerror or e}{where}; the run saves every {self.cfg.every} steps there: set "
+                                  f"checkpoint.dir to a writable folder with room for its checkpoints") from e
 
     # --- save ---------------------------------------------------------------------------------------
     def state_dict(self, run: RunState, step: int) -> dict[str, Any]:
@@ -203,23 +251,29 @@ class Checkpointer:
         partial = self.root / f".step_{step}.partial"
         start = time.perf_counter()
         state = self.state_dict(run, step)
-        writer = _Writer(partial, self.rank)
+        writer = _Writer(partial, self.rank, publish=lambda: self._publish(step, partial))
         if not self.cfg.async_save:
-            dcp.save(state, storage_writer=writer, planner=_SavePlanner())
-            self._commit(step, partial, start)
+            try:
+                dcp.save(state, storage_writer=writer, planner=_SavePlanner())
+            except CheckpointException as e:
+                raise self._save_failed(step, partial, e) from e
+            self._saved(step, start)
             return
         upload = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(), process_group=self._group)
         committed: Future = Future()
 
-        def publish(done: Future) -> None:  # on DCP's writer thread, as soon as the upload ends
+        def finished(done: Future) -> None:  # on DCP's writer thread, as soon as the upload ends
             try:
-                done.result()
-                self._commit(step, partial, start)
+                try:
+                    done.result()
+                except CheckpointException as e:
+                    raise self._save_failed(step, partial, e) from e
+                self._saved(step, start)
                 committed.set_result(None)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 committed.set_exception(e)
 
-        upload.add_done_callback(publish)
+        upload.add_done_callback(finished)
         self._pending = committed
         if self.rank == 0:
             self.log(f"checkpoint: step {step} copied to host memory in {time.perf_counter() - start:.2f} s; "
@@ -231,10 +285,9 @@ class Checkpointer:
         if pending is not None:
             pending.result()
 
-    def _commit(self, step: int, partial: Path, start: float) -> None:
-        """Rank 0 publishes the checkpoint ([Note: a checkpoint is complete or invisible])."""
-        if self.rank != 0:
-            return
+    def _publish(self, step: int, partial: Path) -> None:
+        """Rank 0, inside DCP's last step: make ``partial`` the checkpoint ``step_<step>``
+        ([Note: a checkpoint is complete or invisible])."""
         final = self.root / f"step_{step}"
         (partial / "recipe.toml").write_text(self.recipe_toml)
         info = dict(self.info, format=FORMAT, step=step, world_size=self.world_size,
@@ -244,19 +297,53 @@ class Checkpointer:
             old = self.root / f".step_{step}.replaced"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-            os.replace(partial, final)
+            try:
+                os.replace(partial, final)
+            except OSError:
+                os.replace(old, final)  # the old one stays the checkpoint of this step
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(partial, final)
         fsync_dir(self.root)
+
+    def _save_failed(self, step: int, partial: Path, e: CheckpointException) -> CheckpointError:
+        """The error every rank raises for a failed save of ``step``; rank 0 removes its folder."""
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        inner = _find_checkpoint_error(e)
+        if inner is not None:
+            return inner
+        causes = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in
+                           sorted((r, _failure(f)) for r, f in e.failures.items()))
+        previous = latest(self.root)
+        kept = f"the newest complete checkpoint, {previous}, is untouched" if previous else "there is no earlier one"
+        return CheckpointError(f"checkpoint: saving step {step} into {self.root} failed ({causes}); no step_{step} "
+                               f"was made and {kept}: free space there, or set checkpoint.dir to a writable folder "
+                               f"with room")
+
+    def _saved(self, step: int, start: float) -> None:
+        """Rank 0, after a save: report it, then apply ``keep``."""
+        if self.rank != 0:
+            return
+        final = self.root / f"step_{step}"
         size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
         seconds = time.perf_counter() - start
         self.log(f"checkpoint: saved {final} ({size / 2**20:,.1f} MiB in {seconds:.2f} s, "
                  f"{size / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
-        complete = [(s, path) for s, path, ok in list_checkpoints(self.root) if ok]
-        for old_step, path in complete[:-self.cfg.keep]:
-            if old_step < step:
+        resume = self._resume_target()
+        upto = [path for s, path, ok in list_checkpoints(self.root) if ok and s <= step]
+        for path in upto[:-self.cfg.keep]:  # [Note: what checkpoint.keep deletes]
+            if path.resolve() != resume:
                 shutil.rmtree(path, ignore_errors=True)
+
+    def _resume_target(self) -> Path | None:
+        """The resolved folder a restart of this run would resume from, if any."""
+        try:
+            path = self.resume_path()
+        except RecipeError:  # load_from is gone: nothing to protect
+            return None
+        return path.resolve() if path is not None else None
 
     # --- load ---------------------------------------------------------------------------------------
     def resume_path(self) -> Path | None:
@@ -291,7 +378,7 @@ class Checkpointer:
             state["lr_schedule"] = run.scheduler.state_dict()
         if "data" not in exclude:
             state["data"] = run.loader.state_dict()
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = SafeReader(path).read_metadata()
         # each rank's generator state, when this rank's is there (same world size, saved by training)
         same_ranks = f"rng.rank{self.rank}.cpu" in metadata.state_dict_metadata and \
             saved.get("world_size") == self.world_size
@@ -299,7 +386,7 @@ class Checkpointer:
             state["rng"] = {f"rank{self.rank}": _rng_state()}
         self._check_tensors(path, metadata, state)
         try:
-            dcp.load(state, storage_reader=FileSystemReader(path), planner=_CheckedLoadPlanner(path))
+            dcp.load(state, storage_reader=SafeReader(path), planner=_CheckedLoadPlanner(path))
         except CheckpointException as e:  # DCP wraps each rank's failure; ours is the message worth showing
             inner = _find_checkpoint_error(e)
             if inner is not None:
@@ -363,10 +450,14 @@ def _flat_tensors(tree: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor | 
             yield from _flat_tensors(v, f"{prefix}.{k}")
 
 
+def _failure(failure: Any) -> BaseException:
+    """One rank's exception in DCP's wrapper, which keeps (exception, traceback) per failed rank."""
+    return failure[0] if isinstance(failure, tuple) else failure
+
+
 def _find_checkpoint_error(e: CheckpointException) -> CheckpointError | None:
-    """Our error inside DCP's wrapper, which keeps (exception, traceback) per failed rank."""
+    """Our error inside DCP's wrapper."""
     for failure in e.failures.values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, CheckpointError):
-            return inner
+        if isinstance(_failure(failure), CheckpointError):
+            return _failure(failure)
     return None

@@ -15,23 +15,44 @@ the page cache when just written): 100M Llama + AdamW, 1.2 GB, one rank: save 1.
 with CRCs against 1.6 s without, load 1.0 s against 0.53 s. Checkpoints without ``crc/``
 (written by ``meshpar convert`` or by other DCP users) are checked for missing and
 truncated files only.
+
+[Note: loading never runs code from the file]
+A checkpoint may come from someone else, and three of its parts are pickles, which can run
+any code as they load. torch 2.13's DCP reads tensors with ``torch.load(weights_only=True)``
+(safe), but ``FileSystemReader.read_metadata`` is a plain ``pickle.load`` of ``.metadata`` and
+``DefaultLoadPlanner.load_bytes`` is ``torch.load(weights_only=False)`` of each non-tensor
+entry (lr_schedule.*, data.*, train.*). So meshpar reads ``.metadata`` through ``SafeReader``,
+whose unpickler resolves only the classes DCP's metadata is made of
+(``meshpar._torch.DCP_METADATA_GLOBALS``, torch dtypes and layouts, paths), and loads the
+non-tensor entries with ``weights_only=True`` (numbers, strings, lists, dicts, tensors). A
+file that names anything else is refused with a CheckpointError before the object is built.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
+import re
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
-from meshpar._torch import StridedShard
+from meshpar._torch import DCP_METADATA_GLOBALS, StridedShard
 from meshpar.checkpoint.atomic import write_atomic
 
 
@@ -147,13 +168,20 @@ def write_crcs(root: Path, rank: int, crcs: dict[str, int | None]) -> None:
 
 
 class _Writer(FileSystemWriter):
-    """DCP's file writer, plus a CRC-32 per written chunk in ``crc/<rank>.json``."""
+    """DCP's file writer, plus a CRC-32 per written chunk in ``crc/<rank>.json``, and
+    ``publish``, run on the coordinator once ``.metadata`` is written: inside DCP's last
+    collective step, so an error there (a full disk) fails the save on every rank."""
 
-    def __init__(self, path: Path, rank: int):
+    def __init__(self, path: Path, rank: int, publish: Callable[[], None] | None = None):
         # two writer threads: 100M Llama + AdamW (1.2 GB) on one rank saves in 1.6 s instead of
         # 2.4-3.5 s with DCP's default of one
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=2)
-        self.rank = rank
+        self.rank, self.publish = rank, publish
+
+    def finish(self, metadata: Metadata, results) -> None:
+        super().finish(metadata, results)
+        if self.publish is not None:
+            self.publish()
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
@@ -201,6 +229,26 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
             return obj.piece(index.offset)
         return super().lookup_tensor(index)
 
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # DCP's own is torch.load(weights_only=False) ([Note: loading never runs code from the file])
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            what = f"it names {found.group(1)}" if found else str(e).splitlines()[0]
+            raise CheckpointError(f"checkpoint {self.path}: entry {fqn} is not plain data ({what}); meshpar "
+                                  f"loads only numbers, strings, lists, dicts and tensors, so that a checkpoint "
+                                  f"cannot run code: the file is damaged or was made to do harm") from None
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = obj
+            return
+        *parents, last = self.mappings[fqn]  # its path in the nested state dict, as DCP flattened it
+        container = self.original_state_dict
+        for key in parents:
+            container = container[key]
+        container[last] = obj
+
     def create_local_plan(self):
         plan = super().create_local_plan()
         # A checkpoint written by another tool (PyTorch's own DCP saves) has no crc/: its chunks
@@ -233,3 +281,49 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
                 raise CheckpointError(f"{where} is corrupted: CRC-32 {got:08x}, {crcs[key]:08x} when written; "
                                       f"load an earlier checkpoint")
         return plan
+
+
+# --- reading files from someone else ([Note: loading never runs code from the file]) -----------------------
+def _layout(name: str) -> torch.layout:
+    """What a pickled ``torch.layout`` is rebuilt with (torch's ``_get_layout``), for layouts only."""
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.layout):
+        raise pickle.UnpicklingError(f"{name!r} is not a torch layout")
+    return value
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP's ``Metadata`` and nothing else: every global the pickle names must be one
+    of DCP's metadata classes, a torch dtype or layout, ``torch.Size`` or a path."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return _layout
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in DCP_METADATA_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata never holds")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's FileSystemReader, with ``.metadata`` read by ``_MetadataUnpickler``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # torch 2.13's own, with the unpickler swapped; ``rank``: DCP's per-rank metadata files
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        with open(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise CheckpointError(f"checkpoint {path.parent}: {path.name} is not DCP metadata ({e}); meshpar "
+                                      f"does not unpickle it, since that could run code from the file: the file "
+                                      f"is damaged or was made to do harm") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"checkpoint {path.parent}: {path.name} holds a {type(metadata).__name__}, not "
+                                  f"DCP metadata; the file is damaged or not a DCP checkpoint")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

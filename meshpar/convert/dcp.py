@@ -1,5 +1,5 @@
 """meshpar checkpoint folders (DCP + meshpar.json): a source read one tensor at a time through
-DCP's FileSystemReader, and a sink written chunk by chunk for a target layout in DCP's own format
+DCP's FileSystemReader (meshpar's SafeReader), and a sink written chunk by chunk for a target layout in DCP's own format
 ([Note: streaming conversion], [Note: chunks for a target layout])."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo  # DCP's record of where an item lies
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 
 from meshpar.checkpoint.atomic import fsync, write_atomic
-from meshpar.checkpoint.format import crc_key, crc_of_range, write_crcs
+from meshpar.checkpoint.format import SafeReader, crc_key, crc_of_range, write_crcs
 from meshpar.convert.files import _fresh, _now, _read_json
 from meshpar.convert.layout import layout_chunks
 from meshpar.convert.spec import ConvertError, ModelSpec, spec_from_info
@@ -70,7 +70,7 @@ class DCPSource:
                                f"last); use an earlier complete step (`meshpar checkpoint info {path.parent}`)")
         self.info = _read_json(path / "meshpar.json")
         self.spec = spec_from_info(self.info, path / "meshpar.json")
-        self.reader = FileSystemReader(path)
+        self.reader = SafeReader(path)  # [Note: loading never runs code from the file]
         try:
             self.metadata: Metadata = self.reader.read_metadata()
         except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises anything

@@ -6,9 +6,9 @@ import math
 import os
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from meshpar.checkpoint.format import SafeReader
 from meshpar.convert.files import _complete, _read_json, _steps
 from meshpar.convert.progress import _human
 from meshpar.convert.spec import ConvertError
@@ -26,7 +26,7 @@ def _describe_one(path: Path) -> list[str]:
     if ".metadata" in missing:
         return lines
     try:
-        md = FileSystemReader(path).read_metadata().state_dict_metadata
+        md = SafeReader(path).read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
         raise ConvertError(f"{path / '.metadata'}: cannot read it ({type(e).__name__}: {e}); the file is truncated "
                            "or corrupted") from e
