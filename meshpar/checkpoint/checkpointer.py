@@ -229,8 +229,9 @@ class Checkpointer:
                 probe.unlink(missing_ok=True)
             where = f" at {e.filename}" if e.filename and Path(e.filename) not in (self.root, probe) else ""
             raise CheckpointError(f"checkpoint.dir {self.root} is not writable on rank {self.rank}: "
-                                  f"{e.strerror or e}{where}; the run saves every {self.cfg.every} steps there: set "
-                                  f"checkpoint.dir to a writable folder with room for its checkpoints") from e
+                                  f"{e.strerror or e}{where}; the run saves there (checkpoint.every = "
+                                  f"{self.cfg.every}): set checkpoint.dir to a writable folder with room for its "
+                                  f"checkpoints") from e
 
     # --- save ---------------------------------------------------------------------------------------
     def state_dict(self, run: RunState, step: int) -> dict[str, Any]:
