@@ -74,9 +74,10 @@ BAD_FILES = [
     # unknown names, with did-you-mean and the allowed list
     ("unknown-section", "[trian]\nsteps = 3\n",
      r"unknown section 'trian' \(did you mean 'train'\?\); allowed: model, parallel, train, optim, data, "
-     r"checkpoint, profile, metrics$"),
+     r"checkpoint, profile, metrics, fault$"),
     ("unknown-key-train", "[train]\nstpes = 3\n",
-     r"unknown key in \[train\] 'stpes' \(did you mean 'steps'\?\); allowed: steps, output_dir, .*device$"),
+     r"unknown key in \[train\] 'stpes' \(did you mean 'steps'\?\); allowed: steps, output_dir, .*device, "
+     r"on_nonfinite, max_skips$"),
     ("unknown-key-no-hint", "[train]\nzzz = 3\n", r"unknown key in \[train\] 'zzz'; allowed: steps, "),
     ("unknown-key-model", '[model]\nfamilly = "llama"\n',
      r"unknown key in \[model\] 'familly' \(did you mean 'family'\?\); allowed: family, size, "),
