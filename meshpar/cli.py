@@ -1,6 +1,6 @@
 """The ``meshpar`` command line.
 
-    meshpar train RECIPE [--nproc N] [--section.key=value ...]
+    meshpar train RECIPE [--nproc N] [--max-restarts N] [--section.key=value ...]
     meshpar recipe RECIPE [--section.key=value ...]     # resolve and check, print the TOML
     meshpar recipe --keys                               # every key, its default and meaning
     meshpar convert SRC DST --to {hf,torch,dcp} [--layout dp_shard=4,tp=2] [--verify] [--shard-size 5GB]
@@ -25,6 +25,9 @@ from pathlib import Path
 
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
+from meshpar.checkpoint import CheckpointError
+from meshpar.fault import EXIT_PREEMPTED
+from meshpar.nonfinite import NonFiniteError
 from meshpar.preflight import preflight
 from meshpar.recipe import RecipeError
 from meshpar.train import train
@@ -43,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", type=Path, help="a TOML recipe, e.g. recipes/llama_debug.toml")
     train.add_argument("--nproc", type=int, default=None, help="local ranks to start (default: the product of "
                        "the recipe's parallel degrees, with dp_shard = -1 counted as 1)")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="N", help="restart every rank up to N "
+                       "times after a rank fails; each restart resumes from the newest complete checkpoint "
+                       "(torchelastic's restarts, as torchrun --max-restarts)")
     train.add_argument("--profile", action="store_true", help="trace steps with the torch profiler (the same as "
                        "--profile.enable=true; schedule and ranks from [profile]); then `meshpar profile summarize`")
     show = sub.add_parser("recipe", help="resolve a recipe, check it and print it as TOML", epilog=EPILOG)
@@ -147,18 +153,19 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.profile:
         overrides = [*overrides, "--profile.enable=true"]
     recipe = recipelib.load(args.recipe, overrides)
-    if "WORLD_SIZE" in os.environ:  # already a rank (torchrun): train here
-        train(recipe)
-        return 0
+    if args.max_restarts < 0:
+        raise RecipeError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    if "WORLD_SIZE" in os.environ:  # already a rank (torchrun, which does the restarting): train here
+        return EXIT_PREEMPTED if train(recipe).stopped_by else 0
     nproc = meshlib.local_world_size(recipe.parallel) if args.nproc is None else args.nproc
     if nproc < 1:
         raise RecipeError(f"--nproc {nproc}: must be >= 1")
     preflight(recipe, nproc)  # every recipe error before a process starts; tokenizes once for all ranks
-    if nproc == 1:
-        train(recipe)
-        return 0
+    if nproc == 1 and not args.max_restarts:
+        return EXIT_PREEMPTED if train(recipe).stopped_by else 0
     from meshpar.launch import launch_local
-    return launch_local(nproc, [str(args.recipe), *overrides])
+    return launch_local(nproc, [str(args.recipe), *overrides], max_restarts=args.max_restarts,
+                        signals=recipe.fault.signals)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     except RecipeError as e:
         print(f"meshpar: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (CheckpointError, NonFiniteError) as e:  # one process (no launcher): the same one line as a rank's
+        print(f"meshpar: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

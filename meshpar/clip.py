@@ -62,13 +62,17 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0,
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
                     extra_groups: Iterable[dist.ProcessGroup] = ()) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before.
+    A non-finite norm scales nothing.
 
     ``extra_groups``: process groups whose ranks hold disjoint parameters (pipeline stages).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     norm = total_norm(grads, norm_type, extra_groups)
+    # a non-finite norm leaves the gradients as they are (no host sync to decide): scaling by NaN
+    # would hide which gradient was bad (meshpar/nonfinite.py names it, then skips or stops)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         local.mul_(coef.to(local.device, local.dtype))

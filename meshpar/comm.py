@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,22 +119,72 @@ def count() -> Iterator[CommCounter]:
         _active.remove(counter)
 
 
-def _record(op: str, dim: str, nbytes: float) -> None:
+# [Note: the flight recorder]
+# Each rank keeps its last few collectives (``fault.flight_recorder`` of them), in the spirit of
+# NCCL's flight recorder: sequence number, op, mesh dim, bytes, the training step, when it was
+# issued and whether it has completed (``Work.wait`` returned, or the call was synchronous).
+# When a collective fails or times out, meshpar/fault.py prints them: the first one not
+# completed is the one the rank was stuck in, and the ranks' records side by side show which
+# rank fell behind. Appending costs a deque push per collective (tens of collectives a step).
+@dataclass
+class FlightEntry:
+    seq: int
+    op: str
+    dim: str
+    nbytes: float
+    step: int | None
+    issued: float  # time.time()
+    done: bool = False
+
+
+_flight: deque[FlightEntry] = deque(maxlen=32)
+_flight_state = {"seq": 0, "step": None}
+
+
+def set_flight_recorder(size: int) -> None:
+    """Keep the last ``size`` collectives (default 32)."""
+    global _flight
+    _flight = deque(_flight, maxlen=size)
+
+
+def set_step(step: int | None) -> None:
+    """The training step that collectives issued from now on belong to (for the flight record)."""
+    _flight_state["step"] = step
+
+
+def current_step() -> int | None:
+    return _flight_state["step"]
+
+
+def flight_record() -> list[FlightEntry]:
+    """This rank's last collectives, oldest first."""
+    return list(_flight)
+
+
+def _record(op: str, dim: str, nbytes: float) -> FlightEntry:
     for counter in _active:
         counter.record(op, dim, nbytes)
+    _flight_state["seq"] += 1
+    entry = FlightEntry(_flight_state["seq"], op, dim, nbytes, _flight_state["step"], time.time())
+    _flight.append(entry)
+    return entry
 
 
 class Work:
     """A collective in flight: ``wait()`` once before reading its output."""
 
-    def __init__(self, handle: dist.Work | None, finish=None):
-        self._handle, self._finish = handle, finish
+    def __init__(self, handle: dist.Work | None, finish=None, entry: FlightEntry | None = None):
+        self._handle, self._finish, self._entry = handle, finish, entry
+        if handle is None and entry is not None:  # synchronous, or nothing to send: complete already
+            entry.done = True
 
     @torch.no_grad()
     def wait(self) -> None:
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
+        if self._entry is not None:
+            self._entry.done = True
         if self._finish is not None:
             self._finish()
             self._finish = None
@@ -149,14 +200,15 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     """``output[N * n] <- concat over ranks of input[n]`` along dim 0. ``custom``: a user's
     all-gather (``FSDPModule.set_custom_all_gather``), called as PyTorch's engine calls it."""
     n = dist.get_world_size(group)
-    _record("all_gather", dim, output.numel() * output.element_size() * (n - 1) / n)
+    entry = _record("all_gather", dim, output.numel() * output.element_size() * (n - 1) / n)
     with record_function(f"meshpar::comm.all_gather[{dim}]"):
         if custom is not None:
-            return Work(custom(output_tensor=output, input_tensor=input, group=group, async_op=async_op))
+            return Work(custom(output_tensor=output, input_tensor=input, group=group, async_op=async_op),
+                        entry=entry)
         if n == 1:
             output.copy_(input)
-            return Work(None)
-        return Work(_all_gather_single(output, input, group=group, async_op=async_op))
+            return Work(None, entry=entry)
+        return Work(_all_gather_single(output, input, group=group, async_op=async_op), entry=entry)
 
 
 class ReduceScatterInput:
@@ -217,15 +269,16 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
                         async_op: bool = False) -> Work:
     """``input.output <- sum over ranks of row (this rank)``; see [Note: reduce-scatter on gloo]."""
     n = input.n
-    _record("reduce_scatter", dim, input.nbytes * (n - 1) / n)
+    entry = _record("reduce_scatter", dim, input.nbytes * (n - 1) / n)
     with record_function(f"meshpar::comm.reduce_scatter[{dim}]"):
         if input.custom is not None:
             return Work(input.custom(output_tensor=input.output, input_tensor=input.send.view(-1), group=group,
-                                     op=dist.ReduceOp.SUM, async_op=async_op))
+                                     op=dist.ReduceOp.SUM, async_op=async_op), entry=entry)
         if n == 1:
-            return Work(None)
+            return Work(None, entry=entry)
         if not input.exchange:
-            return Work(_reduce_scatter_single(input.output, input.send.view(-1), group=group, async_op=async_op))
+            return Work(_reduce_scatter_single(input.output, input.send.view(-1), group=group, async_op=async_op),
+                        entry=entry)
         # Rank i sends its row j to rank j (j != i) and receives one row from each peer: no row
         # goes to or comes from this rank itself, so both buffers hold n - 1 rows.
         splits = [input.per_rank] * n
@@ -246,7 +299,7 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
                 out.copy_(acc)
             input.send = None  # free the sent rows as soon as they are delivered
 
-        return Work(handle, finish)
+        return Work(handle, finish, entry)
 
 
 @torch.no_grad()
@@ -254,8 +307,8 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: str, asyn
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Work:
     """Reduce ``tensor`` over ``group`` in place (a sum unless ``op`` says otherwise)."""
     n = dist.get_world_size(group)
-    _record("all_reduce", dim, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
+    entry = _record("all_reduce", dim, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
     with record_function(f"meshpar::comm.all_reduce[{dim}]"):
         if n == 1:
-            return Work(None)
-        return Work(dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+            return Work(None, entry=entry)
+        return Work(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), entry=entry)

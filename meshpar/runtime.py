@@ -8,11 +8,13 @@ collectives) serves a laptop and a cluster.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from meshpar.recipe import RecipeError
 
@@ -50,13 +52,40 @@ def select_device(spec: str, info: RankInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(device: torch.device, info: RankInfo) -> None:
-    """gloo on CPU; NCCL for CUDA tensors with gloo kept for CPU-side collectives."""
+def init_process_group(device: torch.device, info: RankInfo, timeout: datetime.timedelta | None = None) -> None:
+    """gloo on CPU; NCCL for CUDA tensors with gloo kept for CPU-side collectives. ``timeout``:
+    how long a collective waits for its peers (``fault.timeout``; every group made later inherits it)."""
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if timeout is not None:
+        # Groups made later (each DeviceMesh dim, the async-save group) take c10d's module default,
+        # not the world group's timeout: make that default ours, so no group waits 30 minutes.
+        c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, device_id=(
-            device if device.type == "cuda" else None))
+        device_id = device if device.type == "cuda" else None
+        store = _attempt_store(timeout)
+        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout,
+                                device_id=device_id, store=store)
     else:
         if info.world_size != 1:
             raise RuntimeError("WORLD_SIZE > 1 without MASTER_ADDR: start ranks with torchrun or meshpar train")
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _attempt_store(timeout: datetime.timedelta | None) -> dist.Store | None:
+    """Under torchelastic with the agent's store (torchrun, ``meshpar train``): a view of that store
+    private to this restart attempt; otherwise None (``env://`` as usual).
+
+    [Note: one store, many attempts]
+    The agent's store outlives its workers, and torch 2.13's ``env://`` rendezvous gives every
+    attempt the same keys. After a restart, gloo could read a dead rank's listening address
+    left by the previous attempt before the new rank wrote its own: "connectFullMesh failed ...
+    Connection refused", or a hang (seen in 2 of 4 restarts on a loaded machine,
+    tests/test_preemption.py). Prefixing the keys with the attempt number
+    (``TORCHELASTIC_RESTART_COUNT``) gives each attempt a clean namespace.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                           timeout=timeout or datetime.timedelta(minutes=30))
+    return dist.PrefixStore(f"meshpar/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from meshpar.clip import clip_grad_norm_
 from meshpar.fsdp import FSDPModule
 from meshpar.mesh import Mesh
+from meshpar.nonfinite import NonFiniteGuard
 from meshpar.profiling.capture import label
 from meshpar.profiling.labels import run_labelled
 from meshpar.recipe import OptimConfig, ParallelConfig
@@ -116,6 +117,7 @@ class StepResult:
     loss: torch.Tensor  # this rank's loss (zero on pipeline ranks without the last stage)
     grad_norm: torch.Tensor  # before clipping, over the whole model
     lr: float | None  # the learning rate the optimizer stepped with (None without an optimizer)
+    skipped: bool = False  # the optimizer did not step: a non-finite gradient ([Note: non-finite steps])
 
 
 def labelled(name: str, microbatch: int | None = None) -> AbstractContextManager:
@@ -126,11 +128,13 @@ def labelled(name: str, microbatch: int | None = None) -> AbstractContextManager
 def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], accum: int, sync: GradSync,
                device: torch.device, optimizer: torch.optim.Optimizer | None = None,
                scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *,
-               phase: Callable[..., AbstractContextManager] = labelled) -> StepResult:
+               phase: Callable[..., AbstractContextManager] = labelled,
+               guard: NonFiniteGuard | None = None) -> StepResult:
     """One optimizer step over the microbatches ``next_batch()`` returns (``accum`` per step;
     the planner runs fewer, still dividing by ``accum``). ``phase(name, microbatch=None)`` wraps
     each phase: "step", "data", "forward" and "backward" (with the microbatch index), "optimizer".
-    Without ``optimizer`` the step ends after clipping; ``scheduler`` steps with the optimizer."""
+    Without ``optimizer`` the step ends after clipping; ``scheduler`` steps with the optimizer.
+    ``guard`` (``train.on_nonfinite``) may skip the optimizer step or stop the run after clipping."""
     with phase("step"):
         loss_sum = torch.zeros((), device=device)
         with loss_parallel_context(model.loss_parallel):
@@ -157,6 +161,10 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
             maybe_reduce_replicas(model.stages, sync)
             params = [q for q in model.stages.parameters() if q.requires_grad]
             grad_norm = clip_grad_norm_(params, sync.max_norm, extra_groups=sync.pp_groups)
+            if guard is not None and not guard.allows_step(grad_norm):
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                return StepResult(loss_sum, grad_norm, None, skipped=True)
             lr = maybe_optimizer_step(optimizer, scheduler)
     return StepResult(loss_sum, grad_norm, lr)
 

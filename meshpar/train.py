@@ -31,12 +31,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from meshpar import comm
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
-from meshpar.checkpoint import Checkpointer, RunState, optimizer_state, param_names
+from meshpar.checkpoint import Checkpointer, CheckpointError, RunState, optimizer_state, param_names
 from meshpar.data import BatchLoader
+from meshpar.fault import (
+    EXIT_PREEMPTED,
+    StopSignals,
+    collective_timeout,
+    is_collective_failure,
+    report_collective_failure,
+)
 from meshpar.hardware import HardwareProfile, load_profile
 from meshpar.metrics import MetricsLogger, Progress, peak_memory_gb, print_line
+from meshpar.nonfinite import NonFiniteError, NonFiniteGuard
 from meshpar.optim import build_lr_schedule, build_optimizer
 from meshpar.parallelize import build
 from meshpar.pipeline import build_schedule
@@ -82,6 +91,7 @@ class RunResult:
     records: list[dict[str, Any]]  # the metrics records, the same on every rank
     state_dict: dict[str, torch.Tensor] | None  # final full parameters on CPU, when asked for
     optim_state: dict[str, torch.Tensor] | None = None  # and AdamW's: "<param name>.<exp_avg|exp_avg_sq|step>"
+    stopped_by: str | None = None  # the signal that stopped the run early (a checkpoint was saved), or None
 
 
 def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
@@ -91,11 +101,14 @@ def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
     checked = preflight(recipe, info.world_size)
     device = select_device(recipe.train.device, info)
     profile = load_profile(recipe.metrics.hardware, device.type)
-    init_process_group(device, info)
+    timeout = collective_timeout(recipe.fault.timeout, device.type)
+    init_process_group(device, info, timeout)
+    comm.set_flight_recorder(recipe.fault.flight_recorder)
+    signals = StopSignals(recipe.fault.signals)
     try:
         mesh = meshlib.build(checked.layout, device.type)
-        model, optimizer, records = _train_loop(recipe, checked, mesh, device, profile, info)
-        result = RunResult(records, None)
+        model, optimizer, records, stopped_by = _train_loop(recipe, checked, mesh, device, profile, info, signals)
+        result = RunResult(records, None, stopped_by=stopped_by)
         if return_state:  # gathered: a collective per DTensor, for tests only; this rank's stages
             result.state_dict = {k: _full(v) for k, v in model.state_dict().items()}
             result.optim_state = {f"{name}.{k}": _full(v) for name, state in
@@ -103,7 +116,17 @@ def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
                                   for k, v in state.items()}
         dist.barrier()  # gloo groups torn down while a peer still talks can abort at exit
         return result
+    except NonFiniteError:
+        dist.barrier()  # every rank raised it at the same step: meet before tearing gloo down
+        raise
+    except Exception as e:
+        if is_collective_failure(e):  # name the op, dim, step and the ranks that did not come, then fail
+            report_collective_failure(e, rank=info.rank, world=info.world_size, step=comm.current_step(),
+                                      timeout=timeout)
+        raise
     finally:
+        signals.close()
+        comm.set_step(None)
         dist.destroy_process_group()
 
 
@@ -112,7 +135,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: torch.device, profile: HardwareProfile,
-                info: RankInfo) -> tuple[Model, torch.optim.Optimizer, list[dict[str, Any]]]:
+                info: RankInfo, signals: StopSignals) -> tuple[Model, torch.optim.Optimizer, list[dict[str, Any]],
+                                                               str | None]:
     t, family, args, corpus, accum = recipe.train, checked.family, checked.args, checked.corpus, checked.accum
     output_dir = Path(t.output_dir)
     if info.is_rank0:
@@ -154,21 +178,30 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     peak = profile.peak_flops(getattr(torch, recipe.parallel.param_dtype)) * n_devices
     tokens_per_step = t.global_batch * t.seq_len
     sync = GradSync.of(mesh, recipe.parallel, recipe.optim)
+    guard = NonFiniteGuard(t.on_nonfinite, t.max_skips, model.stages)
     records: list[dict[str, Any]] = []
     last_time, last_step = time.perf_counter(), start_step
+    stopped_by = None
 
     profiler = StepProfiler(recipe.profile, output_dir, mesh, first_step=start_step + 1,
                             tracked=(model.stages, optimizer))
     with profiler:
         for step in range(start_step + 1, t.steps + 1):
-            done = train_step(model, loader.next_step, accum, sync, device, optimizer, scheduler)
+            comm.set_step(step)
+            guard.step = step
+            done = train_step(model, loader.next_step, accum, sync, device, optimizer, scheduler, guard=guard)
             loss_sum, grad_norm, lr = done.loss, done.grad_norm, done.lr
+            if done.skipped:  # [Note: non-finite steps]
+                lr = scheduler.get_last_lr()[0]  # not stepped with: the rate the next step will use
+                record = {"step": step, "skipped": "non-finite gradient"}
+                records.append(record)
+                metrics.log(record)
             progress.update(step)
 
             if step % t.log_every == 0 or step == t.steps:
                 if sync.pp_groups:  # the loss lives on the last stage's rank
-                    dist.all_reduce(loss_sum, group=sync.pp_groups[0])
-                dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+                    comm.all_reduce(loss_sum, sync.pp_groups[0], dim="pp")
+                comm.all_reduce(loss_sum, mesh["dp"].get_group(), dim="dp", op=dist.ReduceOp.AVG)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 now = time.perf_counter()
@@ -184,17 +217,38 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
                 records.append(record)
                 metrics.log(record)
                 last_time = time.perf_counter()  # validation time is not training throughput
-            if ckpt is not None and recipe.checkpoint.every and (step % recipe.checkpoint.every == 0
-                                                                 or step == t.steps):
+            saved = ckpt is not None and recipe.checkpoint.every and (step % recipe.checkpoint.every == 0
+                                                                      or step == t.steps)
+            if saved:
                 with label("checkpoint.save"):
                     ckpt.save(run, step)
                 last_time = time.perf_counter()  # nor is saving
             profiler.step()
+            if step < t.steps and step % recipe.fault.agree_every == 0:  # [Note: stopping on a signal]
+                stopped_by = signals.agree()
+                if stopped_by is not None:
+                    _stop(ckpt, run, step, signals, saved, info)
+                    break
     if ckpt is not None:
         ckpt.wait()  # the last save is complete before the run reports success
     metrics.close()
     progress.close()
-    return model, optimizer, records
+    return model, optimizer, records, stopped_by
+
+
+def _stop(ckpt: Checkpointer, run: RunState, step: int, signals: StopSignals, saved: bool, info: RankInfo) -> None:
+    """Every rank, on an agreed stop signal: make step ``step`` a complete checkpoint, say so."""
+    with label("checkpoint.save"):
+        if not saved:
+            ckpt.wait()
+            ckpt.save(run, step)
+        ckpt.wait()  # synchronous: the process exits next
+    dist.barrier()  # rank 0 has committed it: no rank exits (and gets its peers killed) before that
+    signals.saved()
+    signal_name = signals.stopped_by
+    if info.is_rank0:
+        print_line(f"meshpar: stopped by {signal_name} after step {step}: checkpoint {ckpt.root / f'step_{step}'}; "
+                   f"exit code {EXIT_PREEMPTED}; run the same command to resume")
 
 
 def _checkpointer(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, info: RankInfo,
@@ -202,7 +256,7 @@ def _checkpointer(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, info: 
     """The run's checkpointer, or None when it neither saves nor could resume."""
     c = recipe.checkpoint
     root = Path(c.dir) if c.dir else output_dir / "checkpoints"
-    if not (c.every or c.load_from or root.is_dir()):
+    if not (c.every or c.load_from or root.is_dir() or recipe.fault.signals):  # a stop signal saves too
         return None
     # meshpar.json's record of the model: JSON types (tuples are lists) so it compares with a loaded one
     record = json.loads(json.dumps({"family": recipe.model.family, "size": recipe.model.size,
@@ -246,10 +300,19 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = parser.parse_known_args(argv)
     try:
         recipe = recipelib.load(args.recipe, overrides)
-        train(recipe)
+        result = train(recipe)
     except RecipeError as e:
         print(f"meshpar: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except CheckpointError as e:  # a folder or file the message names; each failing rank says so
+        print(f"meshpar: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except NonFiniteError as e:  # every rank raises it; one says so
+        if rank_info().is_rank0:
+            print(f"meshpar: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    if result.stopped_by is not None:
+        sys.exit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":
