@@ -146,7 +146,8 @@ def test_leaf_modules_stay_leaves():
     graph = import_graph()
     assert graph["meshpar.errors"] == {}
     assert graph["meshpar._torch"] == {}
-    assert set(graph["meshpar.recipe"]) == {"meshpar.errors"}
+    assert set(graph["meshpar.recipe"]) == {"meshpar.errors", "meshpar.recipe_keys"}
+    assert graph["meshpar.recipe_keys"] == {}
     for family in ("llama", "gpt2"):
         module = f"meshpar.models.{family}.parallelize"
         assert "meshpar.parallelize" not in graph[module] and "meshpar.recipe" not in graph[module], graph[module]
