@@ -302,6 +302,16 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
         return Work(handle, finish, entry)
 
 
+def world_max(value: int) -> int:
+    """The largest of every rank's ``value``: one all-reduce of one int64 over the world, on the CPU
+    group (no device sync). How ranks agree on a decision (a stop signal, a non-finite step)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value])
+    all_reduce(t, dist.group.WORLD, dim="world", op=dist.ReduceOp.MAX).wait()
+    return int(t.item())
+
+
 @torch.no_grad()
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: str, async_op: bool = False,
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Work:

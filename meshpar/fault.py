@@ -36,7 +36,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 
 from meshpar import comm
@@ -77,10 +76,7 @@ class StopSignals:
 
     def agree(self) -> str | None:
         """Every rank: the signal any rank received (the same answer on all), or None. Collective."""
-        flag = torch.tensor([PREEMPTION_SIGNALS.index(self.received) + 1 if self.received else 0])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            comm.all_reduce(flag, dist.group.WORLD, dim="world", op=dist.ReduceOp.MAX).wait()
-        code = int(flag.item())
+        code = comm.world_max(PREEMPTION_SIGNALS.index(self.received) + 1 if self.received else 0)
         self.stopped_by = PREEMPTION_SIGNALS[code - 1] if code else None
         return self.stopped_by
 

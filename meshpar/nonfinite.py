@@ -56,15 +56,6 @@ def first_nonfinite_grads(stages: nn.ModuleList) -> list[str | None]:
     return found
 
 
-def _any_rank(flag: bool) -> bool:
-    """``flag`` on any rank (one all-reduce of one number over every rank, on the CPU group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([int(flag)])
-    comm.all_reduce(t, dist.group.WORLD, dim="world", op=dist.ReduceOp.MAX).wait()
-    return bool(t.item())
-
-
 class NonFiniteGuard:
     """Decides, after clipping, whether a step's optimizer update happens; see [Note: non-finite steps]."""
 
@@ -80,7 +71,7 @@ class NonFiniteGuard:
         """True: take the optimizer step. False: skip it (``skip``). Raises ``NonFiniteError`` (``stop``,
         or too many skips in a row). The same answer on every rank."""
         norm = float(grad_norm)
-        if not _any_rank(not math.isfinite(norm)):
+        if not comm.world_max(int(not math.isfinite(norm))):
             self.consecutive = 0
             return True
         culprits = first_nonfinite_grads(self.stages)
