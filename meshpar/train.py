@@ -52,7 +52,7 @@ from meshpar.pipeline import build_schedule
 from meshpar.preflight import Preflight, preflight
 from meshpar.profiling.capture import StepProfiler, label
 from meshpar.recipe import Recipe, RecipeError
-from meshpar.runtime import RankInfo, init_process_group, rank_info, select_device
+from meshpar.runtime import RankInfo, init_process_group, leave, rank_info, select_device
 from meshpar.step import GradSync, Model, cross_entropy, plain, train_step
 from meshpar.tensor_parallel import loss_parallel_context
 
@@ -303,17 +303,15 @@ def main(argv: list[str] | None = None) -> None:
         result = train(recipe)
     except RecipeError as e:
         print(f"meshpar: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        leave(2)
     except CheckpointError as e:  # a folder or file the message names; each failing rank says so
         print(f"meshpar: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        leave(1)
     except NonFiniteError as e:  # every rank raises it; one says so
         if rank_info().is_rank0:
             print(f"meshpar: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    if result.stopped_by is not None:
-        sys.exit(EXIT_PREEMPTED)
-
+        leave(1)
+    leave(EXIT_PREEMPTED if result.stopped_by is not None else 0)  # [Note: a rank leaves without finalization]
 
 if __name__ == "__main__":
     main()

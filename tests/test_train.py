@@ -210,3 +210,15 @@ def test_layout_errors_before_launch(overrides, world, message, tmp_path, data_c
                                                                     "--data.tokenizer=byte", *overrides])
     with pytest.raises(recipelib.RecipeError, match=message):
         preflight(recipe, world)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_leaves_with_its_code_and_its_output_flushed():
+    """[Note: a rank leaves without finalization]: buffered output (stdout is a pipe here) and
+    logging's handlers are flushed before ``os._exit``; the exit code is the one asked for."""
+    script = ("import logging, sys; from meshpar.runtime import leave; logging.basicConfig(stream=sys.stdout); "
+              "print('out', end=''); print('err', end='', file=sys.stderr); logging.warning('logged'); leave(75)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 75, done.stderr
+    assert done.stdout.startswith("out") and "logged" in done.stdout, done.stdout
+    assert done.stderr == "err", done.stderr
