@@ -226,7 +226,7 @@ def test_a_shared_cache_whose_lock_does_not_span_hosts(tmp_path, monkeypatch):
         (tmp_path / key).mkdir()
         (tmp_path / key / "meta.json").write_text("theirs")
 
-    entry = data._cached(tmp_path, key, build)
+    entry = data.cached(tmp_path, key, build)
     assert (entry / "meta.json").read_text() == "theirs"
     assert sorted(p.name for p in tmp_path.iterdir()) == [theirs.name, key, f"{key}.lock"]
 
@@ -236,6 +236,6 @@ def test_a_shared_cache_whose_lock_does_not_span_hosts(tmp_path, monkeypatch):
     monkeypatch.setattr(fcntl, "flock", no_flock)
     dead = tmp_path / f".byte-4567.tmp@{host}.x3"
     dead.mkdir()
-    entry = data._cached(tmp_path, "byte-4567", lambda tmp: (tmp / "meta.json").write_text("built"))
+    entry = data.cached(tmp_path, "byte-4567", lambda tmp: (tmp / "meta.json").write_text("built"))
     assert (entry / "meta.json").read_text() == "built"
     assert dead.exists()  # unlocked, it cannot know this host's other builders are dead

@@ -1,0 +1,132 @@
+"""``BatchLoader``: one data-parallel rank's microbatches of a token stream, in a seeded order
+that depends only on the global sample count (see [Note: sample order])."""
+
+from __future__ import annotations
+
+import zlib
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from meshpar.recipe import RecipeError
+
+# [Note: sample order]
+# Window w is tokens[w*T : w*T + T + 1] (inputs its first T, targets its last T), for
+# w < n_windows = (len(tokens) - 1) // T. Global sample g, counted over the whole run and
+# all ranks, is window perm_e[g % n_windows] of epoch e = g // n_windows. Step s takes the
+# samples [s*B, (s+1)*B) and dp rank r the contiguous slice [r*B/dp, (r+1)*B/dp) of them, in
+# microbatches in order. So the data of a step does not depend on dp or micro_batch, and the
+# position is samples_seen alone: a checkpoint resumes on any layout.
+# perm_e is a 4-round Feistel network over the smallest even-bit domain 2^(2h) >= n_windows,
+# made a permutation of range(n_windows) by cycle-walking (apply again until the value is
+# < n_windows). Integer arithmetic only: the same order on every platform and library version,
+# O(1) memory and random access, whatever the number of windows.
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijective 64-bit hash (uint64 array arithmetic wraps)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def permute(i: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
+    """``perm[i]`` for the pseudo-random permutation of range(n) that (seed, epoch) picks."""
+    half = np.uint64(max(1, ((n - 1).bit_length() + 1) // 2))
+    mask = np.uint64((1 << int(half)) - 1)
+    base = _mix(_mix(np.array([seed], dtype=np.uint64)) ^ np.uint64(epoch))
+    keys = _mix(base + np.arange(1, 5, dtype=np.uint64))  # one key per round
+
+    def feistel(x: np.ndarray) -> np.ndarray:
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << half) | right
+
+    y = feistel(np.asarray(i, dtype=np.uint64))
+    while (out := y >= np.uint64(n)).any():
+        y[out] = feistel(y[out])
+    return y.astype(np.int64)
+
+
+class BatchLoader:
+    """One data-parallel rank's microbatches of a token stream, resumable on any layout."""
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, micro_batch: int,
+                 dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_size = {dp_size})")
+        if global_batch % (micro_batch * dp_size):
+            raise RecipeError(_batch_error(global_batch, micro_batch, dp_size), "train.global_batch")
+        self.n_windows = (len(tokens) - 1) // seq_len
+        if self.n_windows < 1:
+            raise RecipeError(f"train.seq_len = {seq_len}: the data is too small ({len(tokens)} tokens) for one "
+                              f"sample of seq_len + 1 tokens; use a shorter train.seq_len or more data (for "
+                              f"validation: a larger data.val_fraction)", "train.seq_len")
+        self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
+        self.global_batch, self.micro_batch, self.dp_rank, self.dp_size = global_batch, micro_batch, dp_rank, dp_size
+        self._samples_seen = 0
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples consumed by all ranks together; the loader's whole position."""
+        return self._samples_seen
+
+    def windows(self, samples: np.ndarray) -> np.ndarray:
+        """Global sample indices -> window indices (see [Note: sample order])."""
+        epoch, i = np.divmod(np.asarray(samples, dtype=np.int64), self.n_windows)
+        if not self.shuffle:
+            return i
+        for e in np.unique(epoch):
+            i[epoch == e] = permute(i[epoch == e], self.n_windows, self.seed, int(e))
+        return i
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's microbatches for one optimizer step: (inputs, targets) int64 [micro_batch, seq_len]."""
+        per_rank = self.global_batch // self.dp_size
+        first = self._samples_seen + self.dp_rank * per_rank
+        starts = self.windows(np.arange(first, first + per_rank)) * self.seq_len
+        # rows[per_rank, T + 1] = tokens[start : start + T + 1] for each sample
+        rows = torch.from_numpy(np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)], np.int64))
+        self._samples_seen += self.global_batch
+        mb = self.micro_batch
+        return [(rows[j:j + mb, :-1].contiguous(), rows[j:j + mb, 1:].contiguous()) for j in range(0, per_rank, mb)]
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        """CRC of up to 4096 evenly spaced tokens: tells a changed token stream of the same length."""
+        sample = np.asarray(self.tokens[::max(1, len(self.tokens) // 4096)][:4096], dtype="<u4")
+        return f"{zlib.crc32(sample.tobytes()):08x}"
+
+    def state_dict(self) -> dict:
+        return {"version": 1, "samples_seen": self._samples_seen, "seed": self.seed, "seq_len": self.seq_len,
+                "shuffle": self.shuffle, "n_windows": self.n_windows, "n_tokens": len(self.tokens),
+                "fingerprint": self._fingerprint, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state['samples_seen']``; any dp_size, micro_batch or global_batch may differ."""
+        fixes = {"version": "a checkpoint from this meshpar version", "seed": "the same train.seed",
+                 "seq_len": "the same train.seq_len", "shuffle": "the same shuffle setting",
+                 "n_windows": "the same data", "n_tokens": "the same data and data.val_fraction",
+                 "fingerprint": "the same data and tokenizer"}
+        mine = self.state_dict()
+        for key, fix in fixes.items():
+            if state.get(key) != mine[key]:
+                raise RecipeError(f"data loader checkpoint: {key} = {state.get(key)!r} there but {mine[key]!r} in "
+                                  f"this run; resume with {fix}, or set checkpoint.exclude = [\"data\"] to start "
+                                  f"the data order afresh", {"seed": "train.seed", "seq_len": "train.seq_len"}.get(key))
+        self._samples_seen = int(state["samples_seen"])
+
+
+def _batch_error(global_batch: int, micro_batch: int, dp_size: int) -> str:
+    unit = micro_batch * dp_size
+    sizes = [v for v in (global_batch // unit * unit, (global_batch // unit + 1) * unit) if v]
+    fix = f"use train.global_batch = {' or '.join(map(str, sizes))}"
+    if global_batch % dp_size == 0:
+        per_rank = global_batch // dp_size
+        near = sorted(sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0),
+                             key=lambda d: abs(d - micro_batch))[:3])
+        fix += f", or train.micro_batch = {' or '.join(map(str, near))}"
+    return (f"train.global_batch = {global_batch} is not a multiple of train.micro_batch ({micro_batch}) x the "
+            f"data-parallel degree ({dp_size}) = {unit}, so it cannot split into equal microbatches per rank; {fix}")
