@@ -5,6 +5,8 @@ A checkpoint is a folder ``<dir>/step_<N>/``::
     .metadata, __<rank>_<i>.distcp   DCP: every tensor as the chunks the saving ranks held
     crc/<rank>.json                  a CRC-32 per chunk, written by the rank that wrote it
     recipe.toml                      the resolved recipe of the run that saved it
+    tokenizer.json, tokenizer_config.json   the run's tokenizer, when it has one (Hugging Face form:
+                                     ``meshpar convert --to hf`` copies them; meshpar/data/tokenizer.py)
     meshpar.json                     step, model, layout saved from; written last
 
 and holds one nested state dict (DCP flattens it to dotted keys)::
@@ -22,7 +24,7 @@ by global name and shape; the data position by global sample count, see meshpar/
 [Note: a checkpoint is complete or invisible]
 Every rank writes into ``<dir>/.step_<N>.partial/``. DCP's last step runs on the coordinator
 (rank 0) only after every rank has reported its writes; there it writes ``.metadata``, then
-(``_Writer.publish``) ``recipe.toml`` and ``meshpar.json``, and renames the folder to
+(``_Writer.publish``) ``recipe.toml``, the tokenizer files and ``meshpar.json``, and renames the folder to
 ``step_<N>`` (one ``os.replace``); DCP then tells every rank the outcome, so once ``save``
 (``wait``, when async) returns on any rank, ``step_<N>`` exists. An error on any rank or in
 any of these (a full disk, a folder gone read-only) fails the save on every rank with a
@@ -64,7 +66,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,7 @@ from meshpar.recipe import CheckpointConfig, RecipeError
 
 FORMAT = 1
 MARKER = "meshpar.json"  # written last: its presence means complete
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a tokenizer as Hugging Face folders hold it
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -194,14 +197,20 @@ class Checkpointer:
     """Saves every ``checkpoint.every`` steps into ``<dir>/step_<N>/`` and resumes from the newest.
 
     ``info`` is what ``meshpar.json`` records about the run (family, size, model_args, layout,
-    world_size); ``recipe_toml`` the resolved recipe. One per rank; every rank calls ``save``
-    and ``load`` (they are collective through DCP).
+    world_size); ``recipe_toml`` the resolved recipe; ``tokenizer_files`` the run's tokenizer
+    (``tokenizer.hf_files()``: name in TOKENIZER_FILES -> bytes; empty for none), written into
+    every checkpoint. One per rank; every rank calls ``save`` and ``load`` (they are collective
+    through DCP).
     """
 
     def __init__(self, cfg: CheckpointConfig, root: Path, *, rank: int, world_size: int, info: dict[str, Any],
-                 recipe_toml: str, log=print):
+                 recipe_toml: str, tokenizer_files: Mapping[str, bytes] | None = None, log=print):
         self.cfg, self.root, self.rank, self.world_size = cfg, root, rank, world_size
         self.info, self.recipe_toml, self.log = info, recipe_toml, log
+        self.tokenizer_files = dict(tokenizer_files or {})
+        unknown = sorted(set(self.tokenizer_files) - set(TOKENIZER_FILES))
+        if unknown:
+            raise ValueError(f"tokenizer_files: {unknown} are not tokenizer files ({', '.join(TOKENIZER_FILES)})")
         self._pending: Future | None = None  # the async save in flight: done once committed
         self._group = None
         if cfg.async_save and dist.is_initialized():
@@ -290,7 +299,9 @@ class Checkpointer:
         """Rank 0, inside DCP's last step: make ``partial`` the checkpoint ``step_<step>``
         ([Note: a checkpoint is complete or invisible])."""
         final = self.root / f"step_{step}"
-        (partial / "recipe.toml").write_text(self.recipe_toml)
+        write_atomic(partial / "recipe.toml", self.recipe_toml)
+        for name, data in self.tokenizer_files.items():
+            write_atomic(partial / name, data)
         info = dict(self.info, format=FORMAT, step=step, world_size=self.world_size,
                     saved_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
         write_atomic(partial / MARKER, json.dumps(info, indent=1))

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from meshpar.checkpoint.atomic import fsync, write_atomic
 from meshpar.checkpoint.format import SafeReader, crc_key, crc_of_range, write_crcs
-from meshpar.convert.files import _fresh, _now, _read_json
+from meshpar.convert.files import _fresh, _now, _read_json, copy_tokenizer
 from meshpar.convert.layout import layout_chunks
 from meshpar.convert.spec import ConvertError, ModelSpec, spec_from_info
 
@@ -128,15 +128,16 @@ def _planner_data(keys: Sequence[str]) -> dict[str, tuple[str, ...]]:
 
 class DCPSink:
     """Writes a meshpar checkpoint chunk by chunk for ``layout`` ([Note: streaming conversion],
-    [Note: chunks for a target layout]): __<rank>_0.distcp per rank, .metadata, meshpar.json."""
+    [Note: chunks for a target layout]): __<rank>_0.distcp per rank, .metadata, meshpar.json, a copy
+    of the file ``recipe`` and of the tokenizer files of folder ``tokenizer``, where they exist."""
 
     takes_bytes = True
 
     def __init__(self, path: Path, info: Mapping[str, Any], spec: ModelSpec, layout: dict[str, int],
-                 recipe: Path | None = None) -> None:
+                 recipe: Path | None = None, tokenizer: Path | None = None) -> None:
         _fresh(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.path, self.spec, self.layout, self.recipe = path, spec, layout, recipe
+        self.path, self.spec, self.layout, self.recipe, self.tokenizer = path, spec, layout, recipe, tokenizer
         world = math.prod(layout.values())
         self.info = {**info, "layout": layout, "world_size": world, "saved_at": _now()}
         self.load = [0] * world  # bytes per rank file, to spread replicated chunks
@@ -199,4 +200,6 @@ class DCPSink:
         FileSystemWriter(self.path).finish(metadata, [self.results])  # .metadata, atomically
         if self.recipe is not None and self.recipe.exists():  # the run's recipe, as saved (layout: meshpar.json)
             shutil.copyfile(self.recipe, self.path / "recipe.toml")
+        if self.tokenizer is not None:
+            copy_tokenizer(self.tokenizer, self.path)
         write_atomic(self.path / "meshpar.json", json.dumps(self.info, indent=2) + "\n")  # last: marks it complete

@@ -1,6 +1,6 @@
 """Hugging Face folders (config.json + safetensors): a source that reads each tensor with
 readinto() straight into place, and a sink that writes each shard's header first and the tensors'
-bytes as they come ([Note: streaming conversion])."""
+bytes as they come ([Note: streaming conversion]), then the config and the model's tokenizer."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from meshpar.checkpoint.atomic import fsync
-from meshpar.convert.files import _bytes_view, _fresh, _now, _read_json
+from meshpar.convert.files import _bytes_view, _fresh, _now, _read_json, copy_tokenizer
 from meshpar.convert.layout import parse_layout
 from meshpar.convert.spec import ADAPTERS, ConvertError, ModelSpec
 
@@ -127,15 +127,18 @@ class HFSource:
 
 class HFSink:
     """Writes sharded safetensors files header first, then each tensor's bytes as it arrives
-    ([Note: streaming conversion]), then model.safetensors.index.json and config.json."""
+    ([Note: streaming conversion]), then model.safetensors.index.json, config.json and the
+    tokenizer of folder ``tokenizer`` (a checkpoint's, or a Hugging Face folder's), if it has one:
+    ``note`` says so when it has none."""
 
     takes_bytes = False
 
-    def __init__(self, path: Path, spec: ModelSpec, shard_size: int) -> None:
+    def __init__(self, path: Path, spec: ModelSpec, shard_size: int, tokenizer: Path | None = None) -> None:
         _fresh(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.path, self.spec, self.shard_size = path, spec, shard_size
+        self.path, self.spec, self.shard_size, self.tokenizer = path, spec, shard_size, tokenizer
         self.file: Any = None
+        self.note = ""
 
     def select(self, tensors: Mapping[str, tuple[torch.Size, torch.dtype]]) -> list[str]:
         keys = [k for k in tensors if k.startswith("model.") and k[6:] not in self.spec.tied]
@@ -193,3 +196,9 @@ class HFSink:
         (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         config = self.spec.adapter.hf_config(self.spec.family, self.spec.args, self.dtype)
         (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.tokenizer is None or not copy_tokenizer(self.tokenizer, self.path, self.spec.args.max_seq_len):
+            where = f"{self.tokenizer} has no tokenizer.json" if self.tokenizer else "a torch file holds no tokenizer"
+            self.note = (f"meshpar convert: no tokenizer written: {where} (runs with data.tokenizer = 'byte' or "
+                         f"token files have none, nor do checkpoints from before meshpar kept tokenizers); to use "
+                         f"the model with one, copy the tokenizer.json and tokenizer_config.json it was trained "
+                         f"with into {self.path}")

@@ -76,12 +76,14 @@ class Summary:
     largest_tensor_bytes: int
     peak_method: str = "VmHWM"
     verified: bool = False
+    note: str = ""  # a line on what was not converted (no tokenizer for a Hugging Face folder)
 
     def __str__(self) -> str:
         rate = self.bytes / max(self.seconds, 1e-9)
         return (f"meshpar convert: {self.tensors} tensors, {_human(self.bytes)} in {self.seconds:.2f} s "
                 f"({_human(rate)}/s), peak memory +{_human(self.peak_bytes)} (largest tensor "
-                f"{_human(self.largest_tensor_bytes)}){', verified' if self.verified else ''} -> {self.dst}")
+                f"{_human(self.largest_tensor_bytes)}){', verified' if self.verified else ''} -> {self.dst}"
+                + (f"\n{self.note}" if self.note else ""))
 
 
 def digest(t: Tensor) -> str:
@@ -127,12 +129,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: 
             model_only: bool = True) -> Summary:
     """Convert checkpoint ``src`` (a DCP folder, Hugging Face folder or torch file) to ``to``:
 
-    - ``"hf"``: sharded safetensors (``shard_size`` bytes per file at most), the index and config.json;
+    - ``"hf"``: sharded safetensors (``shard_size`` bytes per file at most), the index, config.json
+      and the checkpoint's tokenizer (tokenizer.json, tokenizer_config.json), where it has one;
     - ``"torch"``: one torch.save file of ``{fqn: tensor}`` plus ``<name>.meshpar.json`` (with
       ``model_only=False``: every checkpoint key, non-tensor entries as DCP's bytes). It holds the
       whole output in memory;
     - ``"dcp"``: a meshpar checkpoint folder chunked for ``layout`` (degrees by dim name,
-      default: the source's), optimizer state and non-tensor entries included.
+      default: the source's), optimizer state, non-tensor entries, recipe and tokenizer included.
 
     One tensor at a time ([Note: streaming conversion]); ``verify`` reloads the output and
     compares checksums. Prints a progress bar (stderr, on a terminal) and the summary line
@@ -143,13 +146,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: 
     source, dst = open_checkpoint(src), Path(dst)
     found = {k[6:]: shape for k, (shape, _) in source.tensors.items() if k.startswith("model.")}
     check_model_tensors(source.spec, found, str(source.path))
+    folder = None if isinstance(source, TorchSource) else source.path  # where a tokenizer may lie
     if to == "hf":
-        sink: DCPSink | HFSink | TorchSink = HFSink(dst, source.spec, shard_size)
+        sink: DCPSink | HFSink | TorchSink = HFSink(dst, source.spec, shard_size, folder)
     elif to == "torch":
         sink = TorchSink(dst, source.info, model_only)
     else:
         sink = DCPSink(dst, source.info, source.spec, parse_layout(layout or source.info.get("layout")),
-                       source.path / "recipe.toml" if isinstance(source, DCPSource) else None)
+                       source.path / "recipe.toml" if isinstance(source, DCPSource) else None, folder)
     memory, start = _PeakMemory(), time.perf_counter()
     keys = sink.select(source.tensors)
     sizes = {k: math.prod(source.tensors[k][0]) * source.tensors[k][1].itemsize for k in keys}
@@ -170,7 +174,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: 
     sink.finish(source.metadata.planner_data if isinstance(source, DCPSource) else None)
     bar.close()
     summary = Summary(str(dst), len(keys), done, time.perf_counter() - start, memory.peak(),
-                      max(sizes.values(), default=0), memory.method, verify)
+                      max(sizes.values(), default=0), memory.method, verify, getattr(sink, "note", ""))
     if verify:
         _check(expected, open_checkpoint(dst), blobs)
     if progress:
