@@ -9,9 +9,13 @@ The model holds no parallel code. It is built on any device (``meta`` for big si
 then ``to_empty`` + ``init_weights()`` materializes it. Pipeline stages are slices of
 one model: ``forward`` skips a missing (None) embedding, ``ln_f`` or ``lm_head``.
 
-Limits: no dropout, no KV cache, causal mask only, positions start at 0; the loss is
-computed outside the model. ``c_attn`` is one fused projection whose output is laid out
-[q | k | v], so a column-wise tensor-parallel shard must split each third separately.
+With ``args.document_eos >= 0`` attention is document-causal over packed sequences and the
+learned positions restart at each document ([Note: document-causal attention] in
+meshpar/models/attention.py); only a model or stage holding ``wte`` can derive it.
+
+Limits: no dropout, no KV cache; the loss is computed outside the model. ``c_attn`` is one
+fused projection whose output is laid out [q | k | v], so a column-wise tensor-parallel shard
+must split each third separately.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from meshpar.models.attention import document_mask
 from meshpar.models.init import ParamInit
 
 
@@ -37,6 +42,10 @@ class GPT2Args:
     vocab_size: int = 2048  # V
     max_seq_len: int = 1024  # learned positions (HF: n_positions)
     norm_eps: float = 1e-5  # LayerNorm epsilon
+    # >= 0: document-causal attention over sequences packed with this EOS id (a token attends only
+    # to its own document, positions restart per document); -1: plain causal. See [Note:
+    # document-causal attention] in meshpar/models/attention.py
+    document_eos: int = -1
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -68,7 +77,8 @@ GPT2_SIZES: dict[str, GPT2Args] = {
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with a fused q/k/v projection."""
+    """Causal multi-head attention with a fused q/k/v projection. ``mask``: None (causal) or the
+    additive document mask [B, 1, T, T] ([Note: document-causal attention])."""
 
     def __init__(self, args: GPT2Args) -> None:
         super().__init__()
@@ -76,10 +86,10 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(args.dim, 3 * args.dim)
         self.c_proj = nn.Linear(args.dim, args.dim)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         # x[B, T, D] @ c_attn[D, 3*D] -> [B, T, 3*D], laid out [q | k | v], each (H, Dh)
         q, k, v = rearrange(self.c_attn(x), "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # out[B, H, T, Dh]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # out[B, H, T, Dh]
         return self.c_proj(rearrange(out, "b h t d -> b t (h d)"))  # [B, T, D] @ c_proj[D, D] -> [B, T, D]
 
 
@@ -104,8 +114,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args.dim)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = x + self.attn(self.ln_1(x))
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        # mask passed positionally: the TP plan's PrepareModuleInput lists (x, mask)
+        h = x + self.attn(self.ln_1(x), mask)
         return h + self.mlp(self.ln_2(h))
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
@@ -175,13 +186,21 @@ class GPT2(nn.Module):
         if seq_len > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len} "
                              "(GPT-2's learned positions); use shorter sequences")
+        eos, mask = self.args.document_eos, None
         if self.wte is None:
+            if eos >= 0:
+                raise ValueError(f"document_eos = {eos}: this pipeline stage receives hidden states, not token "
+                                 "ids, so it cannot find document boundaries; document-causal attention needs pp = 1")
             h = tokens  # hidden states from the previous pipeline stage, h[B, T, D]
         else:
-            positions = torch.arange(seq_len, device=tokens.device)
-            h = self.wte(tokens) + self.wpe(positions)  # [B, T, D] + [T, D]
+            h = self.wte(tokens)  # [B, T, D]
+            if eos < 0:
+                positions = torch.arange(seq_len, device=tokens.device)  # [T]
+            else:  # [Note: document-causal attention]: mask[B, 1, T, T] in h's dtype, positions[B, T]
+                mask, positions = document_mask(tokens, eos, dtype=h.dtype)
+            h = h + self.wpe(positions)  # [B, T, D] + [T, D] or [B, T, D]
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, mask)
         if self.ln_f is not None:
             h = self.ln_f(h)
         return h if self.lm_head is None else self.lm_head(h)  # h[B, T, D] @ lm_head[D, V] -> logits[B, T, V]

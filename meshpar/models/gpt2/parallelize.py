@@ -44,9 +44,11 @@ SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the resi
 # and its output is reduce-scattered to the sequence shard, a DTensor [B, T, D] placed
 # Shard(1) (local [B, T/tp, D]). A plain wpe would return a plain [T, D] tensor that cannot
 # be added to it. So wpe is replicated (``ReplicateParallel``) and its input, the positions
-# [T] (the same on every rank), is taken as Shard(0): each rank slices its own T/tp
-# positions (no communication) and looks them up, giving a DTensor [T, D] placed Shard(0)
-# (local [T/tp, D]), which broadcasts against Shard(1) of [B, T, D] onto the same rows. The
+# [T] (the same on every rank), is taken as Shard(-1), the sequence: each rank slices its own
+# T/tp positions (no communication) and looks them up, giving a DTensor [T, D] placed Shard(0)
+# (local [T/tp, D]), which broadcasts against Shard(1) of [B, T, D] onto the same rows. With
+# document attention the positions are [B, T] (restarting per document) and Shard(-1) is
+# Shard(1): [B, T/tp] looked up to [B, T/tp, D], placed as the token embedding is. The
 # table's gradient is a partial sum over tp (each rank saw its own positions), reduced as
 # any replicated parameter's ([Note: gradients of replicated parameters]). A vocab-style
 # row-wise wpe would work too but costs a reduce-scatter of [T, D] in every forward.
@@ -70,6 +72,9 @@ rowwise = RowwiseParallel(output_layouts=SEQ, use_local_output=False)  # partial
 # [B, T/tp, D] -> all-gather -> [B, T, D], a DTensor: [Note: one reduce-scatter per sub-layer input in backward]
 gather_sequence = PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
                                      use_local_output=False)
+# attn(x, mask): x as above; the document mask [B, 1, T, T] (or None), whole on every rank, passes untouched
+gather_sequence_and_mask = PrepareModuleInput(input_layouts=(SEQ, None), desired_input_layouts=(Replicate(), None),
+                                              use_local_output=False)
 
 # The plan table. Logits stay vocab-sharded, a DTensor [B, T, V/tp] (the loss runs under
 # ``loss_parallel_context(True)``); ``.with_loss_parallel(False)`` gathers them to [B, T, V].
@@ -77,15 +82,16 @@ GPT2_TP_PLAN = TPPlan(
     root={
         # tokens[B, T] replicated -> embedding rows V/tp -> partial [B, T, D] -> reduce-scatter -> [B, T/tp, D]
         "wte": VocabParallelEmbedding(output_layout=SEQ),
-        # positions[T] -> this rank's [T/tp] -> [T/tp, D]: [Note: GPT-2 positions under sequence parallelism]
-        "wpe": ReplicateParallel(input_layout=Replicate(), desired_input_layout=Shard(0)),
+        # positions[T] -> this rank's [T/tp] -> [T/tp, D] (per document: [B, T] -> [B, T/tp] -> [B, T/tp, D]):
+        # [Note: GPT-2 positions under sequence parallelism]
+        "wpe": ReplicateParallel(input_layout=Replicate(), desired_input_layout=Shard(-1)),
         "ln_f": SequenceParallel(),
         # [B, T/tp, D] -> all-gather -> [B, T, D] @ lm_head[D, V/tp] -> logits [B, T, V/tp] (tied to wte)
         "lm_head": vocab_parallel_output(loss_parallel=True),
     },
     block={
         "ln_1": SequenceParallel(),
-        "attn": gather_sequence,
+        "attn": gather_sequence_and_mask,
         "attn.c_attn": FusedColwiseParallel(3),  # [B, T, D] @ c_attn[D, 3D] -> local [B, T, q_r | k_r | v_r]
         "attn.c_proj": rowwise,
         "ln_2": SequenceParallel(),

@@ -39,6 +39,10 @@ class ModelArgs:
     qkv_bias: bool = False  # bias on wq, wk, wv (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     tie_embeddings: bool = False  # output.weight is tok_embeddings.weight
+    # >= 0: document-causal attention over sequences packed with this EOS id (a token attends only
+    # to its own document, positions restart per document); -1: plain causal. See [Note:
+    # document-causal attention] in meshpar/models/attention.py
+    document_eos: int = -1
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:

@@ -12,8 +12,12 @@ then ``to_empty`` + ``init_weights()`` materializes it. Pipeline stages are slic
 one model: ``forward`` skips a missing (None) ``tok_embeddings``, ``norm`` or ``output``,
 and blocks sit in a ``ModuleDict`` keyed by their index in the whole model.
 
-Limits: training-shaped forward only (no KV cache, no attention mask beyond causal, no
-dropout); positions always start at 0; the loss is computed outside the model.
+With ``args.document_eos >= 0`` attention is document-causal over packed sequences and
+positions restart at each document ([Note: document-causal attention] in
+meshpar/models/attention.py); only a model or stage holding ``tok_embeddings`` can derive it.
+
+Limits: training-shaped forward only (no KV cache, no dropout); the loss is computed outside
+the model.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from meshpar.models.attention import document_mask
 from meshpar.models.init import ParamInit
 from meshpar.models.llama.args import ModelArgs, RopeScaling
 
@@ -54,7 +59,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x[B, H, T, Dh] by the tables cos, sin[T, Dh/2] (half-split layout, see [Note: RoPE layout])."""
+    """Rotate x[B, H, T, Dh] by cos, sin[T, Dh/2] (or [B, 1, T, Dh/2]: per-document positions), in
+    the half-split layout of [Note: RoPE layout]."""
     x1, x2 = x.chunk(2, dim=-1)  # x1, x2[B, H, T, Dh/2]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -72,7 +78,8 @@ def _init_linear(init: ParamInit, linear: nn.Linear, std: float) -> None:
 
 class Attention(nn.Module):
     """Causal grouped-query attention; heads are inferred from the weights' shapes, so a
-    tensor-parallel shard (fewer local heads) runs unchanged."""
+    tensor-parallel shard (fewer local heads) runs unchanged. ``mask``: None (causal) or the
+    additive document mask [B, 1, T, T] ([Note: document-causal attention])."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -85,7 +92,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(dh, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(dh, eps=args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         # x[B, T, D] @ wq[D, H*Dh] -> q[B, T, H*Dh] -> q[B, H, T, Dh]; k, v likewise with Hkv heads
         q = rearrange(self.wq(x), "b t (h d) -> b h t d", d=self.head_dim)
         k = rearrange(self.wk(x), "b t (h d) -> b h t d", d=self.head_dim)
@@ -94,7 +101,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # query head i reads kv head i // (H / Hkv), as repeat_interleave of k, v would give
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # out[B, H, T, Dh]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=True)  # out[B, H, T, Dh]
         return self.wo(rearrange(out, "b h t d -> b t (h d)"))  # [B, T, H*Dh] @ wo[H*Dh, D] -> [B, T, D]
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
@@ -135,8 +143,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        # mask passed positionally: the TP plan's PrepareModuleInput lists (x, cos, sin, mask)
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
@@ -226,14 +235,22 @@ class Transformer(nn.Module):
                 _trunc_normal(init, self.output.weight, std)
 
     def forward(self, tokens: Tensor) -> Tensor:
+        eos = self.args.document_eos
+        if eos >= 0 and self.tok_embeddings is None:
+            raise ValueError(f"document_eos = {eos}: this pipeline stage receives hidden states, not token ids, "
+                             "so it cannot find document boundaries; document-causal attention needs pp = 1")
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # h[B, T, D]
         seq_len = h.shape[1]
         if seq_len > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}; "
                              "build the model with a larger max_seq_len")
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if eos < 0:
+            cos, sin, mask = self.rope_cos[:seq_len], self.rope_sin[:seq_len], None  # cos, sin[T, Dh/2]
+        else:  # [Note: document-causal attention]: mask[B, 1, T, T] in h's dtype, positions[B, T]
+            mask, positions = document_mask(tokens, eos, dtype=h.dtype)
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # [B, 1, T, Dh/2]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None else self.output(h)  # h[B, T, D] @ output[D, V] -> logits[B, T, V]

@@ -44,7 +44,8 @@ SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the resi
 def _gather_sequence(n_extra_inputs: int) -> PrepareModuleInput:
     """A block's sub-layer input: [B, T/tp, D] -> all-gather -> [B, T, D], kept a Replicate
     DTensor ([Note: one reduce-scatter per sub-layer input in backward] in
-    meshpar/tensor_parallel.py); the extra inputs (RoPE's cos, sin: plain tensors) pass untouched."""
+    meshpar/tensor_parallel.py); the extra inputs (RoPE's cos, sin; the document mask or None: plain
+    tensors, whole on every rank) pass untouched."""
     return PrepareModuleInput(input_layouts=(SEQ, *[None] * n_extra_inputs),
                               desired_input_layouts=(Replicate(), *[None] * n_extra_inputs), use_local_output=False)
 
@@ -66,7 +67,7 @@ LLAMA_TP_PLAN = TPPlan(
     },
     block={
         "attention_norm": SequenceParallel(),
-        "attention": _gather_sequence(n_extra_inputs=2),  # (x, cos, sin)
+        "attention": _gather_sequence(n_extra_inputs=3),  # (x, cos, sin, mask)
         "attention.wq": colwise,
         "attention.wk": colwise,
         "attention.wv": colwise,

@@ -1,0 +1,77 @@
+"""Document-causal attention for packed sequences: the mask and positions, derived from token ids.
+
+    mask, positions = document_mask(tokens, eos=eos_id, dtype=h.dtype)   # in a model's forward
+
+Used by every family when its args set ``document_eos >= 0`` (see the note below); with the
+default ``document_eos = -1`` nothing here runs and attention is plain causal.
+
+Limits: a dense [B, 1, T, T] mask (memory and compute O(B * T^2) per forward, no skipped
+blocks); it needs the token ids, so only a model (or pipeline stage) holding the token
+embedding can build it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# [Note: document-causal attention]
+# Training packs documents into fixed-length sequences, each document ending with an EOS token
+# id (meshpar.data). With plain causal attention a token also attends to the tail of the
+# previous documents, and positions run across them. With ``document_eos = eos`` in a family's
+# args, the model's top-level forward, which sees tokens[B, T], derives per row:
+#
+#     doc[b, t]       = number of EOS tokens strictly before t (an EOS belongs to the document
+#                       it ends; a sequence may start or end in the middle of a document)
+#     positions[b, t] = t - (index of the first token of t's document)
+#     mask[b, 0, i, j] = doc[b, i] == doc[b, j] and j <= i
+#
+# and passes the mask down to every attention call (scaled_dot_product_attention with
+# ``attn_mask=`` instead of ``is_causal=True``). RoPE rotates by cos, sin gathered at
+# ``positions`` ([B, 1, T, Dh/2], broadcast over heads); GPT-2 adds its learned position
+# embedding at ``positions``. A packed sequence's outputs (and gradients) then equal those of
+# running each document alone (tests/test_document_attention.py, to 1e-9 in float64).
+#
+# The mask is passed in the activations' dtype, as an additive bias (0 where attended, -inf
+# elsewhere), not as bools: scaled_dot_product_attention converts a bool mask to exactly that
+# bias on every call, and autograd saves each call's converted copy for backward (seen with
+# saved_tensors_hooks, torch 2.13): one [B, 1, T, T] tensor per layer. Converted once, all
+# layers read and save the same tensor. Memory: B * T^2 elements per forward (bf16: 128 MiB
+# at B = 1, T = 8192), plus any per-call copy a kernel makes (CUDA's memory-efficient kernel
+# pads the last dim to a multiple of 16). Compute: the dense kernels evaluate all T^2 scores
+# and skip nothing, not even the upper triangle that ``is_causal`` lets flash kernels skip.
+# The cheap form on GPUs is FlexAttention (torch.nn.attention.flex_attention) with a
+# BlockMask built from ``doc``: O(T^2 / block^2) metadata, and blocks that straddle no document
+# are skipped, so the cost follows sum(len_d^2) rather than T^2.
+#
+# Tensor parallelism: tokens are replicated on the tp ranks, so each builds the whole mask; the
+# attention module's inputs (x, cos, sin, mask) are all-gathered for x only and the rest pass
+# untouched (plan tables in models/<family>/parallelize.py), and attention runs on local heads
+# over the whole sequence. FSDP casts the floating-point mask with the other inputs (a no-op:
+# it is built in the compute dtype). Activation checkpointing and torch.compile see the mask as
+# one more block argument. Pipeline stages after the first receive hidden states, not token
+# ids: they refuse ``document_eos >= 0`` (document attention runs with pp = 1).
+
+
+def document_mask(tokens: Tensor, eos: int, dtype: torch.dtype = torch.bool) -> tuple[Tensor, Tensor]:
+    """The document-causal attention mask and per-document positions of packed tokens[B, T].
+
+    Returns ``(mask[B, 1, T, T], positions[B, T])`` (see [Note: document-causal attention]).
+    With ``dtype=torch.bool`` the mask is True where query i may attend to key j; with a
+    floating dtype it is the additive bias (0 there, -inf elsewhere) that the models pass to
+    ``scaled_dot_product_attention``. Positions are int64 and restart at 0 after each ``eos``.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"document_mask takes token ids [B, T], got shape {tuple(tokens.shape)}")
+    is_eos = (tokens == eos).long()
+    doc = is_eos.cumsum(1) - is_eos  # doc[B, T]: EOS tokens strictly before t
+    t = torch.arange(tokens.shape[1], device=tokens.device)
+    # a document starts at 0 and after each EOS: start[b, t] = the latest such index <= t
+    starts = torch.where(torch.cat([torch.ones_like(is_eos[:, :1]), is_eos[:, :-1]], 1).bool(), t, 0)
+    positions = t - starts.cummax(1).values  # positions[B, T]
+    allowed = (doc.unsqueeze(2) == doc.unsqueeze(1)) & (t.unsqueeze(0) <= t.unsqueeze(1))  # [B, T_q, T_k]: j <= i
+    allowed = allowed.unsqueeze(1)  # [B, 1, T, T]: the same for every head
+    if dtype == torch.bool:
+        return allowed, positions
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device).masked_fill_(~allowed, float("-inf"))
+    return bias, positions
