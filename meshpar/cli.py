@@ -4,6 +4,7 @@
     meshpar recipe RECIPE [--section.key=value ...]     # resolve and check, print the TOML
     meshpar recipe --keys                               # every key, its default and meaning
     meshpar convert SRC DST --to {hf,torch,dcp} [--layout dp_shard=4,tp=2] [--verify] [--shard-size 5GB]
+    meshpar data prepare SOURCES --tokenizer T --out DIR   # tokenize a corpus once, train with data.path = DIR
     meshpar checkpoint info DIR                         # step, layout, completeness, every tensor
     meshpar train RECIPE --profile                      # = --profile.enable=true: traces in <output_dir>/traces
     meshpar profile summarize DIR                       # per-rank breakdown: table, summary.json, summary.png
@@ -58,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                    "fit), or search layouts that fit: `meshpar plan --help`")
     add_convert_arguments(sub.add_parser("convert", help="convert a checkpoint (DCP, Hugging Face, torch.save), "
                                          "offline, one tensor at a time", description=CONVERT_HELP))
+    from meshpar.data import prepare_cli
+    data = sub.add_parser("data", help="prepare training data").add_subparsers(dest="action", required=True)
+    prepare_cli.add_arguments(data.add_parser("prepare", help="tokenize a corpus once into memory-mapped shards",
+                                              description=prepare_cli.HELP))
     checkpoint = sub.add_parser("checkpoint", help="inspect checkpoints").add_subparsers(dest="action", required=True)
     info = checkpoint.add_parser("info", help="step, layout saved from, completeness, every tensor's shape, dtype, "
                                  "size and chunks; a folder of step_* checkpoints lists them and describes the newest")
@@ -176,9 +181,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(plan_main(argv[1:]))
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("convert", "checkpoint", "profile"):
+    if args.command in ("convert", "checkpoint", "profile", "data"):
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command == "data":
+            from meshpar.data import prepare_cli
+            sys.exit(prepare_cli.run(args))
         sys.exit(run_profile(args) if args.command == "profile" else run_convert(args))
     overrides = _split_overrides(parser, extra)
     try:

@@ -58,6 +58,10 @@ class Progress:
         self._bar.update(done - self.done)
         self.done = done
 
+    def postfix(self, **values) -> None:
+        """Figures shown after the bar (``tokens=1234``), drawn with its next update."""
+        self._bar.set_postfix(values, refresh=False)
+
     def print(self, line: str) -> None:
         print_line(line)
 

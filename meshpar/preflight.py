@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshpar import mesh as meshlib
-from meshpar.data import Corpus, prepare
+from meshpar.data import BPETokenizer, ByteTokenizer, Corpus, prepare
 from meshpar.models import Family, get_family
 from meshpar.parallelize import check_mixed_precision
 from meshpar.pipeline import SCHEDULES, check_microbatches, stage_layers
@@ -46,6 +46,22 @@ class Preflight:
     family: Family
     args: Any  # the family's model args
     corpus: Corpus
+
+
+def _attention(recipe: Recipe, layout: meshlib.Layout, args: Any, corpus: Corpus) -> Any:
+    """The model args with document-causal attention's EOS id when ``model.attention = "document"``."""
+    if recipe.model.attention == "causal":
+        return args
+    if corpus.eos_id is None:
+        raise RecipeError(f"model.attention = 'document' needs documents that end with an EOS token id, and "
+                          f"{corpus.name} has none (the byte tokenizer and token files mark no documents); use "
+                          f"data.tokenizer = 'bpe' or a Hugging Face tokenizer, or model.attention = 'causal'",
+                          "model.attention")
+    if layout.pp > 1:
+        raise RecipeError("model.attention = 'document' with parallel.pp > 1 is not built yet: the stages after "
+                          "the first do not see the token ids the mask comes from; use parallel.pp = 1 or "
+                          "model.attention = 'causal'", "model.attention")
+    return dataclasses.replace(args, document_eos=corpus.eos_id)
 
 
 def check_model(recipe: Recipe) -> tuple[Family, Any]:
@@ -96,8 +112,14 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
     if t.eval_every and recipe.data.val_fraction == 0:
         raise RecipeError("train.eval_every > 0 needs held-out data; set data.val_fraction > 0 or "
                           "train.eval_every = 0")
-    corpus = prepare(recipe.data)
+    corpus = prepare(recipe.data, recipe.checkpoint.hf_weights)
     if corpus.vocab_size > args.vocab_size:
+        if recipe.data.tokenizer not in ("bpe", "byte") and corpus.tokenizer is not None \
+                and not isinstance(corpus.tokenizer, (BPETokenizer, ByteTokenizer)):
+            raise RecipeError(f"data.tokenizer: {corpus.name} has a vocabulary of {corpus.vocab_size} tokens but the "
+                              f"model's is {args.vocab_size}; use the model's own tokenizer, or set model.vocab_size "
+                              f">= {corpus.vocab_size}", "data.tokenizer")
         raise RecipeError(f"the data has {corpus.vocab_size} token ids but model.vocab_size is {args.vocab_size}; "
                           f"set model.vocab_size = {corpus.vocab_size} (or a smaller data.vocab_size)")
+    args = _attention(recipe, layout, args, corpus)
     return Preflight(layout, accum, family, args, corpus)

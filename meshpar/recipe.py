@@ -36,6 +36,7 @@ from meshpar.errors import RecipeError  # re-exported: meshpar.recipe.RecipeErro
 from meshpar.recipe_keys import (  # noqa: F401 - re-exported: import sections from meshpar.recipe
     CheckpointConfig,
     DataConfig,
+    DataSource,
     FaultConfig,
     MetricsConfig,
     ModelConfig,
@@ -90,8 +91,16 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if typing.get_origin(annotation) is tuple:
         item = typing.get_args(annotation)[0]
         if not isinstance(value, (list, tuple)):
-            raise fail(f"a list of {item.__name__}")
+            raise fail(f"a list of {'tables' if dataclasses.is_dataclass(item) else item.__name__}")
         return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(annotation):  # a table inside a section: [[data.sources]]
+        if isinstance(value, annotation):
+            return value
+        if not isinstance(value, dict):
+            raise fail("a table such as {" + ", ".join(f"{_toml_key(f)} = ..." for f in dataclasses.fields(annotation))
+                       + "}")
+        prefix, _, name = where.rpartition(": ")  # "<origin>: data.sources[0]"
+        return _build_table(annotation, value, name, prefix=prefix + ": " if prefix else "")
     raise TypeError(f"unsupported recipe field type {annotation!r}")  # a meshpar bug, not a user error
 
 
@@ -113,17 +122,24 @@ def _check_range(value: Any, f: dataclasses.Field, where: str) -> None:
 
 
 def _build_section(name: str, table: Any, origin: dict[str, str]) -> Any:
-    cls = SECTIONS[name]
     if not isinstance(table, dict):
         raise RecipeError(f"{origin.get(name, '?')}: [{name}] must be a table of keys, got {table!r}")
+    return _build_table(SECTIONS[name], table, name, origin)
+
+
+def _build_table(cls: type, table: dict[str, Any], name: str, origin: dict[str, str] | None = None,
+                 prefix: str = "") -> Any:
+    """A section's (or a table's inside a section) dataclass from its TOML table; ``name`` is its dotted place,
+    ``origin`` where each key of a section came from, ``prefix`` where a table inside one did."""
     fields = _fields_by_key(cls)
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in table.items():
-        where = f"{origin.get(f'{name}.{key}', '?')}: {name}.{key}"
+        source = f"{origin.get(f'{name}.{key}', '?')}: " if origin is not None else prefix
         if key not in fields:
-            raise RecipeError(f"{origin.get(f'{name}.{key}', '?')}: " + _unknown(f"key in [{name}]", key, list(fields)))
+            raise RecipeError(source + _unknown(f"key in [{name}]", key, list(fields)))
         f = fields[key]
+        where = f"{source}{name}.{key}"
         value = _coerce(value, hints[f.name], where)
         _check_range(value, f, where)
         kwargs[f.name] = value
@@ -227,6 +243,9 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False)  # JSON's escapes are all valid TOML basic-string escapes
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):  # an inline table: [[data.sources]] entries
+        return "{" + ", ".join(f"{_toml_key(f)} = {_toml_value(getattr(value, f.name))}"
+                               for f in dataclasses.fields(value)) + "}"
     return repr(value)
 
 

@@ -33,6 +33,9 @@ class ModelConfig:
     n_layers: int = option(0, "Override the size's number of transformer blocks; 0 keeps the size's own.", ge=0)
     vocab_size: int = option(0, "Override the size's vocabulary; 0 keeps the size's own. Must hold every "
                                 "token id the data produces.", ge=0)
+    attention: str = option("causal", "causal, or document: packed sequences attend only within each document "
+                                      "(documents end with the tokenizer's EOS) and positions restart at each.",
+                            choices=("causal", "document"))
 
 
 @dataclass(frozen=True)
@@ -119,15 +122,33 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class DataSource:
+    path: str = option("", "Files of this source: as data.path (a file, a folder, a glob, or a folder made by "
+                           "`meshpar data prepare`).")
+    weight: float = option(1.0, "Share of the training samples drawn from this source (weights are normalized).",
+                           gt=0)
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    path: str = option("", "Training data: empty for the built-in Shakespeare corpus, a .txt file, a folder "
-                           "of .txt files, or a file of token ids (see format).")
-    format: str = option("text", "text, or uint16 / uint32 for a pre-tokenized file of raw token ids "
-                                 "(memory-mapped).", choices=("text", "uint16", "uint32"))
-    tokenizer: str = option("bpe", "For text: bpe (byte-level BPE trained on the data and cached) or byte.",
-                            choices=("bpe", "byte"))
+    path: str = option("", "Training data: empty for the built-in Shakespeare corpus; a file, a folder (recursive) "
+                           "or a glob of .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet or .arrow files; a folder "
+                           "made by `meshpar data prepare`; or a file of token ids (see format).")
+    format: str = option("auto", "auto: by each file's extension (documents, .npy token arrays, prepared folders); "
+                                 "text (the same, kept for older recipes); uint16 / uint32 for a pre-tokenized file "
+                                 "of raw little-endian token ids (memory-mapped).",
+                         choices=("auto", "text", "uint16", "uint32"))
+    text_field: str = option("text", "The document's field in .jsonl objects and its column in Parquet / Arrow.")
+    tokenizer: str = option("auto", "For documents: bpe (byte-level BPE trained on the data and cached), byte, or a "
+                                    "Hugging Face tokenizer (a tokenizer.json, or a folder holding one). auto: the "
+                                    "tokenizer of checkpoint.hf_weights' folder when set, else bpe.")
     vocab_size: int = option(2048, "Vocabulary of the trained BPE tokenizer.", ge=260, le=65536)
-    val_fraction: float = option(0.05, "Share of the tokens (the tail) held out for validation.", ge=0, lt=0.5)
+    val_fraction: float = option(0.05, "Share of the tokens (the tail) held out for validation; unused when "
+                                       "val_path is set.", ge=0, lt=0.5)
+    val_path: str = option("", "Validation data from its own source (as path), instead of the held-out tail.")
+    sources: tuple[DataSource, ...] = option((), "A mixture instead of path: [[data.sources]] tables of path and "
+                                                  "weight, each sample drawn from one source in proportion, in an "
+                                                  "order fixed by train.seed and independent of the layout.")
     cache_dir: str = option("", "Tokenizer and token cache; empty means $MESHPAR_CACHE or ~/.cache/meshpar.")
 
 

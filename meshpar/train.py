@@ -160,8 +160,10 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     n_params = _count_params(model, mesh)
     optimizer = build_optimizer(model.stages, recipe.optim)
     scheduler = build_lr_schedule(optimizer, recipe.optim, t.steps)
-    loader = BatchLoader(corpus.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
-                         dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed)
+    mixture = len(corpus.sources) > 1  # [Note: mixtures]
+    loader = BatchLoader(corpus.sources if mixture else corpus.train, seq_len=t.seq_len, global_batch=t.global_batch,
+                         micro_batch=t.micro_batch, dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed,
+                         weights=corpus.weights if mixture else None)
     run = RunState(model.stages, model.state_dict, optimizer, scheduler, loader)
     ckpt = _checkpointer(recipe, checked, mesh, info, output_dir)
     start_step = _restore(recipe, checked, ckpt, run, info)
@@ -259,11 +261,15 @@ def _checkpointer(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, info: 
     if not (c.every or c.load_from or root.is_dir() or recipe.fault.signals):  # a stop signal saves too
         return None
     # meshpar.json's record of the model: JSON types (tuples are lists) so it compares with a loaded one
+    # document_eos (model.attention) changes no weight: left out, so a run may switch it and resume
+    args = {k: v for k, v in dataclasses.asdict(checked.args).items() if k != "document_eos"}
     record = json.loads(json.dumps({"family": recipe.model.family, "size": recipe.model.size,
-                                    "model_args": dataclasses.asdict(checked.args),
+                                    "model_args": args,
                                     "layout": dataclasses.asdict(mesh.layout)}))
+    tokenizer = checked.corpus.tokenizer  # saved beside the weights: `meshpar convert --to hf` exports it
     return Checkpointer(c, root, rank=info.rank, world_size=info.world_size, info=record,
-                        recipe_toml=recipelib.dumps(recipe), log=lambda line: print_line(f"meshpar: {line}"))
+                        recipe_toml=recipelib.dumps(recipe), log=lambda line: print_line(f"meshpar: {line}"),
+                        tokenizer_files=tokenizer.hf_files() if tokenizer is not None else None)
 
 
 def _restore(recipe: Recipe, checked: Preflight, ckpt: Checkpointer | None, run: RunState, info: RankInfo) -> int:

@@ -61,7 +61,7 @@ def test_builtin_corpus_bpe_and_cache(tmp_path):
     corpus = prepare(cfg)
     cold = time.perf_counter() - start
     raw = resources.files("meshpar").joinpath("corpus/shakespeare.txt.gz").read_bytes()
-    text = gzip.decompress(raw).decode()
+    text = gzip.decompress(raw).decode() + EOT  # every document ends with EOS, the last one too
     n = len(corpus.train) + len(corpus.val)
     assert corpus.vocab_size == 2048 and corpus.name == "shakespeare (bpe 2048)"
     assert corpus.train.dtype == np.uint16 and isinstance(corpus.train, np.memmap)
@@ -88,6 +88,7 @@ def test_byte_tokenizer_split_and_env_cache(tmp_path, monkeypatch):
     path = write(tmp_path / "richard.txt", text)
     corpus = prepare(DataConfig(path=str(path), tokenizer="byte", val_fraction=0.1))
     stream = np.concatenate([corpus.train, corpus.val])
+    text += EOT  # the byte tokenizer ends each document with the separator text
     assert stream.tolist() == list(text.encode()) and corpus.vocab_size == 256
     assert len(corpus.val) == int(len(stream) * 0.1) and corpus.name == "richard.txt (byte)"
     assert corpus.tokenizer.decode(corpus.val) == text.encode()[len(corpus.train):].decode()
@@ -106,7 +107,7 @@ def test_cache_key_follows_the_text_and_a_dead_builder_is_cleaned_up(tmp_path):
     prepare(cfg)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [entry.name, entry.name + ".lock"]
     write(path, "that is the question\n")
-    assert bytes(prepare(cfg).train.tolist()) == b"that is the question\n"
+    assert bytes(prepare(cfg).train.tolist()) == f"that is the question\n{EOT}".encode()
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 2
 
 
@@ -114,12 +115,12 @@ def test_folder_of_text_files(tmp_path):
     docs = {"b/one.txt": "second doc\n", "a.txt": "first doc\n", "c.txt": "third\n", "notes.md": "skipped"}
     for name, text in docs.items():
         write(tmp_path / "data" / name, text)
-    joined = EOT.join(["first doc\n", "second doc\n", "third\n"])  # sorted by relative path
+    joined = "".join(d + EOT for d in ["first doc\n", "second doc\n", "third\n"])  # sorted by relative path
     byte = prepare(config(tmp_path, path=str(tmp_path / "data"), tokenizer="byte", val_fraction=0.0))
     assert bytes(byte.train.tolist()) == joined.encode()
     bpe = prepare(config(tmp_path, path=str(tmp_path / "data"), vocab_size=300, val_fraction=0.0))
     assert bpe.tokenizer.decode(bpe.train) == joined
-    assert (np.asarray(bpe.train) == bpe.tokenizer.eot_id).sum() == 2
+    assert (np.asarray(bpe.train) == bpe.tokenizer.eot_id).sum() == 3 and bpe.eos_id == bpe.tokenizer.eot_id
 
 
 def test_chunked_tokenization_equals_whole_and_training_is_deterministic():
@@ -181,11 +182,11 @@ def test_concurrent_prepare_builds_once(tmp_path):
     ("missing", {"path": "nope.txt"}, "data.path"),
     ("empty folder", {"path": "{d}/empty"}, "data.path"),
     ("text as uint16", {"path": "{d}/t.txt", "format": "uint16"}, "data.format"),
-    ("folder as uint32", {"path": "{d}", "format": "uint32"}, "data.format"),
+    ("folder as uint32", {"path": "{d}", "format": "uint32"}, "mixes documents"),
     ("size not a multiple", {"path": "{d}/odd.bin", "format": "uint32"}, "data.format"),
     ("empty token file", {"path": "{d}/empty.bin", "format": "uint16"}, "data.path"),
     ("token format without path", {"format": "uint16"}, "data.path"),
-    ("npy file", {"path": "{d}/ids.npy", "format": "uint16"}, "ndarray.tofile"),
+    ("npy of floats", {"path": "{d}/floats.npy"}, "floats.npy"),
     ("empty text", {"path": "{d}/blank.txt"}, "data.path"),
     ("binary as text", {"path": "{d}/odd.bin"}, "data.format = 'uint16'"),
     ("unwritable cache", {"path": "{d}/t.txt", "cache_dir": "{d}/t.txt/cache"}, "data.cache_dir"),
@@ -196,7 +197,7 @@ def test_data_errors_name_the_key(tmp_path, case, fields, key):
     write(tmp_path / "blank.txt", "")
     (tmp_path / "odd.bin").write_bytes(b"\xff\xfe\x00\x01\x02\x03")
     (tmp_path / "empty.bin").write_bytes(b"")
-    np.save(tmp_path / "ids.npy", np.arange(10, dtype=np.uint16))
+    np.save(tmp_path / "floats.npy", np.arange(10, dtype=np.float32))
     fields = {k: v.format(d=tmp_path) for k, v in fields.items()}
     with pytest.raises(RecipeError, match=key.replace("(", r"\(")) as err:
         prepare(config(tmp_path, **fields))

@@ -1,142 +1,238 @@
-"""``prepare(cfg)``: the ``[data]`` section -> a :class:`Corpus` (train and val token streams)."""
+"""``prepare(cfg)``: the ``[data]`` section -> a :class:`Corpus` (train sources and val token streams).
+
+A data source (``data.path``, or each of ``data.sources``) is one of:
+
+- documents: the built-in corpus (empty path), or files ``readers.expand`` finds (text, JSON Lines,
+  Parquet, Arrow). They are tokenized through the cache into a prepared folder
+  ([Note: the token cache], [Note: the prepared format]), with ``bpe`` trained on the training
+  sources' documents, ``byte``, or a Hugging Face tokenizer;
+- a folder made by ``meshpar data prepare``: memory-mapped as is;
+- token ids: ``.npy`` arrays, or raw files with ``data.format = uint16 / uint32``.
+
+Validation is ``data.val_path`` (tokenized with the training tokenizer), or else the last
+``val_fraction`` of each source's stream.
+"""
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
-import socket
-import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import tokenizers
 
-from meshpar.checkpoint.atomic import write_atomic
 from meshpar.data.cache import cached
-from meshpar.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, Tokenizer
-from meshpar.recipe import DataConfig, RecipeError
+from meshpar.data.prepared import BUILTIN, Encoder, Prepared, documents, is_prepared, open_prepared, prepare_folder
+from meshpar.data.stream import TokenStream, concat
+from meshpar.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from meshpar.errors import RecipeError
+from meshpar.recipe import DataConfig, DataSource
 
-CACHE_VERSION = 1  # bump when the cache layout or the tokenization changes
+CACHE_VERSION = 2  # bump when the cache layout or the tokenization changes (2: prepared folders, EOS after each doc)
+Stream = np.ndarray | TokenStream
 
 
 @dataclass(frozen=True)
 class Corpus:
-    train: np.ndarray  # 1-D token ids (uint16 / uint32, usually a read-only np.memmap)
-    val: np.ndarray  # the last val_fraction of the stream; empty when val_fraction = 0
+    sources: tuple[Stream, ...]  # each training source's 1-D token ids (memory-mapped)
+    weights: tuple[float, ...]  # each source's share of the samples, summing to 1
+    val: Stream  # held-out tokens; empty when val_fraction = 0 and no val_path
     vocab_size: int  # the tokenizer's vocabulary; for token files, max id + 1
     tokenizer: Tokenizer | None  # None for token files
     name: str  # for logs, e.g. "shakespeare (bpe 2048)"
+    eos_id: int | None = None  # the id that ends every document (None: byte tokenizer, token files)
+
+    @property
+    def train(self) -> Stream:
+        """Every training source's tokens as one stream (the stream itself for one source)."""
+        return self.sources[0] if len(self.sources) == 1 else concat(list(self.sources))
 
 
-def prepare(cfg: DataConfig) -> Corpus:
+def tokenizer_choice(cfg: DataConfig, hf_weights: str = "") -> str:
+    """``bpe``, ``byte`` or a Hugging Face tokenizer path: ``auto`` is checkpoint.hf_weights' own tokenizer."""
+    if cfg.tokenizer != "auto":
+        return cfg.tokenizer
+    if not hf_weights:
+        return "bpe"
+    folder = Path(hf_weights).expanduser()
+    if not (folder / "tokenizer.json").is_file():
+        raise RecipeError(f"data.tokenizer = 'auto' takes the tokenizer of checkpoint.hf_weights = {hf_weights!r}, "
+                          f"but that folder has no tokenizer.json; set data.tokenizer to the model's tokenizer (a "
+                          f"tokenizer.json or a folder holding one), or to bpe / byte to train with a new one",
+                          "data.tokenizer")
+    return str(folder)
+
+
+def prepare(cfg: DataConfig, hf_weights: str = "") -> Corpus:
     """Read, tokenize (through the cache) and split the data that ``cfg`` names."""
-    if cfg.format == "text":
-        name, tokens, tokenizer = _text_tokens(cfg)
-        vocab_size = tokenizer.vocab_size
-    elif cfg.format in ("uint16", "uint32"):
-        tokens = _token_file(cfg)
-        name, tokenizer = f"{Path(cfg.path).name} ({cfg.format} tokens)", None
-        vocab_size = _max_id(tokens) + 1
+    specs = cfg.sources or (DataSource(cfg.path, 1.0),)
+    key = "data.sources" if cfg.sources else "data.path"
+    kinds = [_classify(s.path, cfg, key) for s in specs]
+    val_kind = _classify(cfg.val_path, cfg, "data.val_path") if cfg.val_path else None
+    choice = tokenizer_choice(cfg, hf_weights)
+    streams: list[Stream | None] = [None] * len(specs)
+    val: Stream | None = None
+    made: list[Prepared] = []  # prepared folders (cache entries included): their tokenizers must agree
+    doc_groups = [(str(i), files) for i, (kind, files) in enumerate(kinds) if kind == "docs"]
+    val_docs = val_kind is not None and val_kind[0] == "docs"
+    if doc_groups or val_docs:
+        entry = _tokenized(cfg, choice, doc_groups, val_kind[1] if val_docs else None)
+        made.append(entry)
+        for name, _ in doc_groups:
+            streams[int(name)] = entry.groups[name]
+        if val_docs:
+            val = entry.groups["val"]
+    from meshpar.data.readers import read_tokens
+
+    for i, (kind, what) in enumerate(kinds):
+        if kind == "prepared":
+            made.append(open_prepared(what, key))
+            streams[i] = made[-1].tokens
+        elif kind == "tokens":
+            streams[i] = concat([read_tokens(f, cfg.format, key) for f in what])
+    if val_kind is not None and val_kind[0] != "docs":
+        val = (open_prepared(val_kind[1], "data.val_path").tokens if val_kind[0] == "prepared"
+               else concat([read_tokens(f, cfg.format, "data.val_path") for f in val_kind[1]]))
+    tokenizer, vocab_size, eos, tok_label = _tokenizer_of(made, choice, key)
+    id_files = [s for s, (kind, _) in zip(streams, kinds, strict=True) if kind == "tokens"]
+    if id_files:  # ids of files nobody tokenized here: the vocabulary must hold the largest
+        vocab_size = max(vocab_size, max(_max_id(s) for s in id_files) + 1)
+    for i, s in enumerate(streams):
+        if not len(s):
+            raise RecipeError(f"{_where(specs, i, key)}: the source holds no tokens (no documents); point it at "
+                              f"some data", key)
+    if val is None:
+        cut = [len(s) - int(len(s) * cfg.val_fraction) for s in streams]
+        val = concat([s[c:] for s, c in zip(streams, cut, strict=True)])
+        streams = [s[:c] for s, c in zip(streams, cut, strict=True)]
+    total = sum(s.weight for s in specs)
+    names = [_source_name(s.path) for s in specs]
+    name = names[0] if len(specs) == 1 else "mixture of " + ", ".join(
+        f"{n} {s.weight / total:.2g}" for n, s in zip(names, specs, strict=True))
+    return Corpus(tuple(streams), tuple(s.weight / total for s in specs), val, vocab_size, tokenizer,
+                  f"{name} ({tok_label})", eos)
+
+
+def _where(specs, i: int, key: str) -> str:
+    return f"{key}[{i}].path = {specs[i].path!r}" if key == "data.sources" else f"data.path = {specs[i].path!r}"
+
+
+def _source_name(path: str) -> str:
+    return Path(path).name or path if path else "shakespeare"
+
+
+def _classify(path: str, cfg: DataConfig, key: str) -> tuple[str, object]:
+    """("docs", [files]) / ("prepared", folder) / ("tokens", [files]) for one source's path."""
+    if not path:
+        if cfg.format in ("uint16", "uint32"):
+            raise RecipeError(f"data.format = {cfg.format!r} needs data.path: a file of token ids", "data.path")
+        return "docs", [BUILTIN]
+    from meshpar.data.readers import expand, kind_of
+
+    folder = Path(path).expanduser()
+    if is_prepared(folder):
+        return "prepared", folder
+    if cfg.format in ("uint16", "uint32") and folder.is_file() and kind_of(folder) in (None, "bin"):
+        return "tokens", [folder]  # raw ids under any name, as ndarray.tofile wrote them
+    files = expand(path, key)
+    tokens = [f for f in files if kind_of(f) in ("npy", "bin")]
+    if cfg.format in ("uint16", "uint32"):
+        if len(tokens) < len(files):
+            raise RecipeError(f"{key} = {path!r} holds documents ({files[0].name}, ...) but data.format = "
+                              f"{cfg.format!r} reads raw token ids; set data.format = 'auto'", "data.format")
+        return "tokens", files
+    raw = [f for f in tokens if kind_of(f) == "bin"]
+    if raw:
+        raise RecipeError(f"{key} = {path!r}: {raw[0].name} holds raw token ids; set data.format = 'uint16' or "
+                          f"'uint32' to read it", "data.format")
+    return ("tokens" if tokens else "docs"), files
+
+
+def _encoder(choice: str, docs=None, vocab_size: int = 0) -> tuple[Encoder, Tokenizer]:
+    if choice == "byte":
+        return Encoder("byte"), ByteTokenizer()
+    if choice == "bpe":
+        tok = BPETokenizer.train(docs, vocab_size)
+        return Encoder("bpe", tok.tok.to_str(), tok.eot_id, None, tok.vocab_size), tok
+    hf = load_tokenizer(choice)
+    return Encoder("hf", hf.tok.to_str(), hf.eos_id, hf.bos_id, hf.vocab_size, hf.fingerprint()), hf
+
+
+def _tokenized(cfg: DataConfig, choice: str, groups: list[tuple[str, list]], val_files: list | None) -> Prepared:
+    """The cache entry holding ``groups`` (and a ``val`` group) tokenized: [Note: the token cache]."""
+    inputs = [[str(f) for f in files] for _, files in groups]
+    settings = {"version": CACHE_VERSION, "text_field": cfg.text_field, "groups": inputs,
+                "val": [str(f) for f in val_files or []]}
+    if choice == "bpe":
+        settings.update(tokenizer="bpe", vocab_size=cfg.vocab_size, eot=EOT)
+        label = f"bpe{cfg.vocab_size}"
+    elif choice == "byte":
+        settings.update(tokenizer="byte")
+        label = "byte"
     else:
-        raise RecipeError(f"data.format = {cfg.format!r}: must be 'text', 'uint16' or 'uint32'", "data.format")
-    split = len(tokens) - int(len(tokens) * cfg.val_fraction)
-    return Corpus(tokens[:split], tokens[split:], vocab_size, tokenizer, name)
-
-
-def _text_tokens(cfg: DataConfig) -> tuple[str, np.ndarray, Tokenizer]:
-    if cfg.tokenizer not in ("bpe", "byte"):
-        raise RecipeError(f"data.tokenizer = {cfg.tokenizer!r}: must be 'bpe' or 'byte'", "data.tokenizer")
-    name, docs = _read_docs(cfg)
-    text = EOT.join(docs)
-    settings = {"version": CACHE_VERSION, "tokenizer": cfg.tokenizer, "eot": EOT,
-                "vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else 256}
+        enc, _ = _encoder(choice)
+        settings.update(tokenizer=enc.fingerprint())
+        label = "hf"
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    digest.update(text.encode("utf-8"))
-    label = f"bpe{cfg.vocab_size}" if cfg.tokenizer == "bpe" else "byte"
+    for f in (f for files in [*inputs, settings["val"]] for f in files):
+        _hash_input(digest, f)
     root = Path(cfg.cache_dir or os.environ.get("MESHPAR_CACHE") or Path.home() / ".cache" / "meshpar").expanduser()
-    entry = cached(root, f"{label}-{digest.hexdigest()[:24]}", lambda tmp: _build_entry(tmp, docs, text, cfg, name))
-    meta = json.loads((entry / "meta.json").read_text())
-    tokens = np.memmap(entry / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["n_tokens"],))
-    if cfg.tokenizer == "bpe":
-        tokenizer: Tokenizer = BPETokenizer(tokenizers.Tokenizer.from_file(str(entry / "tokenizer.json")))
-        return f"{name} (bpe {tokenizer.vocab_size})", tokens, tokenizer
-    return f"{name} (byte)", tokens, ByteTokenizer()
+
+    def build(tmp: Path) -> None:
+        train_docs = (d for _, files in groups for f in files for d in documents(str(f), cfg.text_field))
+        enc, _ = _encoder(choice, train_docs, cfg.vocab_size)
+        named = [(name, [str(f) for f in files]) for name, files in groups]
+        prepare_folder(tmp, named + ([("val", [str(f) for f in val_files])] if val_files else []),
+                       cfg.text_field, enc)
+
+    entry = cached(root, f"{label}-{digest.hexdigest()[:24]}", build)
+    return open_prepared(entry)
 
 
-def _read_docs(cfg: DataConfig) -> tuple[str, list[str]]:
-    """The text documents ``data.path`` names, in order, checked to be non-empty UTF-8."""
-    if not cfg.path:
-        raw = resources.files("meshpar").joinpath("corpus/shakespeare.txt.gz").read_bytes()
-        return "shakespeare", [gzip.decompress(raw).decode("utf-8")]
-    path = Path(cfg.path).expanduser()
-    if path.is_dir():
-        files = sorted(path.rglob("*.txt"), key=lambda p: p.relative_to(path).as_posix())
-        if not files:
-            raise RecipeError(f"data.path = {cfg.path!r}: the folder holds no .txt files; add some, or point "
-                              f"data.path at one file", "data.path")
-    elif path.is_file():
-        files = [path]
+def _hash_input(digest, source: str) -> None:
+    """An input's identity in the cache key: the packaged corpus by its bytes, files by path, size and mtime
+    (a changed file gets a new entry; hashing every byte of a large corpus at each launch would cost minutes)."""
+    if source == BUILTIN:
+        digest.update(b"builtin:shakespeare:v1")
+        return
+    st = os.stat(source)
+    digest.update(f"{os.path.abspath(source)}:{st.st_size}:{st.st_mtime_ns}".encode())
+
+
+def _tokenizer_of(made: list[Prepared], choice: str, key: str) -> tuple[Tokenizer | None, int, int | None, str]:
+    """The one tokenizer of every tokenized source: (tokenizer, vocab size, EOS id, label for logs)."""
+    if not made:  # token files only
+        return None, 0, None, "token ids"
+    encoders = {p.meta["encoder"] for p in made}
+    if len(encoders) > 1:
+        raise RecipeError(f"{key}: the sources were tokenized with different tokenizers ("
+                          + ", ".join(f"{p.path}: {p.meta['tokenizer']}" for p in made)
+                          + "); prepare them with one tokenizer", key)
+    meta, path = made[0].meta, made[0].path
+    if meta["tokenizer"] == "byte":
+        tok: Tokenizer = ByteTokenizer()
+        label = "byte"
+    elif meta["tokenizer"] == "bpe":
+        tok = BPETokenizer(tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")))
+        label = f"bpe {tok.vocab_size}"
+    elif choice not in ("bpe", "byte", "auto") and load_tokenizer(choice).fingerprint() == meta.get("hf_fingerprint"):
+        tok = load_tokenizer(choice)  # as given: its tokenizer_config.json (chat template, class) goes into checkpoints
+        label = f"tokenizer {Path(choice).name}, vocab {meta['vocab_size']}"
     else:
-        raise RecipeError(f"data.path = {cfg.path!r}: no such file or folder", "data.path")
-    docs = []
-    for f in files:
-        try:
-            docs.append(f.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise RecipeError(f"data.path = {cfg.path!r}: {f} is not UTF-8 text (bad byte at offset {e.start}); "
-                              f"for a file of token ids set data.format = 'uint16' or 'uint32'", "data.path") from None
-    if not any(docs):
-        raise RecipeError(f"data.path = {cfg.path!r}: the text is empty; point data.path at some text", "data.path")
-    return path.name, docs
+        raw = (path / "tokenizer.json").read_bytes()
+        where = choice if choice not in ("bpe", "byte", "auto") else str(path)
+        tok = HFTokenizer(raw, tokenizers.Tokenizer.from_str(raw.decode()), {}, meta["eos_id"], meta["bos_id"], where)
+        label = f"tokenizer {Path(where).name}, vocab {meta['vocab_size']}"
+    return tok, meta["vocab_size"], meta["eos_id"], label
 
 
-def _build_entry(tmp: Path, docs: list[str], text: str, cfg: DataConfig, name: str) -> None:
-    """Tokenize into the folder ``tmp``; meta.json is written last."""
-    start = time.perf_counter()
-    if cfg.tokenizer == "bpe":
-        tok = BPETokenizer.train(docs, cfg.vocab_size)
-        trained = time.perf_counter()
-        ids = tok.encode_stream(text)
-        write_atomic(tmp / "tokenizer.json", tok.tok.to_str().encode())
-        vocab_size = tok.vocab_size
-    else:
-        trained = start
-        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-        vocab_size = 256
-    dtype = "<u2" if vocab_size <= 1 << 16 else "<u4"
-    write_atomic(tmp / "tokens.bin", ids.astype(dtype).tobytes())
-    meta = {"version": CACHE_VERSION, "source": name, "tokenizer": cfg.tokenizer, "vocab_size": vocab_size,
-            "dtype": dtype, "n_tokens": len(ids), "n_docs": len(docs), "text_bytes": len(text.encode("utf-8")),
-            "train_seconds": round(trained - start, 3), "tokenize_seconds": round(time.perf_counter() - trained, 3),
-            "built_by": {"host": socket.gethostname(), "pid": os.getpid(),  # and the torchrun rank, if any
-                         **{k.lower(): int(os.environ[k]) for k in ("RANK", "LOCAL_RANK") if k in os.environ}}}
-    write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-
-
-def _token_file(cfg: DataConfig) -> np.ndarray:
-    where = f"data.path = {cfg.path!r}"
-    path = Path(cfg.path).expanduser()
-    if not cfg.path:
-        raise RecipeError(f"data.format = {cfg.format!r} needs data.path: a file of token ids", "data.path")
-    if path.is_dir() or path.suffix == ".txt":
-        raise RecipeError(f"{where} is text but data.format = {cfg.format!r} reads raw token ids; set "
-                          f"data.format = 'text'", "data.format")
-    if not path.is_file():
-        raise RecipeError(f"{where}: no such file", "data.path")
-    if path.suffix == ".npy":
-        raise RecipeError(f"{where}: a .npy file has a header; write the raw ids with ndarray.tofile()", "data.path")
-    itemsize = np.dtype(cfg.format).itemsize
-    size = path.stat().st_size
-    if size == 0 or size % itemsize:
-        raise RecipeError(f"{where}: {size} bytes is not a whole, non-zero number of {cfg.format} ids "
-                          f"({itemsize} bytes each); check data.format", "data.format")
-    return np.memmap(path, dtype=f"<u{itemsize}", mode="r")
-
-
-def _max_id(tokens: np.ndarray, block: int = 1 << 24) -> int:
+def _max_id(tokens: Stream, block: int = 1 << 24) -> int:
     """The largest id, reading the (memory-mapped) stream in blocks."""
-    return max(int(tokens[i:i + block].max()) for i in range(0, len(tokens), block))
+    if isinstance(tokens, TokenStream):
+        return tokens.max()
+    return max((int(tokens[i:i + block].max()) for i in range(0, len(tokens), block)), default=0)
+
+
