@@ -121,9 +121,10 @@ def test_prepare_command_and_training_from_the_folder(hf_folder, tmp_path):
     resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0 and "1 file(s) kept from an interrupted run" in resumed.stdout, resumed.stdout
     assert np.asarray(open_prepared(out).tokens).tolist() == ids
-    # data.path = the folder trains (1 rank, 2 steps), with the folder's tokenizer
+    # data.path = the folder trains (1 rank, 2 steps), with the folder's tokenizer and document-causal attention
     recipe = load_recipe("llama_debug.toml", tmp_path / "run", f"--data.path={out}", "--model.vocab_size=512",
-                         "--train.steps=2", "--data.tokenizer=auto")
+                         "--train.steps=2", "--data.tokenizer=auto", "--model.attention=document")
+    assert preflight(recipe, 1).args.document_eos == tok.eos_id
     records = train(recipe).records
     assert len(train_losses(records)) == 2 and all(np.isfinite(train_losses(records)))
 
@@ -133,6 +134,9 @@ def test_prepare_command_and_training_from_the_folder(hf_folder, tmp_path):
     ("missing text field", ["--data.path={d}/plays.jsonl.gz", "--data.text_field=body"], "data.text_field", "body"),
     ("empty source", ["--data.path={d}/empty.jsonl"], "data.path", "no tokens"),
     ("vocabulary too large", ["--data.tokenizer={hf}", "--model.vocab_size=256"], "data.tokenizer", "vocabulary"),
+    ("document attention without EOS", ["--model.attention=document"], "model.attention", "EOS"),
+    ("document attention under pp", ["--model.attention=document", "--data.tokenizer={hf}", "--model.vocab_size=512",
+                                     "--parallel.pp=2", "--train.micro_batch=1"], "model.attention", "pp > 1"),
     ("auto without a tokenizer", ["--checkpoint.hf_weights={d}", "--data.tokenizer=auto"], "data.tokenizer",
      "no tokenizer.json"),
 ])
@@ -142,7 +146,7 @@ def test_errors_before_any_process(hf_folder, tmp_path, case, overrides, key, me
     args = [o.format(d=tmp_path, hf=hf_folder) for o in overrides]
     recipe = load_recipe("llama_debug.toml", tmp_path / "run", f"--data.cache_dir={tmp_path / 'cache'}", *args)
     with pytest.raises(RecipeError, match=message) as err:
-        preflight(recipe, 1)
+        preflight(recipe, 2 if "--parallel.pp=2" in args else 1)
     assert err.value.key == key and "\n" not in str(err.value)
 
 
