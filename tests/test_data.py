@@ -292,3 +292,24 @@ def test_load_state_dict_rejects_another_run():
         loader(tokens, seed=1, seq_len=16).load_state_dict(state)
     with pytest.raises(RecipeError, match="fingerprint"):
         loader(tokens[::-1].copy(), seed=1).load_state_dict(state)
+
+
+def test_val_path_is_tokenized_with_the_training_tokenizer(tmp_path):
+    train_text = synthetic_text(3000, seed=1)
+    write(tmp_path / "train.txt", train_text)
+    val_docs = [synthetic_text(200, seed=2), "a short held-out line\n"]
+    write(tmp_path / "val.jsonl", "".join(json.dumps({"text": d}) + "\n" for d in val_docs))
+    cfg = config(tmp_path, path=str(tmp_path / "train.txt"), val_path=str(tmp_path / "val.jsonl"), vocab_size=300)
+    corpus = prepare(cfg)
+    tok = corpus.tokenizer
+    assert tok.tok.to_str() == BPETokenizer.train([train_text], 300).tok.to_str()  # trained on train only
+    assert np.asarray(corpus.train).tolist() == tok.encode(train_text) + [tok.eot_id]  # no tail held out
+    assert np.asarray(corpus.val).tolist() == [i for d in val_docs for i in tok.encode(d) + [tok.eot_id]]
+    ids = np.arange(50, dtype=np.uint16)
+    np.save(tmp_path / "val.npy", ids)
+    tokens_val = prepare(config(tmp_path, path=str(tmp_path / "train.txt"), val_path=str(tmp_path / "val.npy"),
+                                vocab_size=300))
+    assert np.asarray(tokens_val.val).tolist() == ids.tolist() and len(tokens_val.train) == len(corpus.train)
+    with pytest.raises(RecipeError, match="data.val_path") as err:
+        prepare(config(tmp_path, path=str(tmp_path / "train.txt"), val_path=str(tmp_path / "nope.jsonl")))
+    assert err.value.key == "data.val_path"
