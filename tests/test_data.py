@@ -61,9 +61,11 @@ def test_builtin_corpus_bpe_and_cache(tmp_path):
     corpus = prepare(cfg)
     cold = time.perf_counter() - start
     raw = resources.files("meshpar").joinpath("corpus/shakespeare.txt.gz").read_bytes()
-    text = gzip.decompress(raw).decode() + EOT  # every document ends with EOS, the last one too
+    plays = gzip.decompress(raw).decode().split("\n\n\n")
+    text = "".join(p + EOT for p in plays)  # each play a document, each document ends with EOS
     n = len(corpus.train) + len(corpus.val)
-    assert corpus.vocab_size == 2048 and corpus.name == "shakespeare (bpe 2048)"
+    assert corpus.vocab_size == 2048 and corpus.name == "shakespeare (bpe 2048)" and len(plays) == 38
+    assert (np.asarray(corpus.train) == corpus.eos_id).sum() + (np.asarray(corpus.val) == corpus.eos_id).sum() == 38
     assert corpus.train.dtype == np.uint16 and isinstance(corpus.train, np.memmap)
     assert len(corpus.val) == int(n * cfg.val_fraction)
     assert 0.3 < n / len(text.encode()) < 0.45  # measured 0.367 tokens per byte

@@ -78,8 +78,8 @@ def builtin_text() -> str:
 
 
 def documents(source: str, text_field: str) -> Iterator[str]:
-    if source == BUILTIN:
-        yield builtin_text()
+    if source == BUILTIN:  # its 38 plays, each a document (two blank lines separate them)
+        yield from (play for play in builtin_text().split("\n\n\n") if play.strip())
     else:
         from meshpar.data.readers import read_documents
 

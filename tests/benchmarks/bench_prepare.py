@@ -37,7 +37,8 @@ docs = [json.loads(line)["text"] for f in sys.argv[2:] for line in __import__("g
 start = time.perf_counter()
 n = sum(len(e.ids) + 1 for e in tok.encode_batch(docs, add_special_tokens=False))
 seconds = time.perf_counter() - start
-print(json.dumps({"tokens": n, "seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"tokens": n, "seconds": seconds, "rss_mb": rss_mb}))
 """
 
 
