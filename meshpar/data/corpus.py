@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from meshpar.data.prepared import BUILTIN, Encoder, Prepared, documents, is_prep
 from meshpar.data.stream import TokenStream, concat
 from meshpar.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from meshpar.errors import RecipeError
+from meshpar.metrics import Progress
 from meshpar.recipe import DataConfig, DataSource
 
 CACHE_VERSION = 2  # bump when the cache layout or the tokenization changes (2: prepared folders, EOS after each doc)
@@ -182,11 +184,20 @@ def _tokenized(cfg: DataConfig, choice: str, groups: list[tuple[str, list]], val
     root = Path(cfg.cache_dir or os.environ.get("MESHPAR_CACHE") or Path.home() / ".cache" / "meshpar").expanduser()
 
     def build(tmp: Path) -> None:
+        named = [(name, [str(f) for f in files]) for name, files in groups]
+        named += [("val", [str(f) for f in val_files])] if val_files else []
+        n_files = sum(len(fs) for _, fs in named)
+        print(f"meshpar: data: tokenizing {n_files} file(s) with {choice} into the cache {root} (once; "
+              f"`meshpar data prepare` does it ahead of time)", file=sys.stderr, flush=True)
         train_docs = (d for _, files in groups for f in files for d in documents(str(f), cfg.text_field))
         enc, _ = _encoder(choice, train_docs, cfg.vocab_size)
-        named = [(name, [str(f) for f in files]) for name, files in groups]
-        prepare_folder(tmp, named + ([("val", [str(f) for f in val_files])] if val_files else []),
-                       cfg.text_field, enc)
+        progress = Progress(n_files, sys.stderr.isatty(), unit="file")
+        try:
+            report = prepare_folder(tmp, named, cfg.text_field, enc, progress=progress)
+        finally:
+            progress.close()
+        print(f"meshpar: data: {report.tokens:,} tokens from {report.documents:,} documents in {report.seconds:.1f} s",
+              file=sys.stderr, flush=True)
 
     entry = cached(root, f"{label}-{digest.hexdigest()[:24]}", build)
     return open_prepared(entry)
