@@ -3,6 +3,7 @@
     sync = GradSync.of(mesh, recipe.parallel, recipe.optim)
     done = train_step(model, loader.next_step, accum, sync, device, optimizer, scheduler)
     done.loss, done.grad_norm, done.lr        # this rank's loss (a tensor: no host sync), the norm, the LR
+    done.aux_loss                             # a mixture-of-experts model's auxiliary loss, or None
 
 A flat function, in the order it runs, each phase labelled for the profiler
 (``meshpar::step``, ``data``, ``forward``, ``backward``, ``optimizer``):
@@ -27,6 +28,15 @@ Batch sizes are global. Every microbatch has the same number of tokens, each ran
 is a mean over its tokens divided by the accumulation depth, and gradients are averaged
 over the data-parallel ranks, so the gradient is the mean over the whole global batch for
 any split of it across ranks and microbatches.
+
+[Note: auxiliary losses]
+A model may set ``aux_loss`` in its forward (mixture of experts: the weighted load-balancing loss,
+[Note: load-balancing loss] in meshpar/models/moe/model.py). The step backpropagates
+cross-entropy + aux_loss, each divided by ``accum``, and reports them apart: ``loss`` is the
+cross-entropy alone (comparable with dense models and with validation), ``aux_loss`` the auxiliary
+term. A model with ``update_expert_bias`` (aux-free balancing) has it called after each optimizer
+step with its expert loads summed over the data-parallel ranks. Pipeline stages do not collect
+an auxiliary loss yet (mixture-of-experts families refuse pp).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from meshpar import comm
 from meshpar.clip import clip_grad_norm_
 from meshpar.fsdp import FSDPModule
 from meshpar.mesh import Mesh
@@ -104,12 +115,13 @@ class GradSync:
     every_microbatch: bool  # parallel.grad_reduce = "microbatch": FSDP reduce-scatters after each
     max_norm: float  # optim.grad_clip; inf when 0 (clipping off: the norm is still measured)
     pp_groups: list[dist.ProcessGroup] = field(default_factory=list)  # the norm sums over stages
+    dp: DeviceMesh | None = None  # mesh["dp"]: expert loads sum over it ([Note: auxiliary losses])
 
     @classmethod
     def of(cls, mesh: Mesh, parallel: ParallelConfig, optim: OptimConfig) -> GradSync:
         return cls(mesh["dp_replicate"], mesh.layout.tp > 1, parallel.grad_reduce == "microbatch",
                    optim.grad_clip if optim.grad_clip > 0 else math.inf,
-                   [mesh["pp"].get_group()] if mesh.layout.pp > 1 else [])
+                   [mesh["pp"].get_group()] if mesh.layout.pp > 1 else [], mesh["dp"])
 
 
 @dataclass
@@ -118,6 +130,7 @@ class StepResult:
     grad_norm: torch.Tensor  # before clipping, over the whole model
     lr: float | None  # the learning rate the optimizer stepped with (None without an optimizer)
     skipped: bool = False  # the optimizer did not step: a non-finite gradient ([Note: non-finite steps])
+    aux_loss: torch.Tensor | None = None  # this rank's auxiliary loss, not in ``loss`` ([Note: auxiliary losses])
 
 
 def labelled(name: str, microbatch: int | None = None) -> AbstractContextManager:
@@ -137,6 +150,7 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
     ``guard`` (``train.on_nonfinite``) may skip the optimizer step or stop the run after clipping."""
     with phase("step"):
         loss_sum = torch.zeros((), device=device)
+        aux_sum: torch.Tensor | None = None
         with loss_parallel_context(model.loss_parallel):
             with phase("data"):
                 microbatches = next_batch()
@@ -154,9 +168,12 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
                         inputs, targets = inputs.to(device), targets.to(device)
                     with phase("forward", i):
                         loss = cross_entropy(stage(inputs), targets) / accum
+                        aux = getattr(stage, "aux_loss", None)  # [Note: auxiliary losses]
                     with phase("backward", i):
-                        loss.backward()
+                        (loss if aux is None else loss + aux / accum).backward()
                     loss_sum += plain(loss.detach())
+                    if aux is not None:
+                        aux_sum = aux.detach() / accum + (0 if aux_sum is None else aux_sum)
         with phase("optimizer"):
             maybe_reduce_replicas(model.stages, sync)
             params = [q for q in model.stages.parameters() if q.requires_grad]
@@ -164,9 +181,11 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
             if guard is not None and not guard.allows_step(grad_norm):
                 if optimizer is not None:
                     optimizer.zero_grad(set_to_none=True)
-                return StepResult(loss_sum, grad_norm, None, skipped=True)
+                return StepResult(loss_sum, grad_norm, None, skipped=True, aux_loss=aux_sum)
             lr = maybe_optimizer_step(optimizer, scheduler)
-    return StepResult(loss_sum, grad_norm, lr)
+            if optimizer is not None:
+                maybe_update_expert_bias(model.stages, sync)
+    return StepResult(loss_sum, grad_norm, lr, aux_loss=aux_sum)
 
 
 def maybe_reduce_replicas(stages: torch.nn.ModuleList, sync: GradSync) -> None:
@@ -177,6 +196,18 @@ def maybe_reduce_replicas(stages: torch.nn.ModuleList, sync: GradSync) -> None:
     all_reduce_gradients(stages, sync.replicate)
     if sync.tp:
         reduce_partial_grads(stages)
+
+
+def maybe_update_expert_bias(stages: torch.nn.ModuleList, sync: GradSync) -> None:
+    """Aux-free balancing ([Note: auxiliary losses]): sum each stage's expert loads over the
+    data-parallel ranks, so every replica moves its biases alike, then update them."""
+    for stage in stages:
+        if not getattr(getattr(stage, "args", None), "aux_free_bias", False):
+            continue
+        loads = stage.expert_loads()
+        if sync.dp is not None and sync.dp.size() > 1:
+            comm.all_reduce(loads, sync.dp.get_group(), dim="dp")
+        stage.update_expert_bias(loads)
 
 
 def maybe_optimizer_step(optimizer: torch.optim.Optimizer | None,

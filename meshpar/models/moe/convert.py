@@ -48,7 +48,7 @@ class MoEAdapter:
     expert_names: tuple[str, str, str]  # HF names of w1, w2, w3 within an expert
 
     @property
-    def KEYS(self) -> dict[str, str]:  # noqa: N802: the adapter interface's name
+    def KEYS(self) -> dict[str, str]:  # noqa: N802 (the adapter interface's name)
         p = f"model.layers.{{i}}.{self.moe_prefix}"
         return {**_DENSE, "layers.{i}.moe.router.weight": f"{p}.gate.weight"}
 
