@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from meshpar.models import get_family
-from meshpar.models.moe import MIXTRAL_SIZES, QWEN3_MOE_SIZES, MoEArgs, MoETransformer
+from meshpar.models.moe import QWEN3_MOE_SIZES, MoEArgs, MoETransformer
 from meshpar.models.moe.convert import ADAPTERS
 from meshpar.models.moe.grouped import grouped_mm, grouped_mm_supported
 from meshpar.models.moe.model import MoE
