@@ -212,6 +212,10 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
                 record = {"step": step, "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
                           "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak,
                           "mem_gb": peak_memory_gb(device)}
+                if done.aux_loss is not None:  # mixture of experts: apart from the loss ([Note: auxiliary losses])
+                    aux = done.aux_loss.clone()
+                    comm.all_reduce(aux, mesh["dp"].get_group(), dim="dp", op=dist.ReduceOp.AVG)
+                    record["aux_loss"] = aux.item()
                 records.append(record)
                 metrics.log(record)
             if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
