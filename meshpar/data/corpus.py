@@ -229,8 +229,9 @@ def _tokenizer_of(made: list[Prepared], choice: str, key: str) -> tuple[Tokenize
     elif meta["tokenizer"] == "bpe":
         tok = BPETokenizer(tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")))
         label = f"bpe {tok.vocab_size}"
-    elif choice not in ("bpe", "byte", "auto") and load_tokenizer(choice).fingerprint() == meta.get("hf_fingerprint"):
-        tok = load_tokenizer(choice)  # as given: its tokenizer_config.json (chat template, class) goes into checkpoints
+    elif (given := load_tokenizer(choice) if choice not in ("bpe", "byte", "auto") else None) is not None \
+            and given.fingerprint() == meta.get("hf_fingerprint"):
+        tok = given  # as given: its tokenizer_config.json (chat template, class) goes into checkpoints
         label = f"tokenizer {Path(choice).name}, vocab {meta['vocab_size']}"
     else:
         raw = (path / "tokenizer.json").read_bytes()
