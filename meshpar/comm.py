@@ -39,6 +39,7 @@ ideally counts ``3 * Psi * (N-1)/N * element_size`` bytes.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -81,6 +82,34 @@ def gradient_buffers() -> contextlib.AbstractContextManager:
 def buffer_tag() -> str | None:
     """``"communication"``, ``"gradient"`` or None: the innermost block this thread is in."""
     return getattr(_scope, "tag", None)
+
+
+# [Note: forcing the collectives of one rank]
+# Over one rank a collective is a copy (or nothing), and FSDP on a one-rank mesh skips even that
+# ([Note: one data-parallel rank]). That is right for training and blind for testing: the
+# collective path, its buffers and, on CUDA, its streams ([Note: CUDA streams in FSDP]) then never
+# run on a one-GPU machine. ``force_collectives()`` (or MESHPAR_FORCE_COLLECTIVES=1 in a process's
+# environment, for spawned ranks) makes every collective here run through the backend even over
+# one rank, and FSDP units built or lazily initialized inside it take the collective path. A
+# test-only switch: it changes no result, only which code computes it.
+_forced = os.environ.get("MESHPAR_FORCE_COLLECTIVES", "") == "1"
+
+
+@contextlib.contextmanager
+def force_collectives(enabled: bool = True) -> Iterator[None]:
+    """Run one-rank collectives through the backend in this block; see [Note: forcing the
+    collectives of one rank]."""
+    global _forced
+    before, _forced = _forced, enabled
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+def forced() -> bool:
+    """Whether one-rank collectives run through the backend (``force_collectives``)."""
+    return _forced
 
 
 @dataclass(eq=False)  # compared by identity: nested count() blocks must each remove their own
@@ -205,7 +234,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
         if custom is not None:
             return Work(custom(output_tensor=output, input_tensor=input, group=group, async_op=async_op),
                         entry=entry)
-        if n == 1:
+        if n == 1 and not _forced:
             output.copy_(input)
             return Work(None, entry=entry)
         return Work(_all_gather_single(output, input, group=group, async_op=async_op), entry=entry)
@@ -229,6 +258,7 @@ class ReduceScatterInput:
         self.custom = custom
         self.exchange = custom is None and self.n > 1 and (dist.get_backend(group) == "gloo"
                                                            or torch.device(device).type == "cpu")
+        self.shortcut = self.n == 1 and custom is None and not _forced  # the row is the output
         rows = self.n - 1 if self.exchange else self.n
         with comm_buffers():
             if custom is not None:
@@ -236,13 +266,13 @@ class ReduceScatterInput:
                 self.send = custom.allocate((rows * per_rank,), dtype=dtype, device=device).view(rows, per_rank)
             else:
                 self.output = torch.empty(per_rank, dtype=dtype, device=device)
-                self.send = torch.empty(rows, per_rank, dtype=dtype, device=device) if self.n > 1 else None
+                self.send = None if self.shortcut else torch.empty(rows, per_rank, dtype=dtype, device=device)
 
     @torch.no_grad()
     def copy_rows(self, offset: int, rows: torch.Tensor) -> None:
         """Columns ``offset : offset + k`` of every row, from ``rows`` (``[n, k]``)."""
         k = rows.shape[1]
-        if self.n == 1 and self.custom is None:
+        if self.shortcut:
             self.output[offset:offset + k].copy_(rows[0])
         elif not self.exchange:
             self.send[:, offset:offset + k].copy_(rows)
@@ -274,7 +304,7 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
         if input.custom is not None:
             return Work(input.custom(output_tensor=input.output, input_tensor=input.send.view(-1), group=group,
                                      op=dist.ReduceOp.SUM, async_op=async_op), entry=entry)
-        if n == 1:
+        if input.shortcut:
             return Work(None, entry=entry)
         if not input.exchange:
             return Work(_reduce_scatter_single(input.output, input.send.view(-1), group=group, async_op=async_op),
@@ -319,6 +349,6 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: str, asyn
     n = dist.get_world_size(group)
     entry = _record("all_reduce", dim, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
     with record_function(f"meshpar::comm.all_reduce[{dim}]"):
-        if n == 1:
+        if n == 1 and not _forced:
             return Work(None, entry=entry)
         return Work(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), entry=entry)

@@ -683,6 +683,34 @@ def _case_one_rank_exact(ctx: Ctx) -> None:
         assert_parity(model, ref, train(model, ref, task), rtol=0, atol=0)
 
 
+def _case_one_rank_forced(ctx: Ctx) -> None:
+    """The test-only switch ([Note: forcing the collectives of one rank]): on one rank every unit
+    takes the collective path (all-gather, reduce-scatter through gloo) instead of aliasing, and
+    the numbers stay exactly plain training's (a one-rank collective copies; dividing by 1 is
+    exact). tests/test_cuda.py runs the same switch on CUDA, under the FSDP streams."""
+    calls = Counter()
+    real = {name: getattr(comm, name) for name in ("_all_gather_single", "_reduce_scatter_single")}
+
+    def spy(name: str) -> Callable:
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real[name](*args, **kwargs)
+        return call
+
+    for task in (NET, GPT):
+        ref = task.build()
+        model = copy.deepcopy(ref)
+        shard_units(model, fully_shard, mesh=ctx.mesh)
+        with comm.force_collectives(), mock.patch.multiple(comm, **{n: spy(n) for n in real}):
+            run = train(model, ref, task)
+        groups = [m._fsdp_state.group for m in model.modules() if isinstance(m, FSDPModule)]
+        _eq([g.alias for g in groups if g is not None], [False] * len(groups), "units aliasing under the switch")
+        assert_parity(model, ref, run, rtol=0, atol=0)
+    assert calls["_all_gather_single"] > 0 and calls["_reduce_scatter_single"] > 0, calls
+    with comm.force_collectives(False):
+        assert not comm.forced()
+
+
 # --- 16. the parity comparison fails on planted bugs -----------------------------------------------------
 def _case_catches_bugs(ctx: Ctx) -> None:
     """``assert_parity`` at its float64 tolerance fails when the engine skips its divide by the
@@ -785,6 +813,7 @@ CASES = CaseSet({
     "prefetch": (_case_prefetch, (1, 2, 4)),
     "eval": (_case_eval, (1, 2, 4)),
     "one_rank_exact": (_case_one_rank_exact, (1,)),
+    "one_rank_forced": (_case_one_rank_forced, (1,)),
     "catches_bugs": (_case_catches_bugs, (2,)),
     "hooks_survive_new_unsharded": (_case_hooks_survive_new_unsharded, (2,)),
     "nested_counts": (_case_nested_counts, (1,)),  # last: when it fails it leaves a stale counter behind
@@ -890,6 +919,11 @@ def test_no_grad_forward_reshards_every_unit(world):
 @_worlds("one_rank_exact")
 def test_one_rank_matches_plain_training_exactly(world):
     CASES.check("one_rank_exact", world)
+
+
+@_worlds("one_rank_forced")
+def test_one_rank_collectives_forced_match_plain_training_exactly(world):
+    CASES.check("one_rank_forced", world)
 
 
 @_worlds("catches_bugs")

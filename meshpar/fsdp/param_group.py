@@ -16,6 +16,7 @@ Flat layouts, for N shard ranks and parameters p_i of padded chunk size n_i = c_
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from meshpar import comm
 from meshpar.comm import comm_buffers, gradient_buffers
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
+from meshpar.fsdp.streams import CudaStreams
 
 # [Note: one reduction in flight]
 # A unit's reduce-scatter holds up to two buffers of the unit's full gradient size until it
@@ -44,6 +46,13 @@ from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
 # place (the input is this rank's slot of the output) took it to 50.8 MiB (PyTorch: 48.8);
 # buffering N - 1 rows, not N ([Note: reduce-scatter on gloo]), to 49.6; completing our own
 # unshard before prefetching ([Note: prefetch after our own unshard]) to 48.8.
+
+
+def _wait(work: comm.Work, event: torch.cuda.Event | None) -> None:
+    """Finish a collective: its work handle, and on CUDA the compute stream waits on its event."""
+    work.wait()
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
 
 
 class ReduceQueue:
@@ -114,13 +123,17 @@ class ParamGroup:
         self.custom_reduce_scatter = None
         self.reduce_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group
         # --- in flight ---
-        self._gather: tuple[comm.Work, torch.Tensor, int] | None = None  # all-gather in flight, its world
+        self.streams: CudaStreams | None = None  # on CUDA (set at lazy init): [Note: CUDA streams in FSDP]
+        # all-gather in flight: (work, output, its world, the event that ends it on CUDA)
+        self._gather: tuple[comm.Work, torch.Tensor, int, torch.cuda.Event | None] | None = None
         # int reshard_after_forward: (group, k, dim name) of the k-rank group backward gathers in, and
         # this rank's 1/k of each unsharded parameter between forward and backward
         self.post_forward: tuple[dist.ProcessGroup, int, str] | None = None
         self._post_forward_shards: list[torch.Tensor] | None = None
-        # reduction in flight: (work, output, the parameters reduced, those of them with a gradient)
-        self._reduce: tuple[comm.Work, torch.Tensor, list[ShardedParam], list[ShardedParam]] | None = None
+        # reduction in flight: (work, output, the parameters reduced, those of them with a gradient,
+        # and on CUDA the event that ends it and the input, kept until the compute stream waited on it)
+        self._reduce: tuple[comm.Work, torch.Tensor, list[ShardedParam], list[ShardedParam],
+                            torch.cuda.Event | None, comm.ReduceScatterInput | None] | None = None
         self._partial: torch.Tensor | None = None  # HSDP without all-reduce: summed reduce-scatter outputs
         self._partial_params: list[ShardedParam] | None = None
         self._partial_with_grad: set[int] = set()
@@ -143,6 +156,7 @@ class ParamGroup:
         viewed back as its own dtype."""
         self.all_params = self.params + self.replicated
         self.alias = (self.world == 1 and self.mesh_info.replicate_size == 1 and self.custom_all_gather is None
+                      and not comm.forced()  # [Note: forcing the collectives of one rank]
                       and all(self.mp.param_dtype in (None, p.orig_dtype) for p in self.params))
         dtypes = {self.compute_dtype(p) for p in self.params}
         if len(dtypes) <= 1:
@@ -175,14 +189,22 @@ class ParamGroup:
                 fill = lambda send: self._copy_in(send, segments)
             # in place: this rank's input is its own slot of the output, so no separate send buffer
             # (one shard fewer at the peak; PyTorch's engine does the same)
-            with comm_buffers():
-                if custom is not None:
-                    recv = custom.allocate((world * n,), dtype=dtype, device=self.params[0].compute_device)
-                else:
-                    recv = torch.empty(world * n, dtype=dtype, device=self.params[0].compute_device)
-            send = recv[rank * n:(rank + 1) * n]
-            fill(send)
-            self._gather = (comm.all_gather(recv, send, group, async_op=True, dim=dim, custom=custom), recv, world)
+            streams = self.streams
+            with streams.copy_in_after_compute() if streams else contextlib.nullcontext():
+                with comm_buffers():
+                    if custom is not None:
+                        recv = custom.allocate((world * n,), dtype=dtype, device=self.params[0].compute_device)
+                    else:
+                        recv = torch.empty(world * n, dtype=dtype, device=self.params[0].compute_device)
+                send = recv[rank * n:(rank + 1) * n]
+                fill(send)
+            if streams is None:
+                work, event = comm.all_gather(recv, send, group, async_op=True, dim=dim, custom=custom), None
+            else:  # stream-ordered: [Note: CUDA streams in FSDP]
+                with streams.all_gather_after_copy_in():
+                    work = comm.all_gather(recv, send, group, async_op=False, dim=dim, custom=custom)
+                    event = streams.all_gather.record_event()
+            self._gather = (work, recv, world, event)
         if not async_op:
             self._finish_unshard()
 
@@ -200,12 +222,12 @@ class ParamGroup:
 
     def _finish_unshard(self) -> None:
         if self._gather is not None:
-            work, recv, world = self._gather
+            work, recv, world, event = self._gather
             self._gather = None
             post_forward = self._post_forward_shards is not None
             self._post_forward_shards = None
             with record_function("meshpar::fsdp.all_gather_wait"):
-                work.wait()
+                _wait(work, event)
             with record_function("meshpar::fsdp.copy_out"), torch.no_grad():
                 # recv[world, sum_i size_i]; parameter i's padded chunks, in order, are its column block
                 segments = [p.padded_numel for p in self.params] if post_forward else self._layout[1]
@@ -236,7 +258,8 @@ class ParamGroup:
         with an int ``reshard_after_forward`` first keeps this rank's 1/k of each parameter, so
         backward all-gathers within the k-rank group (see ``post_forward``)."""
         if self._gather is not None:  # a prefetch nobody used: finish it so the buffers are consistent
-            self._gather[0].wait()
+            work, _, _, event = self._gather
+            _wait(work, event)  # on CUDA its buffer may then be reused: [Note: CUDA streams in FSDP]
             self._gather = None
         if self.state is ParamState.SHARDED:
             return
@@ -342,9 +365,15 @@ class ParamGroup:
                     else:
                         buffer.copy_rows(offset, p.rows_of(grad.to(reduce_dtype), self.world))
                     offset += p.padded_numel
-            work = comm.reduce_scatter_rows(buffer, group, async_op=True, dim=self.mesh_info.shard_dim_name)
+            dim = self.mesh_info.shard_dim_name
+            if self.streams is None:
+                work, event, keep = comm.reduce_scatter_rows(buffer, group, async_op=True, dim=dim), None, None
+            else:  # stream-ordered; the buffers live until the compute stream waited: [Note: CUDA streams in FSDP]
+                with self.streams.reduce_scatter_after_compute():
+                    work = comm.reduce_scatter_rows(buffer, group, async_op=False, dim=dim)
+                    event, keep = self.streams.reduce_scatter.record_event(), buffer
             with_grad = [p for p in trainable if grads[id(p)] is not None]
-            self._reduce = (work, buffer.output, trainable, with_grad)
+            self._reduce = (work, buffer.output, trainable, with_grad, event, keep)
         replicated = [(p, grads[id(p)]) for p in self.replicated if grads.get(id(p)) is not None]
         if replicated:  # one all-reduce over the whole dp mesh for all small parameters
             flat = torch.cat([g.reshape(-1).to(reduce_dtype) for _, g in replicated])
@@ -371,10 +400,10 @@ class ParamGroup:
         """Finish the reduction in flight, if any, and hand the sharded gradients to the parameters."""
         if self._reduce is None:
             return
-        work, recv, params, with_grad = self._reduce
-        self._reduce = None
+        work, recv, params, with_grad, event, _ = self._reduce
+        self._reduce = None  # the input is freed here, after the compute stream waited on it
         with record_function("meshpar::fsdp.reduce_scatter_wait"):
-            work.wait()
+            _wait(work, event)
         if self.mesh_info.replicate_dim is not None:
             if self._partial is not None:  # an earlier microbatch's reduce-scatter without the all-reduce
                 if self._partial_params != params:
@@ -417,7 +446,7 @@ class ParamGroup:
         failed iteration left (collectives in flight are finished and discarded, with every gradient
         not yet handed to the sharded parameters) and reshard."""
         if self._reduce is not None:
-            self._reduce[0].wait()
+            _wait(self._reduce[0], self._reduce[4])
             self._reduce = None
         self._partial = self._partial_params = None
         self._grads_ready.clear()

@@ -56,15 +56,22 @@ from torch.autograd.profiler import record_function
 from meshpar._torch import queue_backward_callback
 from meshpar.fsdp.param_group import ParamGroup, ReduceQueue
 from meshpar.fsdp.policies import MixedPrecisionPolicy
+from meshpar.fsdp.streams import CudaStreams, streams_for
 from meshpar.fsdp.tree import cast_floats, iter_tensors
 
 
 class CommContext:
     """What roots that share communication share (``share_comm_ctx``: the model chunks of one
-    pipeline stage): the queue bounding the reductions in flight."""
+    pipeline stage): the queue bounding the reductions in flight, and on CUDA the streams."""
 
     def __init__(self) -> None:
         self.reduce_queue = ReduceQueue()
+        self._streams: dict[torch.device, CudaStreams | None] = {}
+
+    def streams(self, device: torch.device) -> CudaStreams | None:
+        if device not in self._streams:
+            self._streams[device] = streams_for(device)
+        return self._streams[device]
 
 
 class Iteration:
@@ -124,6 +131,8 @@ class FSDPState:
             self.iteration.states.append(state)
             if state.group is not None:
                 state.group.reduce_queue = self.iteration.reduce_queue
+                params = state.group.all_params
+                state.group.streams = self.iteration.comm_ctx.streams(params[0].compute_device) if params else None
                 state.group.refresh()
 
     def _reshards_after_forward(self) -> bool:

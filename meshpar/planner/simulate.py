@@ -195,10 +195,10 @@ class _NcclReduceScatterInput(comm.ReduceScatterInput):
             super().__init__(per_rank, group, dtype=dtype, device=device, custom=custom)
             return
         self.n, self.rank, self.per_rank = dist.get_world_size(group), dist.get_rank(group), per_rank
-        self.exchange, self.custom = False, None
+        self.exchange, self.custom, self.shortcut = False, None, self.n == 1
         with comm_buffers():
             self.output = torch.empty(per_rank, dtype=dtype, device=device)
-            self.send = torch.empty(self.n, per_rank, dtype=dtype, device=device) if self.n > 1 else None
+            self.send = None if self.shortcut else torch.empty(self.n, per_rank, dtype=dtype, device=device)
 
 
 @contextlib.contextmanager
