@@ -59,11 +59,20 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
                 mp_policy=mixed_precision(cfg, root=True), **extras)
 
 
-def check_mixed_precision(cfg: ParallelConfig, dp_shard: int) -> None:
-    """``param_dtype`` / ``reduce_dtype`` act through FSDP: with ``dp_shard = 1`` no unit exists and
-    the model would silently compute in float32, so a lower precision there is refused."""
+def one_device_fsdp(layout) -> bool:
+    """Whether a one-rank layout gets FSDP units anyway, for mixed precision on one device: the
+    units keep fp32 shards (the whole parameters here), cast them to ``param_dtype`` for compute
+    when they unshard, and hand back fp32 gradients, with no collective ([Note: one data-parallel
+    rank] in meshpar/fsdp/param_group.py). Only the plain case: no tp, pp or replicas."""
+    return layout.world_size == 1
+
+
+def check_mixed_precision(cfg: ParallelConfig, layout) -> None:
+    """``param_dtype`` / ``reduce_dtype`` act through FSDP: with ``dp_shard = 1`` on several ranks no
+    unit exists and the model would silently compute in float32, so a lower precision there is
+    refused (one rank alone gets its units: ``one_device_fsdp``)."""
     for key in ("param_dtype", "reduce_dtype"):
-        if dp_shard == 1 and getattr(cfg, key) != "float32":
+        if layout.dp_shard == 1 and not one_device_fsdp(layout) and getattr(cfg, key) != "float32":
             raise RecipeError(f"parallel.{key} = {getattr(cfg, key)!r} takes effect through FSDP, and "
                               f"parallel.dp_shard = 1 makes no FSDP unit (the model would run in float32); set "
                               f"parallel.{key} = \"float32\", or shard over data-parallel ranks (dp_shard > 1)",
@@ -74,7 +83,8 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
     """Tensor parallel -> activation checkpointing -> compile -> FSDP on one stage (or the whole
     model) built on meta. ``tp_plan`` is the family's plan table (``family.tp_plan``). With
     ``dp_shard = 1`` no FSDP unit is made and the training step averages gradients over
-    ``dp_replicate`` (meshpar.replicate)."""
+    ``dp_replicate`` (meshpar.replicate), except on one rank with mixed precision
+    (``one_device_fsdp``)."""
     layout = mesh.layout
     check_fsdp_over_tp(tp_plan, layout.tp, layout.dp_shard)  # a plan that cannot be sharded yet
     if layout.tp > 1:
@@ -82,7 +92,8 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
     apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every)
     if cfg.compile:
         apply_compile(model)
-    if layout.dp_shard > 1:
+    mixed = cfg.param_dtype != "float32" or cfg.reduce_dtype != "float32"
+    if layout.dp_shard > 1 or (mixed and one_device_fsdp(layout)):
         apply_fsdp(model, mesh, cfg)
     return model
 

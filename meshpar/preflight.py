@@ -84,7 +84,7 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
     accum = _check_batch(recipe, layout)
     family.check_layout(args, layout)
     check_seq_len(t.seq_len, layout.tp)
-    check_mixed_precision(recipe.parallel, layout.dp_shard)
+    check_mixed_precision(recipe.parallel, layout)
     check_profile(recipe.profile, world_size)
     if layout.pp > 1:
         p = recipe.parallel

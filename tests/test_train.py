@@ -53,6 +53,19 @@ def test_loss_falls_on_shakespeare(name, tmp_path, data_cache):
     assert recipelib.load(tmp_path / "recipe.toml") == recipe  # the saved recipe is the resolved one
 
 
+def test_one_rank_computes_in_bf16_through_fsdp_units(tmp_path, data_cache):
+    """On one rank ``param_dtype = "bfloat16"`` makes FSDP units anyway (parallelize.one_device_fsdp:
+    fp32 masters, bf16 compute, no collective), where several ranks with dp_shard = 1 refuse it.
+    The bf16 losses are not the fp32 ones (the cast took effect) yet stay within bf16's rounding:
+    inputs and weights rounded to 8 mantissa bits (relative 2**-9) through 4 blocks give ~1e-2 on a
+    loss of ~5.5 after 3 steps; 3e-2 leaves room, and a model left in fp32 would match to 1e-6."""
+    fp32 = train_losses(train(load_recipe("llama_debug.toml", tmp_path / "fp32", "--train.steps=3")).records)
+    bf16 = train_losses(train(load_recipe("llama_debug.toml", tmp_path / "bf16", "--train.steps=3",
+                                          '--parallel.param_dtype="bfloat16"')).records)
+    torch.testing.assert_close(bf16, fp32, rtol=3e-2, atol=0)
+    assert max(abs(a - b) for a, b in zip(bf16, fp32, strict=True)) > 1e-5, (bf16, fp32)
+
+
 def test_tensorboard_sink(tmp_path, data_cache):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -48,6 +48,7 @@ So reserved memory does not grow from step to step (tests/test_cuda.py measures 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -82,5 +83,9 @@ class CudaStreams:
 
 
 def streams_for(device: torch.device) -> CudaStreams | None:
-    """``CudaStreams`` for a CUDA device, None elsewhere (CPU keeps async work handles)."""
-    return CudaStreams(device) if device.type == "cuda" else None
+    """``CudaStreams`` for a CUDA device, None elsewhere (CPU keeps async work handles).
+    MESHPAR_FSDP_STREAMS=0 turns them off on CUDA too (copy-in on the compute stream, collectives
+    as async work): the other side of the comparison in tests/benchmarks/bench_gpu_streams.py."""
+    if device.type != "cuda" or os.environ.get("MESHPAR_FSDP_STREAMS", "1") == "0":
+        return None
+    return CudaStreams(device)

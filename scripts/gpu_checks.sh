@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 19's GPU checks in one call on a lent GPU machine (the device tool runs it from the repo
+# root with $OUT set; elsewhere results go to runs/gpu):
+#
+#     bash scripts/gpu_checks.sh [tests|streams|bench|all]...
+#
+# 1. tests/test_cuda.py (the CUDA-marked tests; on a machine without a GPU they skip);
+# 2. tests/benchmarks/bench_gpu_streams.py (the collective path forced on one GPU: streams on
+#    and off against no collectives; memory growth; one traced step's NCCL overlap);
+# 3. tests/benchmarks/bench_gpu.py (tokens/s and MFU, meshpar beside plain PyTorch, and the
+#    profile summary of one step).
+# Each part has its own time limit and writes its log under $OUT, so one that fails or runs out
+# of time leaves the others' results. The machine's python3 is its own PyTorch (not this
+# repository's .venv), so the package is used from the source tree.
+set -u
+out=${OUT:-runs/gpu}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+parts=${*:-all}
+want() { [[ " $parts " == *" all "* || " $parts " == *" $1 "* ]]; }
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+} 2>&1 | tee "$out/gpu.txt"
+if want tests; then
+  timeout "${TESTS_S:-150}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log"
+fi
+if want streams; then
+  timeout "${STREAMS_S:-80}" python3 -m tests.benchmarks.bench_gpu_streams --json "$out/streams.json" 2>&1 \
+    | grep -v "^USDT" | tee "$out/streams.log"
+fi
+if want bench; then
+  timeout "${BENCH_S:-200}" python3 -m tests.benchmarks.bench_gpu --json "$out/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 \
+    | grep -v "^USDT" | tee "$out/bench_gpu.log"
+fi
+echo "gpu_checks: done"

@@ -1,0 +1,79 @@
+"""The planner's step time and peak memory against ``bench_gpu``'s measurements on one GPU.
+
+    python -m tests.benchmarks.calibrate_gpu RESULTS.json [--efficiency 0.34]
+
+``RESULTS.json`` is what ``python -m tests.benchmarks.bench_gpu --json RESULTS.json`` wrote on
+the GPU. For every case meshpar ran (its engine, not plain PyTorch's), this plans the same
+recipe (the model size, sequence, batch, bf16 compute, activation checkpointing) on one device
+of the GPU's hardware profile and prints, per layout:
+
+- step time: predicted at ``--efficiency`` (the planner's default) against measured, and the
+  efficiency the measurement implies (the planner's step time at efficiency 1 over the
+  measured one: with one device there is no communication, so compute is the whole model);
+- peak memory: the planner's peak (every tensor it accounts for) against
+  ``torch.cuda.max_memory_allocated``.
+
+It runs on CPU (the planner needs no GPU), after the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from meshpar import recipe as recipelib
+from meshpar.planner import plan
+from meshpar.planner.cli import load_hardware
+
+GiB = 2**30
+
+
+def overrides(case: dict) -> list[str]:
+    """The recipe ``bench_gpu`` ran, as ``meshpar plan`` overrides."""
+    ac = case.get("ac", "none")
+    ac = {True: "full", False: "none"}.get(ac, ac)
+    return [f"--model.size={case['size']}", f"--train.seq_len={case['seq_len']}",
+            f"--train.global_batch={case.get('batch', 1)}", f"--train.micro_batch={case.get('batch', 1)}",
+            "--parallel.dp_shard=1", '--parallel.param_dtype="bfloat16"', '--parallel.reduce_dtype="float32"',
+            f'--parallel.activation_checkpoint="{ac}"', f"--parallel.compile={str(bool(case.get('compile'))).lower()}",
+            "--train.eval_every=0"]
+
+
+def profile_name(gpu: str) -> str:
+    gpu = gpu.lower()
+    return "h200" if "h200" in gpu else "a100_80gb" if "a100" in gpu else "h100_sxm"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", type=Path)
+    ap.add_argument("--efficiency", type=float, default=0.34, help="the planner's compute efficiency (its default)")
+    args = ap.parse_args()
+    data = json.loads(args.results.read_text())
+    cases = [c for c in data["cases"] if c.get("engine") == "meshpar" and c.get("step_ms")]
+    profile, _ = load_hardware(profile_name(data.get("gpu", "")))
+    print(f"GPU {data.get('gpu', '?')}, profile {profile.name}, planner efficiency {args.efficiency}")
+    print(f"{'layout':<34} {'measured ms':>11} {'planned ms':>10} {'error':>7} {'implied eff':>11} "
+          f"{'measured GiB':>12} {'planned GiB':>11} {'error':>7}")
+    implied = []
+    for case in cases:
+        recipe = recipelib.load(None, overrides(case))
+        at_one = plan(recipe, 1, profile, efficiency=1.0)
+        predicted_s = at_one.time.step_s / args.efficiency
+        measured_s = case["step_ms"] / 1e3
+        eff = at_one.time.step_s / measured_s
+        implied.append(eff)
+        planned_gib = max(r.peak_bytes for r in at_one.ranks) / GiB
+        name = (f"{case['size']} seq {case['seq_len']}{' compile' if case.get('compile') else ''}"
+                f"{' AC ' + str(case.get('ac')) if case.get('ac') not in (None, 'none', False) else ''}")
+        mem = case.get("peak_gib")
+        mem_err = f"{100 * (planned_gib / mem - 1):>+6.1f}%" if mem else "      -"
+        print(f"{name:<34} {case['step_ms']:>11.1f} {predicted_s * 1e3:>10.1f} {100 * (predicted_s / measured_s - 1):>+6.1f}% "
+              f"{eff:>11.3f} {mem or 0:>12.2f} {planned_gib:>11.2f} {mem_err}")
+    if implied:
+        print(f"implied efficiency: {min(implied):.3f} to {max(implied):.3f} (planner uses {args.efficiency})")
+
+
+if __name__ == "__main__":
+    main()
