@@ -69,7 +69,8 @@ def main() -> None:
                 f"{' AC ' + str(case.get('ac')) if case.get('ac') not in (None, 'none', False) else ''}")
         mem = case.get("peak_gib")
         mem_err = f"{100 * (planned_gib / mem - 1):>+6.1f}%" if mem else "      -"
-        print(f"{name:<34} {case['step_ms']:>11.1f} {predicted_s * 1e3:>10.1f} {100 * (predicted_s / measured_s - 1):>+6.1f}% "
+        error = 100 * (predicted_s / measured_s - 1)
+        print(f"{name:<34} {case['step_ms']:>11.1f} {predicted_s * 1e3:>10.1f} {error:>+6.1f}% "
               f"{eff:>11.3f} {mem or 0:>12.2f} {planned_gib:>11.2f} {mem_err}")
     if implied:
         print(f"implied efficiency: {min(implied):.3f} to {max(implied):.3f} (planner uses {args.efficiency})")
