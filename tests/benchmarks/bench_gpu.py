@@ -1,7 +1,8 @@
 """Training speed on one GPU: meshpar's step next to the same step in plain PyTorch (issue 19 item 3).
 
     python -m tests.benchmarks.bench_gpu [--cases a,b,...] [--steps 6] [--warmup 3] [--batch 1]
-                                         [--budget 220] [--profile [CASE]] [--json runs/bench_gpu.json]
+                                         [--budget 220] [--profile [CASES]] [--dtype auto]
+                                         [--json runs/bench_gpu.json]
     python -m tests.benchmarks.bench_gpu --smoke [--profile]      # every code path on CPU, < 2 min
 
 A case is ``engine/size/seq_len/mode``, mode one of ``eager``, ``compile``, ``eager+ac``,
@@ -9,10 +10,10 @@ A case is ``engine/size/seq_len/mode``, mode one of ``eager``, ``compile``, ``ea
 
 - ``meshpar``: meshpar's own training path on a 1-rank process group (NCCL on CUDA, gloo on
   CPU): a recipe's ``[parallel]`` (param_dtype bfloat16, reduce_dtype float32, compile,
-  activation_checkpoint) and ``[optim]``, the model built on meta and parallelized in
-  meshpar/parallelize.py's order with meshpar's functions (AC -> compile -> fully_shard per
-  block, then root -> to_empty + init_weights), meshpar.optim's fused AdamW and
-  meshpar.step.train_step (forward, backward, clip, step). FSDP on one rank aliases
+  activation_checkpoint) and ``[optim]``, the model from ``meshpar.parallelize.build`` as
+  ``meshpar train`` builds it (on meta; AC -> compile -> fully_shard per block, then root ->
+  to_empty + init_weights), meshpar.optim's fused AdamW and meshpar.step.train_step
+  (forward, backward, clip, step). FSDP on one rank aliases
   ([Note: one data-parallel rank] in meshpar/fsdp/param_group.py): no collectives, so the
   engine's own per-step overhead is what is measured. See [Note: bf16 on one rank] below.
 - ``plain``: the same model class and initial values, fp32 parameters, forward under
@@ -20,42 +21,43 @@ A case is ``engine/size/seq_len/mode``, mode one of ``eager``, ``compile``, ``ea
   ``torch.utils.checkpoint`` per block as meshpar does them, the same loss, gradient clipping
   (``torch.nn.utils.clip_grad_norm_``) and fused ``torch.optim.AdamW``; no meshpar parallel code.
 
-Every case trains on one fixed random batch (``--batch`` sequences; compile happens in the
-warmup steps) and reports the median step time over the timed steps (the device synchronized
-around each step), tokens/s, MFU, peak memory (``torch.cuda.max_memory_allocated``) and the last
-step's loss (the two engines train the same model from the same values, so their losses agree
-to bf16 rounding). MFU = ``flops_per_token(seq_len)`` x tokens/s / peak, with the model FLOPs
-of meshpar/models/llama/args.py that ``meshpar train`` and ``meshpar plan`` use:
-6 x matmul weights (output head included) + 12 x n_layers x H x Dh x T per token, attention
-counted without the causal halving (PaLM's convention; ``mfu_causal`` in the JSON halves it).
-The peak is the bfloat16 entry of the hardware profile ``meshpar.hardware`` picks for the GPU
-(profiles/h100_sxm.toml, h200.toml). Cases that are not reached within ``--budget`` seconds
-are recorded as skipped; an out-of-memory case is recorded as ``oom``. The JSON is rewritten
-after every case, so a run cut short keeps what it measured. ``--profile`` traces one more step
-of one case (default: the first compiled meshpar case) and prints the top kernels by device
-time and the step's shares: matmul, attention, elementwise/norm, optimizer (clip + AdamW),
-copies/casts/communication, idle.
+Every case trains on one fixed random batch of ``--batch`` sequences from the same initial
+values ([Note: initial values]); compilation happens in the warmup steps. Per case: the median
+step time over the timed steps (the device synchronized around each), tokens/s, MFU, peak
+memory (``torch.cuda.max_memory_allocated``), the losses (equal between the engines in fp32,
+to bf16 rounding in bf16). MFU = ``flops_per_token(seq_len)`` x tokens/s / peak: the model
+FLOPs ``meshpar train`` and ``meshpar plan`` use (meshpar/models/llama/args.py), 6 x matmul
+weights (output head included) + 12 x n_layers x H x Dh x T per token, attention without the
+causal halving (PaLM's convention; ``mfu_causal`` in the JSON halves it); the peak is the
+compute dtype's entry in the hardware profile ``meshpar.hardware`` picks for the device
+(profiles/h100_sxm.toml, h200.toml: 989.4 TFLOP/s bf16). Then meshpar/plain tokens/s per pair
+and the goals as facts. ``--profile`` traces one more step of some cases (default: the first
+compiled meshpar case and its plain pair): the top kernels by device time and the step's
+shares in matmul, attention, elementwise/norm, optimizer (clipping + AdamW), copies/casts/
+communication and idle. The JSON is rewritten after every case; a case that fails is recorded
+(``oom``, ``error: ...``) and the run goes on; a case that would end past ``--budget`` seconds,
+judged by the longest earlier case of its kind (compiled or eager), is recorded as skipped.
 
-Default cases, most important first so that a run cut short still answers the goals
-(meshpar within 3% of plain; MFU >= 45% for 1B): 1b/4096 compile and eager, 1b/2048 eager,
-for both engines; 3b/4096 compile+ac for both; meshpar 1b/4096 compile+ac; 1b/2048 compile for
-both. Time budget (estimated, not measured: no GPU on the development machine): steps are
-cheap (1B at 4096 tokens ~0.1 s, 3B with AC ~0.4 s; 9 steps a case), compiling one block graph
-(forward + backward) from a cold inductor cache takes roughly 30-60 s, and each compiled case
-compiles its own graph (the two engines' graphs differ: bf16 parameters vs autocast; AC and
-shapes differ too); eager cases take ~5 s; so about 15 s start-up, 6 x 5 s eager and 7 compiled
-cases at ~30 s, just under 4 min, with ``--budget`` dropping what does not fit.
+Default cases, most important first, so that a run cut short still answers the goals (MFU >=
+45% for 1B, meshpar within 3% of plain): meshpar and plain at 1b/4096/compile, 1b/4096/eager,
+1b/2048/eager, 3b/4096/compile+ac, then meshpar 1b/4096/compile+ac, then both at
+1b/2048/compile. Time on an H100, estimated (no GPU where this was written): a step is 0.05-0.4 s,
+so 9 steps and the build take ~5 s a case; compiling one block graph (forward and backward) from a
+cold inductor cache ~20-40 s, and every compiled case compiles its own graph (bf16 parameters vs
+autocast, AC, shapes differ); start-up ~15 s. So 15 + 11 x 5 + 7 x ~25 s is about 4 min, and with
+the default ``--budget 220`` slower compiles drop the last cases first.
 
-Measured (to be filled in: GPU, torch, date, the table and the goal lines):
+Measured (to be filled in: GPU, torch, date, the table, the goal lines and the profile):
 
     (not yet run on a GPU)
 
 [Note: bf16 on one rank]
-meshpar's mixed precision acts through FSDP, and ``parallelize_transformer`` makes no FSDP unit
-at ``dp_shard = 1`` (preflight refuses param_dtype bfloat16 there: ``check_mixed_precision``),
-so ``meshpar train`` on one GPU trains in float32 today. The meshpar engine here applies
-``apply_fsdp`` on the 1-rank ``dp_shard`` mesh itself, which is the step meshpar would run with
-FSDP at one rank; the rest is meshpar's own code.
+meshpar's mixed precision acts through FSDP. ``parallelize_transformer`` gives a one-rank run
+with a lower param_dtype FSDP units (``one_device_fsdp``); a meshpar from before that made no
+unit at ``dp_shard = 1`` (and preflight refused bfloat16 there), so when ``build`` returns no
+FSDP module the engine applies ``apply_fsdp`` on the 1-rank ``dp_shard`` mesh itself (after
+compile and AC, as the fixed order has it: both replace a block's ``forward`` and FSDP's hooks
+wrap ``__call__``, so the module is the same).
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import re
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -77,17 +81,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import DeviceType
 from torch.autograd.profiler import record_function
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
-from meshpar.activation_checkpoint import apply_activation_checkpointing
+from meshpar.fsdp import FSDPModule
 from meshpar.hardware import load_profile
+from meshpar.models import get_family
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.args import ModelArgs
 from meshpar.optim import build_optimizer
-from meshpar.parallelize import apply_compile, apply_fsdp
+from meshpar.parallelize import apply_fsdp, build
 from meshpar.runtime import RankInfo, init_process_group
 from meshpar.step import GradSync, Model, train_step
 
@@ -153,6 +160,28 @@ class Settings:
     steps: int
 
 
+# [Note: initial values]
+# meshpar's layout-independent init draws every value on the CPU (about 5 ms per million on one
+# core: ~7 s for 1B and ~18 s for 3B, per case, a third of the run's budget in all). The
+# comparison needs identical values in both engines, not layout independence, so both build
+# this subclass, whose init draws the same scheme (normal, std 0.02, 0.02 / sqrt(2 L) for the
+# projections into the residual stream; norms 1) on the device from the same seed, parameter
+# by parameter in the same order. meshpar's build() calls it as it calls Transformer's.
+
+class DeviceInit(Transformer):
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self.tie_weights()
+        self._init_rope()
+        out_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, param in self.named_parameters():
+            local = param._local_tensor if isinstance(param, DTensor) else param  # 1 rank: the whole
+            if param.ndim < 2:
+                local.fill_(1.0)
+            else:
+                local.normal_(0.0, out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02)
+
+
 # --- the two engines ----------------------------------------------------------------------------
 
 def _recipe(case: Case, s: Settings) -> recipelib.Recipe:
@@ -167,16 +196,11 @@ def _meshpar(case: Case, s: Settings, mesh: meshlib.Mesh, batch: tuple[torch.Ten
     """meshpar's model, optimizer and step; ``step()`` returns the loss tensor."""
     recipe = _recipe(case, s)
     p = recipe.parallel
-    with torch.device("meta"):
-        model = Transformer(SIZES[case.size])
-    # meshpar.parallelize.build's order, FSDP at dp_shard = 1 included: [Note: bf16 on one rank]
-    apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
-    if p.compile:
-        apply_compile(model)
-    apply_fsdp(model, mesh, p)
-    model.to_empty(device=s.device)
-    torch.manual_seed(0)
-    model.init_weights()
+    family = get_family("llama")
+    # meshpar train passes family.model_cls (Transformer): [Note: initial values]
+    [(_, model)] = build(DeviceInit, SIZES[case.size], family.tp_plan, mesh, p, s.device, seed=0)
+    if not isinstance(model, FSDPModule):  # a meshpar without FSDP at one rank: [Note: bf16 on one rank]
+        apply_fsdp(model, mesh, p)
     stages = Model(nn.ModuleList([model]), None, False)
     optimizer = build_optimizer(stages.stages, recipe.optim)
     sync = GradSync.of(mesh, p, recipe.optim)
@@ -191,10 +215,10 @@ def _plain(case: Case, s: Settings, batch: tuple[torch.Tensor, torch.Tensor]):
     """The same model in plain PyTorch: autocast, per-block checkpoint and compile, fused AdamW."""
     optim = recipelib.OptimConfig()  # the same hyperparameters as meshpar's
     with torch.device("meta"):
-        model = Transformer(SIZES[case.size])
+        model = DeviceInit(SIZES[case.size])
     model.to_empty(device=s.device)
     torch.manual_seed(0)
-    model.init_weights()  # the values meshpar's engine starts from ([Note: layout-independent init])
+    model.init_weights()  # the values meshpar's engine starts from: [Note: initial values]
     for block in model.layers.values():  # AC, then compile around it, as meshpar/parallelize.py orders them
         if case.ac:
             forward = block.forward
@@ -246,11 +270,11 @@ def _run_case(case: Case, s: Settings, mesh: meshlib.Mesh, peak_flops: float,
     _sync(s.device)
     row: dict[str, Any] = dict(case=case.name, **dataclasses.asdict(case), batch=s.batch,
                                build_s=time.perf_counter() - t0)
-    warmup_s, times = [], []
+    warmup_s, times, losses = [], [], []
     for i in range(s.warmup + s.steps):
         _sync(s.device)
         start = time.perf_counter()
-        loss = step()
+        losses.append(step())
         _sync(s.device)
         (warmup_s if i < s.warmup else times).append(time.perf_counter() - start)
     step_s = statistics.median(times)
@@ -261,7 +285,7 @@ def _run_case(case: Case, s: Settings, mesh: meshlib.Mesh, peak_flops: float,
                tokens_per_s=tokens_per_s, mfu=flops_per_token * tokens_per_s / peak_flops,
                mfu_causal=(flops_per_token - attention / 2) * tokens_per_s / peak_flops,
                peak_gib=torch.cuda.max_memory_allocated(s.device) / GiB if s.device.type == "cuda" else None,
-               loss=loss.item())
+               loss=losses[-1].item(), losses=[x.item() for x in losses])
     if profile_top is not None:
         try:
             row["profile"] = _profile(step, s.device, step_s, profile_top)
@@ -293,27 +317,30 @@ def _category(name: str) -> str:
 
 
 def _kernel_times(prof, cuda: bool) -> tuple[dict[str, tuple[float, int]], dict[str, float]]:
-    """({kernel or op: (ms, calls)}, {the same: ms under an optimizer label})."""
+    """({kernel (CPU: aten op): (ms, calls)}, {the same: ms under an optimizer label}). On CUDA the
+    device's own events, less user annotations (a record_function's span on the GPU timeline,
+    which would count its kernels twice: the rule of torch.profiler's table total)."""
     total: dict[str, tuple[float, int]] = {}
-    for e in prof.key_averages():
-        if cuda:
-            us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-        else:  # aten ops' own time; labels (meshpar::*) and autograd nodes run no kernels themselves
-            us = e.self_cpu_time_total if e.key.startswith("aten::") else 0
-        if us > 0:
-            total[e.key] = (us / 1e3, e.count)
     optimizer: dict[str, float] = {}
     for e in prof.events():
+        if cuda and e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            us = e.time_range.elapsed_us()
+        elif not cuda and e.device_type == DeviceType.CPU and e.name.startswith("aten::"):
+            us = e.self_cpu_time_total  # labels (meshpar::*) and autograd nodes run no op themselves
+        else:
+            us = 0
+        if us > 0:
+            ms, calls = total.get(e.name, (0.0, 0))
+            total[e.name] = (ms + us / 1e3, calls + 1)
+        if e.device_type != DeviceType.CPU:
+            continue
         parent = e.cpu_parent
         while parent is not None and not parent.name.endswith("::optimizer"):
             parent = parent.cpu_parent
         if parent is None:
             continue
-        if cuda:
-            for k in e.kernels:
-                optimizer[k.name] = optimizer.get(k.name, 0.0) + k.duration / 1e3
-        elif e.name.startswith("aten::"):
-            optimizer[e.name] = optimizer.get(e.name, 0.0) + e.self_cpu_time_total / 1e3
+        for name, kernel_us in ([(k.name, k.duration) for k in e.kernels] if cuda else [(e.name, us)]):
+            optimizer[name] = optimizer.get(name, 0.0) + kernel_us / 1e3
     return total, optimizer
 
 
@@ -409,11 +436,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--budget", type=float, default=220, help="seconds: a case that would end later, by "
                         "the longest earlier case of its kind (compiled or eager), is skipped; 0: no limit")
-    parser.add_argument("--profile", nargs="?", const="", default=None, metavar="CASE",
-                        help="trace one more step of CASE (default: the first compiled meshpar case)")
+    parser.add_argument("--profile", nargs="?", const="", default=None, metavar="CASES",
+                        help="trace one more step of each of these comma-separated cases (default: the "
+                             "first compiled meshpar case and its plain pair)")
     parser.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="compute dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--json", default="runs/bench_gpu.json", help="results, rewritten after every case")
-    parser.add_argument("--smoke", action="store_true", help="debug size, seq 64, fp32 on CPU, 1 warmup + 2 "
+    parser.add_argument("--smoke", action="store_true", help="debug size, seq 64, on CPU, 1 warmup + 2 "
                         "steps, every engine: the code paths of a GPU run, here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -422,13 +452,17 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         torch.cuda.set_device(device)
     warmup, steps = (1, 2) if args.smoke else (args.warmup, args.steps)
-    s = Settings(device, torch.bfloat16 if cuda else torch.float32, args.batch, warmup, steps)
+    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
+             "float32": torch.float32}[args.dtype]
+    s = Settings(device, dtype, args.batch, warmup, steps)
     cases = [Case.parse(c) for c in (args.cases.split(",") if args.cases else
                                      SMOKE_CASES if args.smoke else DEFAULT_CASES)]
-    profiled = None
-    if args.profile is not None:
-        profiled = Case.parse(args.profile).name if args.profile else \
-            next((c.name for c in cases if c.engine == "meshpar" and c.compile), cases[0].name)
+    profiled: set[str] = set()
+    if args.profile:
+        profiled = {Case.parse(c).name for c in args.profile.split(",")}
+    elif args.profile is not None:  # the first compiled meshpar case and its plain pair
+        first = next((c for c in cases if c.engine == "meshpar" and c.compile), cases[0])
+        profiled = {first.name, f"plain/{first.pair}"}
 
     profile = load_profile("auto", device.type)
     peak = profile.peak_flops(s.dtype)
@@ -446,12 +480,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for case in cases:
             elapsed = time.perf_counter() - started
+            print(f"[{elapsed:.0f} s] {case.name}", file=sys.stderr, flush=True)
             if args.budget and elapsed + longest.get(case.compile, 0.0) > args.budget:
                 row = dict(case=case.name, **dataclasses.asdict(case), status=f"skipped (budget at {elapsed:.0f} s)")
             else:
                 t0 = time.perf_counter()
                 try:
-                    row = _run_case(case, s, mesh, peak, args.top if case.name == profiled else None)
+                    row = _run_case(case, s, mesh, peak, args.top if case.name in profiled else None)
                 except torch.cuda.OutOfMemoryError:
                     row = dict(case=case.name, **dataclasses.asdict(case), status="oom")
                 except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
