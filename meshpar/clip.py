@@ -40,10 +40,14 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0,
             key = tuple((g.device_mesh, i) for i, pl in enumerate(g.placements)
                         if isinstance(pl, (Shard, StridedShard)))
         acc = partial[key]  # touch the entry even for an empty shard: every rank reduces the same keys
-        x = local.detach().to(acc_dtype).abs()
-        if x.numel() == 0:
+        if local.numel() == 0:
             continue
-        value = x.max() if is_inf else x.pow(norm_type).sum()
+        # one pass over the gradient, accumulated in acc_dtype, no temporary of its size: abs, pow
+        # and sum as separate ops read it three times and wrote it twice (1B Llama on a GPU: ~25 GB
+        # of memory traffic per step for the norm alone, where this reads 5 GB)
+        value = torch.linalg.vector_norm(local.detach(), ord=norm_type, dtype=acc_dtype)
+        if not is_inf:
+            value = value.pow(norm_type)
         acc = acc.to(value.device)
         partial[key] = torch.maximum(acc, value) if is_inf else acc + value
     total = torch.zeros((), dtype=acc_dtype)
