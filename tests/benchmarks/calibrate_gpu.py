@@ -31,13 +31,18 @@ GiB = 2**30
 
 def overrides(case: dict) -> list[str]:
     """The recipe ``bench_gpu`` ran, as ``meshpar plan`` overrides."""
-    ac = case.get("ac", "none")
-    ac = {True: "full", False: "none"}.get(ac, ac)
+    ac = _ac(case)
     return [f"--model.size={case['size']}", f"--train.seq_len={case['seq_len']}",
             f"--train.global_batch={case.get('batch', 1)}", f"--train.micro_batch={case.get('batch', 1)}",
             "--parallel.dp_shard=1", '--parallel.param_dtype="bfloat16"', '--parallel.reduce_dtype="float32"',
             f'--parallel.activation_checkpoint="{ac}"', f"--parallel.compile={str(bool(case.get('compile'))).lower()}",
             "--train.eval_every=0"]
+
+
+def _ac(case: dict) -> str:
+    """bench_gpu's ``ac`` (a bool: full checkpointing per block or none) as the recipe key's value."""
+    ac = case.get("ac", "none")
+    return {True: "full", False: "none"}.get(ac, ac)
 
 
 def profile_name(gpu: str) -> str:
@@ -51,9 +56,9 @@ def main() -> None:
     ap.add_argument("--efficiency", type=float, default=0.34, help="the planner's compute efficiency (its default)")
     args = ap.parse_args()
     data = json.loads(args.results.read_text())
-    cases = [c for c in data["cases"] if c.get("engine") == "meshpar" and c.get("step_ms")]
-    profile, _ = load_hardware(profile_name(data.get("gpu", "")))
-    print(f"GPU {data.get('gpu', '?')}, profile {profile.name}, planner efficiency {args.efficiency}")
+    cases = [c for c in data["rows"] if c.get("engine") == "meshpar" and c.get("status") == "ok"]
+    profile, _ = load_hardware(profile_name(str(data.get("device", ""))))
+    print(f"GPU {data.get('device', '?')}, profile {profile.name}, planner efficiency {args.efficiency}")
     print(f"{'layout':<34} {'measured ms':>11} {'planned ms':>10} {'error':>7} {'implied eff':>11} "
           f"{'measured GiB':>12} {'planned GiB':>11} {'error':>7}")
     implied = []
@@ -66,7 +71,7 @@ def main() -> None:
         implied.append(eff)
         planned_gib = max(r.peak_bytes for r in at_one.ranks) / GiB
         name = (f"{case['size']} seq {case['seq_len']}{' compile' if case.get('compile') else ''}"
-                f"{' AC ' + str(case.get('ac')) if case.get('ac') not in (None, 'none', False) else ''}")
+                f"{' AC ' + _ac(case) if _ac(case) != 'none' else ''}")
         mem = case.get("peak_gib")
         mem_err = f"{100 * (planned_gib / mem - 1):>+6.1f}%" if mem else "      -"
         error = 100 * (predicted_s / measured_s - 1)

@@ -86,6 +86,9 @@ LLAMA_SIZES: dict[str, ModelArgs] = {
     # Llama 3.2 1B: 1,235,814,400
     "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, tie_embeddings=True,
                     rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0), **_LLAMA3),
+    # Llama 3.2 3B: 3,212,749,824
+    "3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, tie_embeddings=True,
+                    rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0), **_LLAMA3),
     # Llama 3.1 8B: 8,030,261,248
     "8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                     rope_scaling=_LLAMA31_SCALING, **_LLAMA3),
