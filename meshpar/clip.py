@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from meshpar import comm
-from meshpar._torch import StridedShard
+from meshpar._torch import StridedShard, foreach_mul_, foreach_norm, local_tensor
 
 
 @torch.no_grad()
@@ -30,26 +30,30 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0,
     is_inf = math.isinf(norm_type)
     reduce_op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    # group the local contributions by the set of (mesh, dim) they must be reduced over
-    partial: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=acc_dtype))
+    # the local tensors, grouped by the set of (mesh, dim) their contributions are reduced over
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         local, key = g, ()
         if isinstance(g, DTensor):
-            local = g.to_local()
+            local = local_tensor(g)
             # StridedShard (FSDP over a column-wise tp shard, GPT-2's fused q|k|v) is not a Shard subclass
             key = tuple((g.device_mesh, i) for i, pl in enumerate(g.placements)
                         if isinstance(pl, (Shard, StridedShard)))
-        acc = partial[key]  # touch the entry even for an empty shard: every rank reduces the same keys
-        if local.numel() == 0:
-            continue
-        # one pass over the gradient, accumulated in acc_dtype, no temporary of its size: abs, pow
-        # and sum as separate ops read it three times and wrote it twice (1B Llama on a GPU: ~25 GB
-        # of memory traffic per step for the norm alone, where this reads 5 GB)
-        value = torch.linalg.vector_norm(local.detach(), ord=norm_type, dtype=acc_dtype)
-        if not is_inf:
-            value = value.pow(norm_type)
-        acc = acc.to(value.device)
-        partial[key] = torch.maximum(acc, value) if is_inf else acc + value
+        group = groups.setdefault(key, [])  # even for an empty shard: every rank reduces the same keys
+        if local.numel():
+            group.append(local.detach())
+    partial: dict[tuple, torch.Tensor] = {}
+    for key, locals_ in groups.items():
+        value = torch.zeros((), dtype=acc_dtype)
+        for same in _by_device_and_dtype(locals_):
+            # one multi-tensor kernel per device and dtype, each gradient read once and accumulated in
+            # acc_dtype (abs, pow and sum per gradient read a 1B model's fp32 gradients three times and
+            # wrote two temporaries of their size; a loop of per-gradient norms launched 147 kernels)
+            norms = torch.stack(foreach_norm(same, norm_type, acc_dtype))
+            contribution = norms.max() if is_inf else norms.pow(norm_type).sum()
+            value = value.to(contribution.device)
+            value = torch.maximum(value, contribution) if is_inf else value + contribution
+        partial[key] = value
     total = torch.zeros((), dtype=acc_dtype)
     for key, value in partial.items():
         for mesh, dim in key:
@@ -77,7 +81,14 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     # would hide which gradient was bad (meshpar/nonfinite.py names it, then skips or stops)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-    for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
-        local.mul_(coef.to(local.device, local.dtype))
+    for same in _by_device_and_dtype([local_tensor(g) if isinstance(g, DTensor) else g for g in grads]):
+        foreach_mul_(same, coef.to(same[0].device, same[0].dtype))
     return norm
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in lists of one device and dtype each (what a multi-tensor kernel takes), in order."""
+    out: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        out[(t.device, t.dtype)].append(t)
+    return list(out.values())

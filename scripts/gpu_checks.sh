@@ -27,11 +27,17 @@ if want tests; then
   timeout "${TESTS_S:-150}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log"
 fi
 if want streams; then
-  timeout "${STREAMS_S:-80}" python3 -m tests.benchmarks.bench_gpu_streams --json "$out/streams.json" 2>&1 \
-    | grep -v "^USDT" | tee "$out/streams.log"
+  for dtype in ${STREAMS_DTYPES:-bfloat16}; do
+    timeout "${STREAMS_S:-80}" python3 -m tests.benchmarks.bench_gpu_streams --dtype "$dtype" \
+      --json "$out/streams_$dtype.json" 2>&1 | grep -v "^USDT" | tee "$out/streams_$dtype.log"
+  done
 fi
 if want bench; then
   timeout "${BENCH_S:-200}" python3 -m tests.benchmarks.bench_gpu --json "$out/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "^USDT" | tee "$out/bench_gpu.log"
+  if [ -n "${BENCH2_ARGS:-}" ]; then  # a second set, e.g. other cases at another batch
+    timeout "${BENCH2_S:-120}" python3 -m tests.benchmarks.bench_gpu --json "$out/bench_gpu2.json" $BENCH2_ARGS 2>&1 \
+      | grep -v "^USDT" | tee "$out/bench_gpu2.log"
+  fi
 fi
 echo "gpu_checks: done"

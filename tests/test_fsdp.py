@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -60,10 +61,12 @@ from tests.fsdp_models import (
     assert_parity,
     chunk_numel,
     gather_params,
+    local_slice,
     shard_units,
     train,
     unit_params,
 )
+from tests.helpers import build_model
 from tests.parity import TOL, default_dtype, must_fail
 
 ELEM = torch.float64.itemsize  # bytes per element: the jobs run in float64 (see _setup)
@@ -711,6 +714,30 @@ def _case_one_rank_forced(ctx: Ctx) -> None:
         assert not comm.forced()
 
 
+def _case_local_cast(ctx: Ctx) -> None:
+    """[Note: a local unsharded parameter keeps its identity too]: parameters whose whole value is
+    local (replicated below shard_threshold; all of them on one rank) and cast for compute still get
+    their gradients when their unit reshards after forward (a new parameter object per unshard lost
+    them). Every unit's parameters are cast float64 -> float32 here, against the model in float32:
+    the same float32 arithmetic, summed over the ranks' halves of the batch in another order, so
+    1e-5 relative (float32's 6e-8 per addition over a few hundred terms) bounds the difference."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    inputs, targets = local_slice(tokens[:, :-1], ctx.rank, ctx.world), local_slice(tokens[:, 1:], ctx.rank, ctx.world)
+    for threshold in (10**9, 0):  # every parameter replicated; every parameter sharded (on one rank: single)
+        with default_dtype():
+            model = build_model("llama", n_layers=2, vocab_size=256)
+        ref = copy.deepcopy(model).float()
+        shard_units(model, fully_shard, mesh=ctx.mesh, mp_policy=mp, shard_threshold=threshold)
+        for m, x in ((model, inputs), (ref, tokens[:, :-1])):
+            logits = m(x).float()
+            F.cross_entropy(logits.flatten(0, 1), (targets if m is model else tokens[:, 1:]).flatten()).backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        _eq(missing, [], f"parameters without a gradient (shard_threshold {threshold})")
+        for (name, p), ref_p in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert_close(p.grad.full_tensor().float(), ref_p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 # --- 16. the parity comparison fails on planted bugs -----------------------------------------------------
 def _case_catches_bugs(ctx: Ctx) -> None:
     """``assert_parity`` at its float64 tolerance fails when the engine skips its divide by the
@@ -814,6 +841,7 @@ CASES = CaseSet({
     "eval": (_case_eval, (1, 2, 4)),
     "one_rank_exact": (_case_one_rank_exact, (1,)),
     "one_rank_forced": (_case_one_rank_forced, (1,)),
+    "local_cast": (_case_local_cast, (1, 2)),
     "catches_bugs": (_case_catches_bugs, (2,)),
     "hooks_survive_new_unsharded": (_case_hooks_survive_new_unsharded, (2,)),
     "nested_counts": (_case_nested_counts, (1,)),  # last: when it fails it leaves a stale counter behind
@@ -924,6 +952,11 @@ def test_one_rank_matches_plain_training_exactly(world):
 @_worlds("one_rank_forced")
 def test_one_rank_collectives_forced_match_plain_training_exactly(world):
     CASES.check("one_rank_forced", world)
+
+
+@_worlds("local_cast")
+def test_local_parameters_cast_for_compute_keep_their_gradients(world):
+    CASES.check("local_cast", world)
 
 
 @_worlds("catches_bugs")

@@ -99,6 +99,26 @@ class ReduceQueue:
 # stay Shard(0), so checkpoints are those of any other layout. Measured (debug Llama, 1 rank,
 # bench_fsdp, foreach AdamW): step time meshpar/plain 1.14 -> 1.075 (PyTorch's engine 1.12);
 # with fused AdamW, whose one DTensor dispatch replaces a dozen, 1.027 (PyTorch's 1.08).
+# With a cast (bf16 compute on one GPU: parallelize.one_device_fsdp) the group is ``single`` but
+# not ``alias``: each unshard casts every shard straight into its unsharded parameter (one copy
+# kernel each, no all-gather buffer, no copy-out), and gradients are cast back as the alias path
+# hands them over. Going through the collective path's copies instead (copy-in, a one-rank
+# all-gather, copy-out, the reduce-scatter's copies and a divide by 1) cost the first GPU run
+# 15 ms of copies per step and about as much again in launching them (Llama 1B, seq 4096,
+# compiled, H200: 135 ms per step against plain PyTorch's 88); figures after it in the README.
+
+# [Note: a local unsharded parameter keeps its identity too]
+# A parameter whose whole value is local (replicated below shard_threshold, or every one on one
+# rank) is a view of its shard when it computes in the shard's dtype on the shard's device.
+# Otherwise (cast for mixed precision, or copied from a CPU-offloaded shard) it is written into
+# its own storage in place and freed at reshard, exactly as a gathered one ([Note: the unsharded
+# parameter keeps its identity] in sharded_param.py). It used to be a new tensor per unshard, so
+# a unit that resharded after forward unsharded a second parameter object in backward: autograd
+# accumulated the gradient into the forward's, the hook read the new one's, and the gradient was
+# lost. Every replicated parameter of a bf16 block went untrained that way (a debug Llama with
+# shard_threshold above every size: 18 of 21 parameters got no gradient), and on a GPU every
+# CPU-offloaded parameter of a one-rank run (tests/test_cuda.py's offload test, off by 0.8% at
+# step 2). tests/test_fsdp.py's local_cast_and_offload case pins it on CPU.
 
 
 class ParamGroup:
@@ -150,14 +170,14 @@ class ParamGroup:
         self.refresh_layout()
 
     def refresh_layout(self) -> None:
-        """``alias`` ([Note: one data-parallel rank]: no communication and no copies) and the
+        """``single`` and ``alias`` ([Note: one data-parallel rank]: no communication) and the
         all-gather's dtype and per-parameter segments. Mixed dtypes (a frozen fp32 parameter in a
         bf16 unit) travel as bytes in one collective, each segment 8-byte aligned so it can be
         viewed back as its own dtype."""
         self.all_params = self.params + self.replicated
-        self.alias = (self.world == 1 and self.mesh_info.replicate_size == 1 and self.custom_all_gather is None
-                      and not comm.forced()  # [Note: forcing the collectives of one rank]
-                      and all(self.mp.param_dtype in (None, p.orig_dtype) for p in self.params))
+        self.single = (self.world == 1 and self.mesh_info.replicate_size == 1 and self.custom_all_gather is None
+                       and not comm.forced())  # [Note: forcing the collectives of one rank]
+        self.alias = self.single and all(self.mp.param_dtype in (None, p.orig_dtype) for p in self.params)
         dtypes = {self.compute_dtype(p) for p in self.params}
         if len(dtypes) <= 1:
             segments = [p.padded_numel for p in self.params]
@@ -175,7 +195,7 @@ class ParamGroup:
         """Start the all-gather (``async_op``) or complete the unshard."""
         if self.state is ParamState.UNSHARDED:
             return
-        if self._gather is None and self.params and not self.alias:
+        if self._gather is None and self.params and not self.single:
             custom = None
             if self._post_forward_shards is not None:  # backward after an int reshard_after_forward
                 group, world, dim = self.post_forward
@@ -237,11 +257,17 @@ class ParamGroup:
                     if recv.dtype == torch.uint8:
                         piece = piece.view(self.compute_dtype(p))[:, :p.padded_numel]
                     p.write_unsharded(piece, world)
-        for p in self.replicated + (self.params if self.alias else []):  # the local tensor is the whole parameter
-            data = p.local.to(p.compute_device, self.compute_dtype(p), non_blocking=True)  # no copy unless cast
-            current = p.unsharded.to_local() if isinstance(p.unsharded, DTensor) else p.unsharded
-            if current is None or current.data_ptr() != data.data_ptr() or current.shape != data.shape:
-                p.unsharded = p.as_unsharded_param(data)
+        # the local tensor is the whole parameter: replicated ones, and all on one rank ([Note: one
+        # data-parallel rank]); [Note: a local unsharded parameter keeps its identity too]
+        with record_function("meshpar::fsdp.cast"), torch.no_grad():
+            for p in self.replicated + (self.params if self.single else []):
+                dtype = self.compute_dtype(p)
+                if p.local.device != p.compute_device or p.local.dtype != dtype:
+                    p.write_unsharded_from_local(dtype)  # cast, or copied from CPU (offload), in place
+                    continue
+                current = p.unsharded.to_local() if isinstance(p.unsharded, DTensor) else p.unsharded
+                if current is None or current.data_ptr() != p.local.data_ptr() or current.shape != p.local.shape:
+                    p.unsharded, p.unsharded_padded = p.as_unsharded_param(p.local), None  # a view of the shard
         for p in self.all_params:
             p.to_unsharded()
             self._hook_grad(p)
@@ -263,15 +289,13 @@ class ParamGroup:
             self._gather = None
         if self.state is ParamState.SHARDED:
             return
-        if after_forward and self.post_forward is not None and self.params and not self.alias:
+        if after_forward and self.post_forward is not None and self.params and not self.single:
             group, k, _ = self.post_forward
             rank = dist.get_rank(group)
             self._post_forward_shards = [p.post_forward_piece(k, rank) for p in self.params]
         for p in self.all_params:
             p.to_sharded()
-        if not self.alias:  # an alias shares the shard's storage: nothing to free
-            for p in self.params:
-                p.free_unsharded()
+            p.free_unsharded()  # a view of the shard has no storage of its own: nothing to free
         self.state = ParamState.SHARDED
 
     # --- gradients -------------------------------------------------------------------------------
@@ -342,7 +366,7 @@ class ParamGroup:
         # rank (the collective's size must not depend on what one rank used); only those with a gradient
         # get one back
         trainable = [p for p in self.params if id(p) in grads]
-        if self.alias:  # [Note: one data-parallel rank]: the gradient is already the reduced one
+        if self.single:  # [Note: one data-parallel rank]: the gradient is already the reduced one
             factor = self._divide_factor()
             for p in trainable:
                 grad = grads[id(p)]

@@ -54,6 +54,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from meshpar._torch import (
     StridedShard,
     concatenate_meshes,
+    dtensor_like,
+    dtensor_where_it_is,
     local_tensor,
     module_parameters,
     post_accumulate_grad_hooks,
@@ -227,6 +229,13 @@ class ShardedParam:
             else:
                 out.view(world, -1).copy_(pieces)
 
+    def write_unsharded_from_local(self, dtype: torch.dtype) -> None:
+        """One rank: the unsharded parameter is the local shard, cast to ``dtype`` and written into the
+        unsharded storage in one copy (no all-gather buffer), keeping its identity as ``write_unsharded``."""
+        out = self.alloc_unsharded(dtype, 1)
+        with preserve_version_counter(self.unsharded):
+            out.copy_(self.local.view(out.shape), non_blocking=True)
+
     def local_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's chunk, shaped like the local shard, from its flat (padded) row."""
         return flat[:self.local_shape.numel()].view(self.local_shape)
@@ -239,7 +248,9 @@ class ShardedParam:
 
     @property
     def local(self) -> torch.Tensor:
-        return self.sharded.to_local()
+        """The shard's local tensor itself (not ``to_local()``, which under grad mode goes through an
+        autograd function: a node per call, and FSDP reads shards a dozen times per step)."""
+        return local_tensor(self.sharded)
 
     def _sharded_layout(self) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """Mesh and placements of the sharded DTensor. With tensor parallelism, the joint mesh
@@ -264,8 +275,8 @@ class ShardedParam:
         return concatenate_meshes([self.mesh_info.mesh, self.tp.mesh]), (*dp, *self.tp.placements)
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self._mesh, self._placements, run_check=False, shape=self.global_shape,
-                                  stride=_contiguous_stride(self.global_shape))
+        return dtensor_where_it_is(local, self._mesh, self._placements, self.global_shape,
+                                   _contiguous_stride(self.global_shape))
 
     # --- module attributes ---------------------------------------------------------------------
     def set_on_modules(self, param: nn.Parameter) -> None:
@@ -351,7 +362,7 @@ class ShardedParam:
         runs them for a parameter it accumulates into."""
         local_grad = local_grad.to(self.local.device, self.orig_dtype)  # to CPU when offloaded
         if self.sharded.grad is None:
-            self.sharded.grad = self._to_dtensor(local_grad)
+            self.sharded.grad = dtensor_like(local_grad, self.sharded)
         else:
             local_tensor(self.sharded.grad).add_(local_grad)
         for hook in post_accumulate_grad_hooks(self.sharded):

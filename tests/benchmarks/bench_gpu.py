@@ -254,8 +254,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _run_case(case: Case, s: Settings, mesh: meshlib.Mesh, peak_flops: float,
-              profile_top: int | None) -> dict[str, Any]:
-    """Build, warm up, time; with ``profile_top``, trace one more step."""
+              profile_top: int | None, cpu_profile: bool = False) -> dict[str, Any]:
+    """Build, warm up, time; with ``profile_top``, trace one more step; with ``cpu_profile``, run
+    three more under cProfile (where the host's time goes when the GPU waits for it)."""
     args = SIZES[case.size]
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, args.vocab_size, (s.batch, case.seq_len + 1), generator=g).to(s.device)
@@ -291,8 +292,32 @@ def _run_case(case: Case, s: Settings, mesh: meshlib.Mesh, peak_flops: float,
             row["profile"] = _profile(step, s.device, step_s, profile_top)
         except Exception as e:  # noqa: BLE001 - the case's measurement stands without its profile
             row["profile_error"] = f"{type(e).__name__}: {e}"
+    if cpu_profile:
+        row["cpu_profile"] = _cpu_profile(step, s.device)
     del model, optimizer, step
     return row
+
+
+def _cpu_profile(step: Callable[[], torch.Tensor], device: torch.device, steps: int = 3) -> str:
+    """The host's own time over ``steps`` steps, by function (cProfile, sorted by own time): with the
+    device synchronized only after the last, a step's host time is what it costs to launch it."""
+    import cProfile
+    import io
+    import pstats
+
+    _sync(device)
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    launched = time.perf_counter() - start
+    _sync(device)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+    return (f"host time to launch {steps} steps: {1e3 * launched / steps:.1f} ms a step "
+            f"(all {1e3 * (time.perf_counter() - start) / steps:.1f} ms a step with the device's)\n" + out.getvalue())
 
 
 # --- the profile of one step --------------------------------------------------------------------
@@ -440,6 +465,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="trace one more step of each of these comma-separated cases (default: the "
                              "first compiled meshpar case and its plain pair)")
     parser.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
+    parser.add_argument("--cpu-profile", default="", metavar="CASES",
+                        help="comma-separated cases whose host time is profiled (cProfile) over 3 more steps")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="compute dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--json", default="runs/bench_gpu.json", help="results, rewritten after every case")
@@ -464,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
         first = next((c for c in cases if c.engine == "meshpar" and c.compile), cases[0])
         profiled = {first.name, f"plain/{first.pair}"}
 
+    cpu_profiled = {Case.parse(c).name for c in args.cpu_profile.split(",") if c}
     profile = load_profile("auto", device.type)
     peak = profile.peak_flops(s.dtype)
     init_process_group(device, RankInfo(0, 1, 0, 1))
@@ -486,7 +514,8 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 t0 = time.perf_counter()
                 try:
-                    row = _run_case(case, s, mesh, peak, args.top if case.name in profiled else None)
+                    row = _run_case(case, s, mesh, peak, args.top if case.name in profiled else None,
+                                    case.name in cpu_profiled)
                 except torch.cuda.OutOfMemoryError:
                     row = dict(case=case.name, **dataclasses.asdict(case), status="oom")
                 except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
@@ -509,6 +538,8 @@ def main(argv: list[str] | None = None) -> None:
             _print_profile(r["case"], r["profile"])
         if "profile_error" in r:
             print(f"\nprofile of {r['case']} failed: {r['profile_error']}")
+        if "cpu_profile" in r:
+            print(f"\n== host profile of {r['case']}: {r['cpu_profile']}")
     report["goals"] = _goals(report["rows"])
     print("\ngoals (issue 19):\n" + ("\n".join(report["goals"]) or "  no pair measured"))
     report["wall_s"] = time.perf_counter() - started

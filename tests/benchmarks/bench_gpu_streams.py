@@ -7,7 +7,8 @@ One rank, one process group (NCCL on CUDA), meshpar's own training path (``paral
 with an FSDP unit per block and the root, bf16 compute, fp32 reduction, fused AdamW,
 ``step.train_step``) on random tokens, in three modes one after the other:
 
-- ``alias``: the one-rank shortcut, no collective ([Note: one data-parallel rank]);
+- ``alias``: the one-rank shortcut, no collective ([Note: one data-parallel rank]; in bf16 each
+  unit casts its shards into the unsharded parameters, in fp32 they are the shards);
 - ``streams``: ``comm.force_collectives()`` ([Note: forcing the collectives of one rank]): every
   unit all-gathers and reduce-scatters through NCCL, on the copy-in / all-gather /
   reduce-scatter streams of [Note: CUDA streams in FSDP];
@@ -139,6 +140,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--trace", type=Path, help="export one traced step of the streams mode here")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="compute dtype; float32 makes 'alias' the true one-rank shortcut and the three modes "
+                         "the same arithmetic, so their losses differ only by the GPU's run-to-run order of "
+                         "atomic additions: the test for a race between streams at full size")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, the debug model, 2 steps")
     a = ap.parse_args()
     device = torch.device("cpu") if a.smoke else torch.device("cuda", 0)
@@ -146,7 +151,7 @@ def main() -> None:
         a.size, a.seq, a.steps, a.warmup = "debug", 64, 2, 1
     else:
         torch.cuda.set_device(device)
-    dtype = "float32" if a.smoke else "bfloat16"
+    dtype = "float32" if a.smoke else a.dtype
     overrides = [f"--model.size={a.size}", f"--train.seq_len={a.seq}", f"--train.global_batch={a.batch}",
                  f"--train.micro_batch={a.batch}", "--parallel.dp_shard=1", f'--parallel.param_dtype="{dtype}"',
                  '--parallel.reduce_dtype="float32"', "--train.eval_every=0"]
