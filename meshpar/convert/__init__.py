@@ -12,7 +12,9 @@ training from a Hugging Face folder.
 No process group and no GPU. A conversion is a *source* (a DCP folder, a Hugging Face folder
 or a torch file) read one tensor at a time and a *sink* written one tensor at a time:
 [Note: streaming conversion] (stream.py). Per-family names, transposes and ``config.json`` live in
-``meshpar/models/<family>/convert.py``.
+``meshpar/models/<family>/convert.py``; the mixture-of-experts families (qwen3_moe, mixtral) stack
+Hugging Face's one tensor per expert into meshpar's one per layer and projection, and back, still
+one meshpar tensor at a time ([Note: stacked experts], spec.py).
 
 Limits: DCP -> torch holds the whole output in memory (``torch.save`` writes one object);
 every other direction streams. Non-tensor entries (LR schedule, data position, RNG, step)

@@ -1,6 +1,8 @@
 """Hugging Face folders (config.json + safetensors): a source that reads each tensor with
 readinto() straight into place, and a sink that writes each shard's header first and the tensors'
-bytes as they come ([Note: streaming conversion]), then the config and the model's tokenizer."""
+bytes as they come ([Note: streaming conversion]), then the config and the model's tokenizer. A
+stacked expert tensor is read from, and written as, one Hugging Face tensor per expert
+([Note: stacked experts])."""
 
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ class HFSource:
         family = config.get("model_type")
         if family not in ADAPTERS:
             raise ConvertError(f"{path / 'config.json'}: model_type '{family}' is not a family meshpar converts "
-                               f"({', '.join(ADAPTERS)}); convert a Llama, Qwen2, Qwen3 or GPT-2 model")
+                               f"({', '.join(ADAPTERS)}); convert a Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral or "
+                               "GPT-2 model")
         try:
             self.spec = ModelSpec(family, ADAPTERS[family].args_from_hf_config(family, config))
         except (KeyError, ValueError, TypeError) as e:
@@ -61,16 +64,22 @@ class HFSource:
         for file in self._files():
             header, start = _st_header(file)
             self.where_hf.update({name: (file, entry, start) for name, entry in header.items()})
-        self.names: dict[str, str] = {}  # fqn -> hf name it is read from
+        self._check_expert_count()
+        self.names: dict[str, list[str]] = {}  # fqn -> the hf names it is read from (one per expert if stacked)
         self.tensors: dict[str, tuple[torch.Size, torch.dtype]] = {}
         for fqn, shape in self.spec.shapes.items():
-            self.names[fqn] = name = self._find(self.spec.tied.get(fqn, fqn))
-            _, entry, _ = self.where_hf[name]
-            if self.spec.hf_shape(fqn, shape) != entry["shape"]:
-                raise ConvertError(f"{path}: tensor '{name}' (meshpar '{fqn}') has shape {entry['shape']}, but "
-                                   f"config.json's model needs {self.spec.hf_shape(fqn, shape)}; the weights do "
-                                   "not match config.json")
-            self.tensors["model." + fqn] = (shape, TORCH_DTYPES[entry["dtype"]])
+            self.names[fqn] = names = self._find(self.spec.tied.get(fqn, fqn))
+            want = self.spec.hf_shape(fqn, shape)
+            for name in names:
+                entry = self.where_hf[name][1]
+                if want != entry["shape"]:
+                    raise ConvertError(f"{path}: tensor '{name}' (meshpar '{fqn}') has shape {entry['shape']}, but "
+                                       f"config.json's model needs {want}; the weights do not match config.json")
+                if entry["dtype"] != self.where_hf[names[0]][1]["dtype"]:
+                    raise ConvertError(f"{path}: tensor '{name}' is {entry['dtype']} but '{names[0]}' is "
+                                       f"{self.where_hf[names[0]][1]['dtype']}; the experts of '{fqn}' are stacked "
+                                       "into one tensor, so they need one dtype: re-save the folder in one dtype")
+            self.tensors["model." + fqn] = (shape, TORCH_DTYPES[self.where_hf[names[0]][1]["dtype"]])
         self._check_unused()
         self.info = {"format": 1, "step": 0, "family": family, "size": self.spec.size_name,
                      "model_args": dataclasses.asdict(self.spec.args), "layout": parse_layout(None), "world_size": 1,
@@ -91,18 +100,46 @@ class HFSource:
                                "download it again")
         return [self.path / f for f in files]
 
-    def _find(self, fqn: str) -> str:
-        name = self.spec.hf_name(fqn)
+    def _find(self, fqn: str) -> list[str]:
         prefix = getattr(self.spec.adapter, "HF_PREFIX", "")
-        for candidate in (name, name.removeprefix(prefix) if prefix else name):
-            if candidate in self.where_hf:
-                return candidate
-        raise ConvertError(f"{self.path}: tensor '{name}' (meshpar '{fqn}') is missing; config.json describes a "
-                           f"{self.spec.family} model that has it, so the folder is incomplete or config.json belongs "
-                           "to another model")
+        found = []
+        for name in self.spec.hf_names(fqn):
+            hit = next((c for c in (name, name.removeprefix(prefix)) if c in self.where_hf), None)
+            if hit is None:
+                raise self._missing(fqn, name)
+            found.append(hit)
+        return found
+
+    def _folder_experts(self) -> int:
+        """How many experts per layer the folder's tensor names hold (0 for a dense model)."""
+        return 1 + max((j for n in self.where_hf if (j := self.spec.expert_of(n)) is not None), default=-1)
+
+    def _check_expert_count(self) -> None:
+        """ConvertError naming a tensor when the folder holds another number of experts than config.json says."""
+        have, want = self._folder_experts(), getattr(self.spec.args, "n_experts", 0)
+        if not have or have == want:
+            return
+        fqn = next(f for f in self.spec.shapes if self.spec.stacked(f))  # the first sparse layer's w1
+        name = self.spec.hf_names(fqn, max(have, want))[min(have, want)]  # its first expert too many or too few
+        what = f"tensor '{name}' has no place" if have > want else f"tensor '{name}' is missing"
+        key = self.spec.adapter.EXPERTS_KEY
+        raise ConvertError(f"{self.path}: config.json says {key} = {want} but the folder holds {have} experts per "
+                           f"layer ({what}); set {key} = {have} in config.json, or use the config.json these weights "
+                           "came with")
+
+    def _missing(self, fqn: str, name: str) -> ConvertError:
+        j = self.spec.expert_of(name)
+        if j is None:
+            return ConvertError(f"{self.path}: tensor '{name}' (meshpar '{fqn}') is missing; config.json describes "
+                                f"a {self.spec.family} model that has it, so the folder is incomplete or config.json "
+                                "belongs to another model")
+        n = self.spec.args.n_experts
+        return ConvertError(f"{self.path}: tensor '{name}' (expert {j} of meshpar '{fqn}') is missing, though the "
+                            f"folder holds {n} experts per layer elsewhere, as config.json says: the folder is "
+                            "incomplete; download its safetensors files again")
 
     def _check_unused(self) -> None:
-        used = set(self.names.values())
+        used = {name for names in self.names.values() for name in names}
         ignored = re.compile("^(" + "|".join(self.spec.adapter.IGNORED_HF) + ")$")
         extra = sorted(n for n in self.where_hf if n not in used and not ignored.match(n))
         if extra:
@@ -110,18 +147,28 @@ class HFSource:
                                "model config.json describes; check config.json (attention_bias, num_hidden_layers)")
 
     def where(self, key: str) -> str:
-        return self.where_hf[self.names[key.removeprefix("model.")]][0].name
+        return ", ".join(sorted({self.where_hf[n][0].name for n in self.names[key.removeprefix("model.")]}))
 
-    def read(self, key: str) -> Tensor:
-        fqn = key.removeprefix("model.")
-        file, entry, start = self.where_hf[self.names[fqn]]
-        t = torch.empty(entry["shape"], dtype=TORCH_DTYPES[entry["dtype"]])
+    def _read_into(self, name: str, t: Tensor) -> None:
+        file, entry, start = self.where_hf[name]
         begin, end = entry["data_offsets"]
         with open(file, "rb") as f:
             f.seek(start + begin)
             if f.readinto(_bytes_view(t)) != end - begin:
-                raise ConvertError(f"{file}: ends inside tensor '{self.names[fqn]}'; the file is truncated, "
-                                   "download it again")
+                raise ConvertError(f"{file}: ends inside tensor '{name}'; the file is truncated, download it again")
+
+    def read(self, key: str) -> Tensor:
+        fqn = key.removeprefix("model.")
+        names = self.names[fqn]
+        if self.spec.stacked(fqn):  # [Note: stacked experts]: expert j's bytes straight into t[j]
+            shape, dtype = self.tensors[key]
+            t = torch.empty(shape, dtype=dtype)
+            for j, name in enumerate(names):
+                self._read_into(name, t[j])
+            return t
+        _, entry, _ = self.where_hf[names[0]]
+        t = torch.empty(entry["shape"], dtype=TORCH_DTYPES[entry["dtype"]])
+        self._read_into(names[0], t)
         return t.t().contiguous() if self.spec.transposed(fqn) else t
 
 
@@ -129,11 +176,15 @@ class HFSink:
     """Writes sharded safetensors files header first, then each tensor's bytes as it arrives
     ([Note: streaming conversion]), then model.safetensors.index.json, config.json and the
     tokenizer of folder ``tokenizer`` (a checkpoint's, or a Hugging Face folder's), if it has one:
-    ``note`` says so when it has none."""
+    ``note`` says so when it has none. A stacked expert tensor is written as its experts' entries,
+    adjacent in one shard ([Note: stacked experts])."""
 
     takes_bytes = False
 
     def __init__(self, path: Path, spec: ModelSpec, shard_size: int, tokenizer: Path | None = None) -> None:
+        refusal = getattr(spec.adapter, "hf_export_error", lambda args: None)(spec.args)
+        if refusal:
+            raise ConvertError(f"{path}: cannot write a Hugging Face folder: {refusal}")
         _fresh(path)
         path.mkdir(parents=True, exist_ok=True)
         self.path, self.spec, self.shard_size, self.tokenizer = path, spec, shard_size, tokenizer
@@ -162,12 +213,13 @@ class HFSink:
                 shape, dtype = tensors[key]
                 if dtype not in SAFETENSORS_DTYPES:
                     raise ConvertError(f"tensor '{key}' is {dtype}, which safetensors cannot store")
-                nbytes = math.prod(shape) * dtype.itemsize
-                hf = self.spec.hf_name(key[6:])
-                header[hf] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": self.spec.hf_shape(key[6:], shape),
-                              "data_offsets": [offset, offset + nbytes]}
-                offset += nbytes
-                self.weight_map[hf] = name
+                names = self.spec.hf_names(key[6:])
+                nbytes = math.prod(shape) * dtype.itemsize // len(names)  # each expert's, where stacked
+                for hf in names:
+                    header[hf] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": self.spec.hf_shape(key[6:], shape),
+                                  "data_offsets": [offset, offset + nbytes]}
+                    offset += nbytes
+                    self.weight_map[hf] = name
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
             self.queue += [(key, name, struct.pack("<Q", len(raw)) + raw if j == 0 else None)

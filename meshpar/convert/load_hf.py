@@ -25,7 +25,8 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
     Values may be plain tensors or DTensors (any mix of Shard, StridedShard and Replicate on
     any mesh, e.g. after tensor parallelism and ``meshpar.fully_shard``): each rank reads only
     the rows and columns of its local shard (``safe_open(...).get_slice``), so no rank ever
-    holds a whole tensor. ``config.json`` must describe the same model as ``family``/``args``
+    holds a whole tensor; a stacked expert tensor reads only the experts of the shard
+    ([Note: stacked experts]). ``config.json`` must describe the same model as ``family``/``args``
     (``max_seq_len`` may differ); a missing tensor or a wrong shape raises ConvertError naming it.
     """
     from safetensors import safe_open
@@ -46,11 +47,13 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
             if fqn not in hf.names:
                 raise ConvertError(f"state dict entry '{fqn}' is not a parameter of the {family} model; "
                                    "load_hf_weights takes model.state_dict()")
-            _load_one(value, handles[hf.where_hf[hf.names[fqn]][0]].get_slice(hf.names[fqn]), spec.transposed(fqn))
+            pieces = [handles[hf.where_hf[name][0]].get_slice(name) for name in hf.names[fqn]]
+            _load_one(value, pieces, spec.stacked(fqn), spec.transposed(fqn))
 
 
-def _load_one(value: Tensor, piece: Any, transposed: bool) -> None:
-    """Copy this rank's part of ``value`` (a tensor or DTensor) from ``piece``, a safetensors slice."""
+def _load_one(value: Tensor, pieces: list[Any], stacked: bool, transposed: bool) -> None:
+    """Copy this rank's part of ``value`` (a tensor or DTensor) from ``pieces``, safetensors slices:
+    one, or one per expert when ``value`` stacks them along dim 0."""
     if isinstance(value, DTensor):
         coord = value.device_mesh.get_coordinate()
         if coord is None:
@@ -61,5 +64,8 @@ def _load_one(value: Tensor, piece: Any, transposed: bool) -> None:
         idx, local = [range(n) for n in value.shape], value
     for off, size, loc in boxes(idx):
         where = [slice(o, o + n) for o, n in zip(off, size, strict=True)]
-        block = piece[tuple(reversed(where))].t() if transposed else piece[tuple(where)]  # Conv1D: [in, out]
+        if stacked:  # experts where[0] of the stack, each its own Hugging Face tensor
+            block = torch.stack([pieces[j][tuple(where[1:])] for j in range(where[0].start, where[0].stop)])
+        else:
+            block = pieces[0][tuple(reversed(where))].t() if transposed else pieces[0][tuple(where)]  # Conv1D
         local[tuple(slice(o, o + n) for o, n in zip(loc, size, strict=True))].copy_(block)

@@ -1,6 +1,7 @@
 """A model family seen by the converter: meshpar's names and shapes, the Hugging Face names and
-transposes (from ``meshpar/models/<family>/convert.py``), the tensor-parallel placement of every
-parameter, and the check that a checkpoint's tensors fit the model its meshpar.json describes."""
+transposes (from ``meshpar/models/<family>/convert.py``), the experts stacked from one Hugging Face
+tensor each ([Note: stacked experts]), the tensor-parallel placement of every parameter, and the
+check that a checkpoint's tensors fit the model its meshpar.json describes."""
 
 from __future__ import annotations
 
@@ -17,9 +18,23 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from meshpar.models.gpt2 import convert as gpt2_convert
 from meshpar.models.llama import convert as llama_convert
+from meshpar.models.moe import convert as moe_convert
 from meshpar.tensor_parallel import FusedColwiseParallel, VocabParallelEmbedding
 
-ADAPTERS = {"llama": llama_convert, "qwen2": llama_convert, "qwen3": llama_convert, "gpt2": gpt2_convert}
+ADAPTERS = {"llama": llama_convert, "qwen2": llama_convert, "qwen3": llama_convert, "gpt2": gpt2_convert,
+            **moe_convert.ADAPTERS}
+
+# [Note: stacked experts]
+# meshpar keeps a sparse layer's experts as one tensor per projection, layers.{i}.moe.experts.w1
+# [E, F, D]; Hugging Face keeps one tensor per expert, ...experts.{j}.gate_proj.weight [F, D]
+# (an adapter's EXPERT_KEYS: stacked meshpar name -> per-expert name, {j} the expert). The
+# converter still moves one meshpar tensor at a time ([Note: streaming conversion]), so the
+# unit is one layer's one projection: HFSource.read allocates the stacked tensor and reads each
+# expert's bytes straight into its slice t[j] (contiguous in [E, F, D]); HFSink writes the E
+# per-expert entries next to each other in one shard, in expert order, so the stacked tensor's
+# bytes are theirs as they stand; load_hf_weights reads only the experts (and rows) of a rank's
+# shard. Peak memory is the largest tensor's as before, a stacked one counting as one tensor.
+# A stacked tensor is never transposed.
 
 
 class ConvertError(Exception):
@@ -74,6 +89,16 @@ class ModelSpec:
         return _compile(self.adapter.TRANSPOSED)
 
     @functools.cached_property
+    def _experts(self) -> list[tuple[re.Pattern, str]]:
+        return _compile(getattr(self.adapter, "EXPERT_KEYS", {}))
+
+    @functools.cached_property
+    def _expert_names(self) -> list[re.Pattern]:
+        """Per-expert Hugging Face names as patterns whose group ``j`` is the expert."""
+        return [re.compile("^" + re.escape(hf).replace(r"\{i\}", r"\d+").replace(r"\{j\}", r"(?P<j>\d+)") + "$")
+                for hf in getattr(self.adapter, "EXPERT_KEYS", {}).values()]
+
+    @functools.cached_property
     def tied(self) -> dict[str, str]:
         return self.adapter.tied(self.args)
 
@@ -86,13 +111,34 @@ class ModelSpec:
     def hf_name(self, fqn: str) -> str:
         name = _match(self._to_hf, fqn)
         if name is None:
-            raise ConvertError(f"tensor '{fqn}' has no Hugging Face name in {self.adapter.__name__}.KEYS; add it there")
+            where = getattr(self.adapter, "__name__", None) or type(self.adapter).__module__
+            raise ConvertError(f"tensor '{fqn}' has no Hugging Face name in {where}.KEYS; add it there")
         return name
+
+    def stacked(self, fqn: str) -> bool:
+        """Whether ``fqn`` stacks one Hugging Face tensor per expert along dim 0: [Note: stacked experts]."""
+        return _match(self._experts, fqn) is not None
+
+    def hf_names(self, fqn: str, experts: int | None = None) -> list[str]:
+        """The Hugging Face tensors ``fqn`` is stored as: its one name, or one per expert in dim-0 order
+        (``experts`` of them; default: as many as the model has)."""
+        template = _match(self._experts, fqn)
+        if template is None:
+            return [self.hf_name(fqn)]
+        return [template.replace("{j}", str(j)) for j in range(experts or self.shapes[fqn][0])]
+
+    def expert_of(self, hf_name: str) -> int | None:
+        """The expert ``j`` of a per-expert Hugging Face name; None for any other name."""
+        m = next((m for p in self._expert_names if (m := p.match(hf_name))), None)
+        return int(m.group("j")) if m else None
 
     def transposed(self, fqn: str) -> bool:
         return _match(self._transposed, fqn) is not None
 
     def hf_shape(self, fqn: str, shape: Sequence[int]) -> list[int]:
+        """The shape of each Hugging Face tensor of ``fqn`` (of one expert's, where stacked)."""
+        if self.stacked(fqn):
+            return list(shape[1:])
         return list(reversed(shape)) if self.transposed(fqn) else list(shape)
 
     def stage(self, fqn: str, pp: int) -> int:

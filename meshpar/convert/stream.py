@@ -27,10 +27,11 @@ TARGETS = ("hf", "torch", "dcp")
 
 # [Note: streaming conversion]
 # A 70B checkpoint must convert on a host with far less RAM than the model, so nothing holds
-# more than one tensor. Reading: DCP's FileSystemReader is driven directly with one LoadPlan
-# per tensor (its metadata read once), and it reads only that tensor's chunks: each chunk is
-# torch.load-ed alone and copied into the destination, so a read costs the tensor plus its
-# largest chunk. Hugging Face files are read with readinto() straight into the tensor.
+# more than one tensor (a meshpar tensor: stacked experts count as one, [Note: stacked experts]).
+# Reading: DCP's FileSystemReader is driven directly with one LoadPlan per tensor (its metadata
+# read once), and it reads only that tensor's chunks: each chunk is torch.load-ed alone and
+# copied into the destination, so a read costs the tensor plus its largest chunk. Hugging Face
+# files are read with readinto() straight into the tensor.
 # Writing: safetensors headers need every name, dtype and shape up front, and DCP's metadata
 # has them all, so each shard's header is written first and the tensors' bytes follow as they
 # come. DCP output is written item by item in DCP's own format (torch.save per chunk,

@@ -6,13 +6,15 @@ A pure adapter with the dense families' interface (``KEYS``, ``TRANSPOSED``, ``I
 see meshpar/convert/spec.py), one object per family since their Hugging Face names differ, plus what
 the dense families do not need: Hugging Face checkpoints store each expert's projections as its own
 tensor (``...experts.{j}.gate_proj.weight`` [F, D]), meshpar one stacked tensor per layer
-(``layers.{i}.moe.experts.w1`` [E, F, D]). ``EXPERT_KEYS`` names them; ``to_hf`` / ``from_hf`` map
-whole state dicts, stacking and unstacking (every tensor keeps its [out, in] orientation).
+(``layers.{i}.moe.experts.w1`` [E, F, D]). ``EXPERT_KEYS`` names them, and the streaming converter
+(``meshpar convert``, meshpar/convert/) stacks and unstacks one layer's one projection at a time
+([Note: stacked experts] in meshpar/convert/spec.py); ``EXPERTS_KEY`` is the config.json key its
+errors name. ``to_hf`` / ``from_hf`` map whole in-memory state dicts (every tensor keeps its
+[out, in] orientation).
 
-Limits: the one-tensor-at-a-time converter (``meshpar convert``, meshpar/convert/) maps tensors one
-to one and does not stack yet, so these families are not in its ``ADAPTERS``; ``to_hf`` / ``from_hf``
-work on in-memory state dicts. transformers 5 loads these per-expert checkpoints into its own fused
-``gate_up_proj`` layout itself.
+Limits: the aux-free routing bias (``aux_free_bias``) has no Hugging Face equivalent, so such a
+model is refused for export (``hf_export_error``); transformers 5 loads these per-expert
+checkpoints into its own fused ``gate_up_proj`` layout itself, and saves them back per expert.
 """
 
 from __future__ import annotations
@@ -60,8 +62,21 @@ class MoEAdapter:
                                                                                        self.expert_names, strict=True)}
 
     TRANSPOSED: frozenset[str] = frozenset()
-    IGNORED_HF: tuple[str, ...] = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+    IGNORED_HF: tuple[str, ...] = llama.IGNORED_HF  # old RoPE buffers; lm_head.weight saved although tied
     HF_PREFIX: str = ""
+
+    @property
+    def EXPERTS_KEY(self) -> str:  # noqa: N802
+        """The config.json key that counts the experts of a sparse layer."""
+        return "num_local_experts" if self.family == "mixtral" else "num_experts"
+
+    def hf_export_error(self, args: MoEArgs) -> str | None:
+        """Why a model with these args cannot become a Hugging Face folder (None: it can)."""
+        if args.aux_free_bias:
+            return (f"model_args.aux_free_bias is true: its per-expert routing bias changes which experts a token "
+                    f"picks and {self.architecture} has no such bias, so the exported model would route "
+                    "differently; convert to dcp or torch instead, or train with aux_free_bias = false")
+        return None
 
     @property
     def ARCHITECTURES(self) -> dict[str, str]:  # noqa: N802
