@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,18 +143,22 @@ def test_hf_to_meshpar_to_hf_logits_and_every_tensor(hf_folders, tmp_path, famil
     assert cv.verify(src, tmp_path / "hf2") == len(shapes)
 
 
-def test_trained_debug_moe_exports_and_loads_in_transformers(tmp_path):
+def test_trained_debug_moe_exports_and_loads_in_transformers(tmp_path, capsys):
     """Issue 17's acceptance line: a checkpoint of ``meshpar train recipes/qwen3_moe_debug.toml``
     (2 steps; SMALL's 2 blocks: layer 0 sparse, layer 1 dense) converts to a Hugging Face folder
     that transformers loads with logits within LOGITS_TOL of meshpar's."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test-only extra")
+    from meshpar.cli import main
     from meshpar.train import train
     from tests.helpers import load_recipe
 
     train(load_recipe("qwen3_moe_debug.toml", tmp_path, "--train.steps=2", "--checkpoint.every=2"))
     ckpt = tmp_path / "checkpoints" / "step_2"
-    summary = cv.convert(ckpt, tmp_path / "hf", "hf", verify=True, progress=False)
-    assert summary.verified and "no tokenizer written" in summary.note  # SMALL trains on bytes
+    with pytest.raises(SystemExit) as e:  # the command line a user runs
+        main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", "--verify"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "verified" in out and "no tokenizer written" in out  # SMALL trains on bytes
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
     model = _meshpar_model(ckpt)
@@ -259,3 +265,43 @@ def test_load_hf_weights_stacks_experts_into_plain_and_sharded_tensors(hf_folder
             assert torch.equal(value, source.read("model." + name)), name
     results = run_distributed(_load_fsdp_job, 2, {f: str(p) for f, p in hf_folders.items()}, timeout=120)
     assert results == [{}, {}]
+
+
+MEMORY_SCRIPT = """
+import dataclasses, json, sys, warnings
+import torch, torch.distributed.checkpoint as dcp
+from meshpar import convert as cv
+from meshpar.models.moe import MoEArgs
+warnings.filterwarnings("ignore")
+root = sys.argv[1]
+args = MoEArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=512, vocab_size=4096, n_experts=16, top_k=2,
+               moe_ffn_dim=1024)  # 12 stacked tensors of 33.5 MB, 440 MB of fp32 in all
+state = {"model": {k: torch.randn(shape) for k, shape in cv.ModelSpec("mixtral", args).shapes.items()}}
+largest = max(t.nbytes for t in state["model"].values())
+dcp.save(state, checkpoint_id=root + "/ck", no_dist=True)
+del state
+info = {"format": 1, "step": 1, "family": "mixtral", "size": "custom", "model_args": dataclasses.asdict(args),
+        "layout": {}, "world_size": 1, "saved_at": ""}
+open(root + "/ck/meshpar.json", "w").write(json.dumps(info))
+a = cv.convert(root + "/ck", root + "/hf", "hf", progress=False)
+b = cv.convert(root + "/hf", root + "/back", "dcp", progress=False)
+print(json.dumps({"largest": largest, "total": a.bytes, "to_hf": a.peak_bytes, "to_dcp": b.peak_bytes,
+                  "method": a.peak_method, "hf_tensors": len(cv.open_checkpoint(root + "/hf").where_hf)}))
+"""
+
+
+def test_stacking_streams_with_peak_memory_near_one_stacked_tensor(tmp_path):
+    """440 MB of Mixtral-shaped weights whose largest tensor is one layer's stacked w1 (16 experts,
+    33.5 MB): unstacking to Hugging Face and stacking back each peak (VmHWM above the start, in a
+    fresh process) within 2.5x that tensor + 64 MB, tests/test_convert.py's bound for dense models."""
+    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    bound = 2.5 * r["largest"] + 64e6
+    assert r["total"] > 1.5 * bound and r["hf_tensors"] > 4 * 3 * 16  # holding the model would break the bound
+    print(f"peak above start: to hf {r['to_hf'] / 1e6:.1f} MB, to dcp {r['to_dcp'] / 1e6:.1f} MB; largest tensor "
+          f"{r['largest'] / 1e6:.1f} MB, total {r['total'] / 1e6:.0f} MB")
+    if r["method"] != "VmHWM":
+        pytest.skip(f"no /proc/self/clear_refs here (method {r['method']}): cannot measure a conversion's own peak")
+    assert r["to_hf"] <= bound and r["to_dcp"] <= bound, r
