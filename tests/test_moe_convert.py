@@ -267,40 +267,41 @@ def test_load_hf_weights_stacks_experts_into_plain_and_sharded_tensors(hf_folder
     assert results == [{}, {}]
 
 
-MEMORY_SCRIPT = """
-import dataclasses, json, sys, warnings
-import torch, torch.distributed.checkpoint as dcp
-from meshpar import convert as cv
-from meshpar.models.moe import MoEArgs
-warnings.filterwarnings("ignore")
-root = sys.argv[1]
-args = MoEArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=512, vocab_size=4096, n_experts=16, top_k=2,
-               moe_ffn_dim=1024)  # 12 stacked tensors of 33.5 MB, 440 MB of fp32 in all
-state = {"model": {k: torch.randn(shape) for k, shape in cv.ModelSpec("mixtral", args).shapes.items()}}
-largest = max(t.nbytes for t in state["model"].values())
-dcp.save(state, checkpoint_id=root + "/ck", no_dist=True)
-del state
-info = {"format": 1, "step": 1, "family": "mixtral", "size": "custom", "model_args": dataclasses.asdict(args),
-        "layout": {}, "world_size": 1, "saved_at": ""}
-open(root + "/ck/meshpar.json", "w").write(json.dumps(info))
-a = cv.convert(root + "/ck", root + "/hf", "hf", progress=False)
-b = cv.convert(root + "/hf", root + "/back", "dcp", progress=False)
-print(json.dumps({"largest": largest, "total": a.bytes, "to_hf": a.peak_bytes, "to_dcp": b.peak_bytes,
-                  "method": a.peak_method, "hf_tensors": len(cv.open_checkpoint(root + "/hf").where_hf)}))
-"""
+def _convert_both_ways(root: str) -> None:
+    """The memory test's fresh process: a Hugging Face folder of Mixtral-shaped random weights (12
+    stacked tensors of 33.5 MB, 440 MB of fp32 in all, 192 expert tensors), converted to DCP and back;
+    prints each conversion's peak (before any conversion, the weights are freed)."""
+    import math
+
+    from safetensors.torch import save_file
+
+    from meshpar.models.moe.convert import MIXTRAL
+
+    args = MoEArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=512, vocab_size=4096, n_experts=16,
+                   top_k=2, moe_ffn_dim=1024)
+    spec, folder = cv.ModelSpec("mixtral", args), Path(root) / "hf"
+    folder.mkdir()
+    save_file({name: torch.randn(spec.hf_shape(fqn, shape)) for fqn, shape in spec.shapes.items()
+               for name in spec.hf_names(fqn)}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(MIXTRAL.hf_config("mixtral", args, torch.float32)))
+    stacked = cv.convert(folder, Path(root) / "dcp", "dcp", progress=False)
+    unstacked = cv.convert(Path(root) / "dcp", Path(root) / "out", "hf", progress=False)
+    print(json.dumps({"largest": max(math.prod(s) * 4 for s in spec.shapes.values()), "total": stacked.bytes,
+                      "to_dcp": stacked.peak_bytes, "to_hf": unstacked.peak_bytes, "method": stacked.peak_method,
+                      "hf_tensors": len(cv.open_checkpoint(Path(root) / "out").where_hf)}))
 
 
 def test_stacking_streams_with_peak_memory_near_one_stacked_tensor(tmp_path):
-    """440 MB of Mixtral-shaped weights whose largest tensor is one layer's stacked w1 (16 experts,
-    33.5 MB): unstacking to Hugging Face and stacking back each peak (VmHWM above the start, in a
-    fresh process) within 2.5x that tensor + 64 MB, tests/test_convert.py's bound for dense models."""
-    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                         timeout=180)
+    """Stacking 440 MB of Hugging Face expert tensors into DCP and unstacking them back each peak
+    (VmHWM above the start, in a fresh process) within 2.5x the largest meshpar tensor, one layer's
+    stacked w1 (16 experts, 33.5 MB), + 64 MB: tests/test_convert.py's bound for dense models."""
+    code = "import sys; from tests.test_moe_convert import _convert_both_ways; _convert_both_ways(sys.argv[1])"
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
     bound = 2.5 * r["largest"] + 64e6
     assert r["total"] > 1.5 * bound and r["hf_tensors"] > 4 * 3 * 16  # holding the model would break the bound
-    print(f"peak above start: to hf {r['to_hf'] / 1e6:.1f} MB, to dcp {r['to_dcp'] / 1e6:.1f} MB; largest tensor "
+    print(f"peak above start: to dcp {r['to_dcp'] / 1e6:.1f} MB, to hf {r['to_hf'] / 1e6:.1f} MB; largest tensor "
           f"{r['largest'] / 1e6:.1f} MB, total {r['total'] / 1e6:.0f} MB")
     if r["method"] != "VmHWM":
         pytest.skip(f"no /proc/self/clear_refs here (method {r['method']}): cannot measure a conversion's own peak")
