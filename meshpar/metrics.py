@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -122,6 +123,33 @@ class MetricsLogger:
             self._tb.close()
 
 
+def expert_load_fields(layers: Sequence[int], load: torch.Tensor, *, dropped: bool) -> dict[str, Any]:
+    """metrics.jsonl's expert-load fields ([Note: expert load] in meshpar/step.py) from
+    ``load[2, L, E]``: token slots routed to / dropped by each expert of each sparse layer, summed
+    over the step's microbatches and the data-parallel ranks. ``layers``: the block index of each.
+    One list per field, a value per layer; ``moe_dropped`` only when a capacity factor is set."""
+    routed, over = load.tolist()  # one host copy, on a step that logs
+    mean = sum(routed[0]) / len(routed[0])  # tokens x top_k / E: every layer routes every token
+    peaks = [max(r) for r in routed]
+    fields = {"moe_layers": list(layers), "moe_load_max": peaks, "moe_load_mean": mean,
+              "moe_imbalance": [round(p / mean, 4) for p in peaks]}
+    if dropped:
+        fields["moe_dropped"] = [sum(d) for d in over]
+    return fields
+
+
+def _expert_summary(r: dict[str, Any]) -> str:
+    """' | experts max/mean 1.46 (layer 3)[, 12 slots dropped]': the worst layer's imbalance and the
+    dropped slots of all layers, for the progress line."""
+    if "moe_imbalance" not in r:
+        return ""
+    worst = max(range(len(r["moe_layers"])), key=lambda i: r["moe_imbalance"][i])
+    line = f" | experts max/mean {r['moe_imbalance'][worst]:.2f} (layer {r['moe_layers'][worst]})"
+    if "moe_dropped" in r:  # over every sparse layer
+        line += f", {sum(r['moe_dropped']):,} slots dropped"
+    return line
+
+
 def format_record(r: dict[str, Any]) -> str:
     if "val_loss" in r:
         return f"step {r['step']:>6} | val_loss {r['val_loss']:.4f}"
@@ -129,4 +157,5 @@ def format_record(r: dict[str, Any]) -> str:
         return f"step {r['step']:>6} | skipped: {r['skipped']}"
     aux = f" | aux_loss {r['aux_loss']:.4f}" if "aux_loss" in r else ""
     return (f"step {r['step']:>6} | loss {r['loss']:.4f}{aux} | grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | "
-            f"{r['tokens_per_s']:,.0f} tok/s | mfu {100 * r['mfu']:.2f}% | mem {r['mem_gb']:.2f} GB")
+            f"{r['tokens_per_s']:,.0f} tok/s | mfu {100 * r['mfu']:.2f}% | mem {r['mem_gb']:.2f} GB"
+            f"{_expert_summary(r)}")

@@ -34,6 +34,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from meshpar.errors import RecipeError  # re-exported: meshpar.recipe.RecipeError stays importable
 from meshpar.recipe_keys import (  # noqa: F401 - re-exported: import sections from meshpar.recipe
+    MOE_KEYS,
     CheckpointConfig,
     DataConfig,
     DataSource,
@@ -227,6 +228,11 @@ def check(recipe: Recipe) -> None:
     if t.global_batch % t.micro_batch:
         raise RecipeError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
                           f"({t.micro_batch})", "train.micro_batch")
+    m = recipe.model
+    if m.bias_update_rate != ModelConfig.bias_update_rate and not m.aux_free_bias:
+        raise RecipeError(f"model.bias_update_rate = {m.bias_update_rate:g} has no effect without aux-free "
+                          f"balancing: set model.aux_free_bias = true, or remove bias_update_rate",
+                          "model.bias_update_rate")
     if recipe.metrics.tensorboard:
         import importlib.util
 

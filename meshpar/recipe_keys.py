@@ -26,9 +26,13 @@ def option(default: Any, doc: str, *, ge: float | None = None, gt: float | None 
     return field(default=default, metadata=meta)
 
 
+MOE_KEYS = ("aux_loss_coef", "capacity_factor", "aux_free_bias", "bias_update_rate")  # [model] keys for experts
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str = option("llama", "Model family: llama, qwen2, qwen3 or gpt2 (see meshpar/models/).")
+    family: str = option("llama", "Model family: llama, qwen2, qwen3, gpt2, or the mixture-of-experts qwen3_moe or "
+                                         "mixtral (see meshpar/models/).")
     size: str = option("debug", "Named size of the family, e.g. debug, 1b, 8b, 70b, 405b for llama.")
     n_layers: int = option(0, "Override the size's number of transformer blocks; 0 keeps the size's own.", ge=0)
     vocab_size: int = option(0, "Override the size's vocabulary; 0 keeps the size's own. Must hold every "
@@ -36,6 +40,23 @@ class ModelConfig:
     attention: str = option("causal", "causal, or document: packed sequences attend only within each document "
                                       "(documents end with the tokenizer's EOS) and positions restart at each.",
                             choices=("causal", "document"))
+    # mixture-of-experts families only (qwen3_moe, mixtral): they set MoEArgs' fields of the same names
+    # (router_aux_loss_coef for aux_loss_coef); meshpar.models refuses other values on a dense family
+    aux_loss_coef: float = option(-1.0, "Mixture of experts: weight of the load-balancing loss added to the "
+                                        "cross-entropy (logged apart as aux_loss); 0 turns it off; -1 keeps the "
+                                        "size's own (qwen3_moe 0.001, mixtral 0.02, debug sizes 0.01 / 0.02).",
+                                  valid=(lambda v: v == -1 or v >= 0, "-1 (the size's own) or >= 0 (0 turns it off)"))
+    capacity_factor: float = option(0.0, "Mixture of experts: 0 drops no token; C >= 1 lets an expert take at most "
+                                         "ceil(C x tokens x top_k / n_experts) token slots per forward (C times an "
+                                         "even share; the latest tokens over it are dropped, counted as "
+                                         "moe_dropped in metrics.jsonl). Below 1 even a perfectly balanced router "
+                                         "would drop slots, so 0 < C < 1 is refused.",
+                                    valid=(lambda v: v == 0 or v >= 1, "0 (no token dropped) or >= 1 (1.25 is usual)"))
+    aux_free_bias: bool = option(False, "Mixture of experts: auxiliary-loss-free balancing (DeepSeek-V3): a "
+                                        "per-expert routing bias moved after each optimizer step against the "
+                                        "step's expert loads summed over data-parallel ranks.")
+    bias_update_rate: float = option(1e-3, "Mixture of experts, aux_free_bias: the bias step per optimizer step "
+                                           "(DeepSeek-V3's gamma).", gt=0)
 
 
 @dataclass(frozen=True)

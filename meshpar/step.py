@@ -4,6 +4,7 @@
     done = train_step(model, loader.next_step, accum, sync, device, optimizer, scheduler)
     done.loss, done.grad_norm, done.lr        # this rank's loss (a tensor: no host sync), the norm, the LR
     done.aux_loss                             # a mixture-of-experts model's auxiliary loss, or None
+    done.expert_load                          # and its expert loads [2, L_sparse, E], or None
 
 A flat function, in the order it runs, each phase labelled for the profiler
 (``meshpar::step``, ``data``, ``forward``, ``backward``, ``optimizer``):
@@ -37,6 +38,17 @@ cross-entropy alone (comparable with dense models and with validation), ``aux_lo
 term. A model with ``update_expert_bias`` (aux-free balancing) has it called after each optimizer
 step with its expert loads summed over the data-parallel ranks. Pipeline stages do not collect
 an auxiliary loss yet (mixture-of-experts families refuse pp).
+
+[Note: expert load]
+After each microbatch's forward, each mixture-of-experts layer holds the token slots its router
+sent to each expert (``MoE.tokens_per_expert``, before any capacity drop). The step sums them
+over its microbatches into ``expert_load[0]`` ([L_sparse, E], this rank), and into
+``expert_load[1]`` the slots over each expert's capacity ceil(capacity_factor * slots / E) in
+that forward: those the model dropped (``MoE._drop_over_capacity`` keeps counts.clamp(max=
+capacity)). Device tensors, no host sync: train.py sums them over the data-parallel ranks and
+reads them on the steps it logs, with the loss (meshpar.metrics.expert_load_fields). They are
+counted after each forward, not read from the aux-free ``expert_load`` buffers, which activation
+checkpointing's recompute counts twice.
 """
 
 from __future__ import annotations
@@ -131,6 +143,7 @@ class StepResult:
     lr: float | None  # the learning rate the optimizer stepped with (None without an optimizer)
     skipped: bool = False  # the optimizer did not step: a non-finite gradient ([Note: non-finite steps])
     aux_loss: torch.Tensor | None = None  # this rank's auxiliary loss, not in ``loss`` ([Note: auxiliary losses])
+    expert_load: torch.Tensor | None = None  # [2, L_sparse, E] slots routed / dropped, this rank ([Note: expert load])
 
 
 def labelled(name: str, microbatch: int | None = None) -> AbstractContextManager:
@@ -151,6 +164,7 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
     with phase("step"):
         loss_sum = torch.zeros((), device=device)
         aux_sum: torch.Tensor | None = None
+        load: torch.Tensor | None = None  # [Note: expert load]
         with loss_parallel_context(model.loss_parallel):
             with phase("data"):
                 microbatches = next_batch()
@@ -161,6 +175,7 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
             else:
                 stage = model.stages[0]
                 sharded = isinstance(stage, FSDPModule)
+                experts = [moe for _, moe in sparse_layers(stage)]
                 for i, (inputs, targets) in enumerate(microbatches):
                     if sharded:  # FSDP reduce-scatters in the last microbatch's backward (or in each)
                         stage.set_requires_gradient_sync(sync.every_microbatch or i == len(microbatches) - 1)
@@ -174,6 +189,9 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
                     loss_sum += plain(loss.detach())
                     if aux is not None:
                         aux_sum = aux.detach() / accum + (0 if aux_sum is None else aux_sum)
+                    if experts:
+                        count = count_expert_load(experts, inputs.numel())
+                        load = count if load is None else load + count
         with phase("optimizer"):
             maybe_reduce_replicas(model.stages, sync)
             params = [q for q in model.stages.parameters() if q.requires_grad]
@@ -181,11 +199,29 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
             if guard is not None and not guard.allows_step(grad_norm):
                 if optimizer is not None:
                     optimizer.zero_grad(set_to_none=True)
-                return StepResult(loss_sum, grad_norm, None, skipped=True, aux_loss=aux_sum)
+                return StepResult(loss_sum, grad_norm, None, skipped=True, aux_loss=aux_sum, expert_load=load)
             lr = maybe_optimizer_step(optimizer, scheduler)
             if optimizer is not None:
                 maybe_update_expert_bias(model.stages, sync)
-    return StepResult(loss_sum, grad_norm, lr, aux_loss=aux_sum)
+    return StepResult(loss_sum, grad_norm, lr, aux_loss=aux_sum, expert_load=load)
+
+
+def sparse_layers(stage: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(block index, ``MoE`` module) of each mixture-of-experts layer of ``stage``; [] for a dense model."""
+    blocks = getattr(stage, "layers", {})
+    return [(int(i), block.moe) for i, block in blocks.items() if getattr(block, "moe", None) is not None]
+
+
+def count_expert_load(experts: Sequence[torch.nn.Module], tokens: int) -> torch.Tensor:
+    """[2, L, E] after a forward over ``tokens`` tokens: [0] the token slots each layer's router sent
+    to each expert, [1] those over the expert's capacity, dropped ([Note: expert load]). The layers
+    share one MoEArgs, so one capacity."""
+    routed = torch.stack([moe.tokens_per_expert for moe in experts])  # [L, E]
+    moe = experts[0]
+    if moe.capacity_factor <= 0:
+        return torch.stack([routed, torch.zeros_like(routed)])
+    capacity = math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.n_experts)  # as MoE._drop_over_capacity
+    return torch.stack([routed, (routed - capacity).clamp(min=0)])
 
 
 def maybe_reduce_replicas(stages: torch.nn.ModuleList, sync: GradSync) -> None:

@@ -44,7 +44,7 @@ from meshpar.fault import (
     report_collective_failure,
 )
 from meshpar.hardware import HardwareProfile, load_profile
-from meshpar.metrics import MetricsLogger, Progress, peak_memory_gb, print_line
+from meshpar.metrics import MetricsLogger, Progress, expert_load_fields, peak_memory_gb, print_line
 from meshpar.nonfinite import NonFiniteError, NonFiniteGuard
 from meshpar.optim import build_lr_schedule, build_optimizer
 from meshpar.parallelize import build
@@ -53,7 +53,7 @@ from meshpar.preflight import Preflight, preflight
 from meshpar.profiling.capture import StepProfiler, label
 from meshpar.recipe import Recipe, RecipeError
 from meshpar.runtime import RankInfo, init_process_group, leave, rank_info, select_device
-from meshpar.step import GradSync, Model, cross_entropy, plain, train_step
+from meshpar.step import GradSync, Model, cross_entropy, plain, sparse_layers, train_step
 from meshpar.tensor_parallel import loss_parallel_context
 
 
@@ -181,6 +181,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     tokens_per_step = t.global_batch * t.seq_len
     sync = GradSync.of(mesh, recipe.parallel, recipe.optim)
     guard = NonFiniteGuard(t.on_nonfinite, t.max_skips, model.stages)
+    moe_layers = [i for stage in model.stages for i, _ in sparse_layers(stage)]  # block index of each
     records: list[dict[str, Any]] = []
     last_time, last_step = time.perf_counter(), start_step
     stopped_by = None
@@ -216,6 +217,10 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
                     aux = done.aux_loss.clone()
                     comm.all_reduce(aux, mesh["dp"].get_group(), dim="dp", op=dist.ReduceOp.AVG)
                     record["aux_loss"] = aux.item()
+                if done.expert_load is not None:  # [Note: expert load] in meshpar/step.py
+                    load = done.expert_load.clone()
+                    comm.all_reduce(load, mesh["dp"].get_group(), dim="dp")
+                    record.update(expert_load_fields(moe_layers, load, dropped=args.capacity_factor > 0))
                 records.append(record)
                 metrics.log(record)
             if t.eval_every and (step % t.eval_every == 0 or step == t.steps):

@@ -6,15 +6,16 @@ table and the check of its dimensions against a layout (``models/<family>/parall
 both data that meshpar.parallelize applies from outside. ``mesh_dims`` lists the parallel
 dimensions this family can run with today; a recipe asking for any other is refused before launch
 (meshpar.preflight). The package imports only leaf modules of meshpar (tensor_parallel's
-styles, errors), never meshpar.parallelize, so there is no import cycle.
+styles, errors, recipe_keys), never meshpar.parallelize, so there is no import cycle.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -25,10 +26,8 @@ from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, Transfor
 from meshpar.models.llama.parallelize import LLAMA_TP_PLAN, check_llama_layout
 from meshpar.models.moe import MIXTRAL_SIZES, QWEN3_MOE_SIZES, MoETransformer
 from meshpar.models.moe.convert import MIXTRAL
+from meshpar.recipe_keys import MOE_KEYS, ModelConfig
 from meshpar.tensor_parallel import TPPlan
-
-if TYPE_CHECKING:
-    from meshpar.recipe import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -41,13 +40,30 @@ class Family:
     mesh_dims: frozenset[str]  # parallel dims that may be > 1
 
     def model_args(self, cfg: ModelConfig) -> Any:
-        """The named size's args with the recipe's overrides (n_layers, vocab_size) applied."""
+        """The named size's args with the recipe's overrides (n_layers, vocab_size, and for a
+        mixture-of-experts family the balancing keys, ``moe_overrides``) applied."""
         if cfg.size not in self.sizes:
             raise RecipeError(f"model.size = '{cfg.size}': no such size for family '{self.name}'; "
                               f"choose one of {', '.join(self.sizes)}", "model.size")
         args = self.sizes[cfg.size]
         overrides = {k: getattr(cfg, k) for k in ("n_layers", "vocab_size") if getattr(cfg, k)}
-        return dataclasses.replace(args, **overrides)
+        return dataclasses.replace(args, **overrides, **self.moe_overrides(cfg))
+
+    def moe_overrides(self, cfg: ModelConfig) -> dict[str, Any]:
+        """MoEArgs fields from the recipe's mixture-of-experts keys; on a dense family, a RecipeError
+        for any of them that is not its default."""
+        if not issubclass(self.model_cls, MoETransformer):
+            for key in MOE_KEYS:
+                value = getattr(cfg, key)
+                if value != getattr(ModelConfig, key):
+                    raise RecipeError(f"model.{key} = {json.dumps(value)}: model family '{self.name}' has no experts "
+                                      f"(it applies to {', '.join(MOE_FAMILIES)}); remove it", f"model.{key}")
+            return {}
+        out = {"capacity_factor": cfg.capacity_factor, "aux_free_bias": cfg.aux_free_bias,
+               "bias_update_rate": cfg.bias_update_rate}
+        if cfg.aux_loss_coef != -1:  # -1: the size's own
+            out["router_aux_loss_coef"] = cfg.aux_loss_coef
+        return out
 
     def check_degrees(self, degrees: Mapping[str, int]) -> None:
         """Refuse parallel dims (degree > 1) this family cannot run with yet, naming the key."""
@@ -85,6 +101,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", MoETransformer, QWEN3_MOE_SIZES, MIXTRAL.TP_PLAN(), _no_check, _DP),
     Family("mixtral", MoETransformer, MIXTRAL_SIZES, MIXTRAL.TP_PLAN(), _no_check, _DP),
 )}
+
+
+MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if issubclass(f.model_cls, MoETransformer))
 
 
 def get_family(name: str) -> Family:

@@ -42,6 +42,9 @@ class MoEArgs(ModelArgs):
         super().__post_init__()
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be in 1 .. n_experts ({self.n_experts})")
+        for name in ("router_aux_loss_coef", "capacity_factor", "bias_update_rate"):  # recipes: [model] keys
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer`` has experts (Hugging Face's Qwen3MoeDecoderLayer rule)."""
