@@ -738,6 +738,23 @@ def _case_local_cast(ctx: Ctx) -> None:
             assert_close(p.grad.full_tensor().float(), ref_p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _case_released(ctx: Ctx) -> None:
+    """A trained model goes when its last reference does: every sharded parameter and shard is
+    collected (a gradient hook holding its group strongly kept each model alive for good)."""
+    import gc
+
+    for mp in (MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.float32)):  # alias and cast paths
+        with default_dtype():
+            model = build_model("llama", n_layers=2, vocab_size=256)
+        shard_units(model, fully_shard, mesh=ctx.mesh, mp_policy=mp)
+        tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+        refs = [weakref.ref(p) for p in model.parameters()] + [weakref.ref(p.to_local()) for p in model.parameters()]
+        del model
+        gc.collect()
+        _eq(sum(r() is not None for r in refs), 0, f"parameters and shards alive after the model went ({mp})")
+
+
 # --- 16. the parity comparison fails on planted bugs -----------------------------------------------------
 def _case_catches_bugs(ctx: Ctx) -> None:
     """``assert_parity`` at its float64 tolerance fails when the engine skips its divide by the
@@ -842,6 +859,7 @@ CASES = CaseSet({
     "one_rank_exact": (_case_one_rank_exact, (1,)),
     "one_rank_forced": (_case_one_rank_forced, (1,)),
     "local_cast": (_case_local_cast, (1, 2)),
+    "released": (_case_released, (1, 2)),
     "catches_bugs": (_case_catches_bugs, (2,)),
     "hooks_survive_new_unsharded": (_case_hooks_survive_new_unsharded, (2,)),
     "nested_counts": (_case_nested_counts, (1,)),  # last: when it fails it leaves a stale counter behind
@@ -849,7 +867,7 @@ CASES = CaseSet({
 
 
 # they check structure, not numbers
-_NOT_PARITY = ("nested_counts", "bad_input", "bad_input_sharded", "state_dict", "post_optim_event",
+_NOT_PARITY = ("nested_counts", "released", "bad_input", "bad_input_sharded", "state_dict", "post_optim_event",
                "hooks_survive_new_unsharded")
 
 
@@ -957,6 +975,11 @@ def test_one_rank_collectives_forced_match_plain_training_exactly(world):
 @_worlds("local_cast")
 def test_local_parameters_cast_for_compute_keep_their_gradients(world):
     CASES.check("local_cast", world)
+
+
+@_worlds("released")
+def test_a_model_is_collected_after_its_last_reference(world):
+    CASES.check("released", world)
 
 
 @_worlds("catches_bugs")

@@ -155,7 +155,7 @@ def check(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int]:
 
 
 def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_node: int | None = None,
-         efficiency: float = 0.34, links: LinkDefaults | None = None) -> Plan:
+         efficiency: float | None = None, links: LinkDefaults | None = None) -> Plan:
     """Plan ``recipe`` on ``world_size`` devices of ``profile``; raises RecipeError for a bad recipe."""
     layout, accum = check(recipe, world_size)
     family = get_family(recipe.model.family)

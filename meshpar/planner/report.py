@@ -89,7 +89,9 @@ def time_table(plan: Plan) -> str:
     peak = plan.profile.peak_tflops.get(plan.recipe.parallel.param_dtype, 0)
     lines = ["step time (the slowest stage):",
              f"  compute        {t.compute_s:8.3f} s   at {t.efficiency:.2f} x {peak:g} TFLOP/s "
-             f"{plan.recipe.parallel.param_dtype} (recomputation included)"]
+             f"{plan.recipe.parallel.param_dtype} (recomputation included)",
+             f"  optimizer      {t.optimizer_s:8.3f} s   clipping + AdamW, memory-bound at "
+             f"{plan.profile.memory_bandwidth_gbps:g} GB/s"]
     for c in t.comm:
         how = "overlapped with compute" if c.overlapped else "on the critical path"
         lines.append(f"  {c.dim:<14} {c.seconds:8.3f} s   {c.bytes_per_step / 1e9:9.2f} GB per step over {c.degree} "

@@ -40,7 +40,7 @@ from meshpar.mesh import resolve
 from meshpar.models import get_family
 from meshpar.parallelize import check_mixed_precision
 from meshpar.pipeline import check_microbatches, stage_layers
-from meshpar.planner.cost import _stage_flops_per_token
+from meshpar.planner.cost import _stage_flops_per_token, default_efficiency
 from meshpar.recipe import Recipe, RecipeError
 
 AC_MODES = ("none", "selective", "full")
@@ -87,7 +87,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_node: int,
-               efficiency: float) -> list[Candidate]:
+               efficiency: float | None) -> list[Candidate]:
     """Every layout of ``base`` (overrides naming model, sequence and global batch) on ``gpus``,
     best bound first; among equal bounds, the smaller memory first (``_lighter``)."""
     recipe = recipelib.load(None, base)
@@ -129,12 +129,13 @@ def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_no
 
 
 def _bound(args, recipe: Recipe, pp: int, tp: int, dp: int, n: int, profile: HardwareProfile, gpus_per_node: int,
-           efficiency: float) -> float:
+           efficiency: float | None) -> float:
     """tokens/s no dry run of this candidate can exceed: its compute (cost.py's term) plus the
     sequence-parallel collectives every block runs at least (2 all-gathers and 2 reduce-scatters
     of [micro_batch, T, D] each way), stretched by the pipeline bubble."""
     t, p = recipe.train, recipe.parallel
     itemsize = getattr(torch, p.param_dtype).itemsize
+    efficiency = efficiency or default_efficiency(p.compile, pp * tp * dp)
     flops = profile.peak_flops(getattr(torch, p.param_dtype)) * efficiency
     gbps = profile.intra_node_gbps if tp <= gpus_per_node else profile.inter_node_gbps
     worst = 0.0
@@ -168,7 +169,7 @@ def _needs_more(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
 
 
 def evaluate(base: list[str], overrides: tuple[str, ...], gpus: int, profile: HardwareProfile,
-             gpus_per_node: int, efficiency: float) -> Result:
+             gpus_per_node: int, efficiency: float | None) -> Result:
     """One candidate's dry run (in a worker process: it joins a fake process group of its own)."""
     from meshpar.planner.dry_run import plan
 
@@ -182,7 +183,7 @@ def evaluate(base: list[str], overrides: tuple[str, ...], gpus: int, profile: Ha
                   p.time.mfu, p.time.step_s)
 
 
-def search(base: list[str], gpus: int, profile: HardwareProfile, *, gpus_per_node: int, efficiency: float,
+def search(base: list[str], gpus: int, profile: HardwareProfile, *, gpus_per_node: int, efficiency: float | None,
            top: int = 5, budget_s: float = 600, workers: int = 2,
            progress: Callable[[Result], None] | None = None) -> tuple[list[Result], int, int, bool]:
     """(results best first: those that fit, then the rest; candidates in all; candidates skipped

@@ -263,6 +263,9 @@ def _run_case(case: Case, s: Settings, mesh: meshlib.Mesh, peak_flops: float,
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     if s.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(s.device)
+    # what earlier cases left allocated (the second GPU run's later cases measured up to 25 GiB of
+    # it): the case's peak is counted above it
+    before = torch.cuda.memory_allocated(s.device) if s.device.type == "cuda" else 0
     t0 = time.perf_counter()
     if case.engine == "meshpar":
         model, optimizer, step = _meshpar(case, s, mesh, batch)
@@ -285,7 +288,8 @@ def _run_case(case: Case, s: Settings, mesh: meshlib.Mesh, peak_flops: float,
     row.update(status="ok", warmup_s=warmup_s, times_ms=[1e3 * t for t in times], step_ms=1e3 * step_s,
                tokens_per_s=tokens_per_s, mfu=flops_per_token * tokens_per_s / peak_flops,
                mfu_causal=(flops_per_token - attention / 2) * tokens_per_s / peak_flops,
-               peak_gib=torch.cuda.max_memory_allocated(s.device) / GiB if s.device.type == "cuda" else None,
+               peak_gib=(torch.cuda.max_memory_allocated(s.device) - before) / GiB if s.device.type == "cuda" else None,
+               left_by_earlier_gib=before / GiB,
                loss=losses[-1].item(), losses=[x.item() for x in losses])
     if profile_top is not None:
         try:
@@ -446,7 +450,7 @@ def _environment(device: torch.device, profile_name: str, peak: float) -> dict[s
 
 def _free(device: torch.device) -> None:
     """Between cases: compiled graphs, cached blocks and the collected models go."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -7,9 +7,9 @@ the GPU. For every case meshpar ran (its engine, not plain PyTorch's), this plan
 recipe (the model size, sequence, batch, bf16 compute, activation checkpointing) on one device
 of the GPU's hardware profile and prints, per layout:
 
-- step time: predicted at ``--efficiency`` (the planner's default) against measured, and the
-  efficiency the measurement implies (the planner's step time at efficiency 1 over the
-  measured one: with one device there is no communication, so compute is the whole model);
+- step time: predicted (the planner's own efficiency, or ``--efficiency``) against measured, and
+  the compute efficiency the measurement implies (the planner's compute at efficiency 1 over the
+  measured step less its optimizer term: one device has no communication);
 - peak memory: the planner's peak (every tensor it accounts for) against
   ``torch.cuda.max_memory_allocated``.
 
@@ -53,23 +53,29 @@ def profile_name(gpu: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path)
-    ap.add_argument("--efficiency", type=float, default=0.34, help="the planner's compute efficiency (its default)")
+    ap.add_argument("--efficiency", type=float, default=None,
+                    help="the planner's compute efficiency (default: its own, [Note: the efficiency constants])")
     args = ap.parse_args()
     data = json.loads(args.results.read_text())
     cases = [c for c in data["rows"] if c.get("engine") == "meshpar" and c.get("status") == "ok"]
-    profile, _ = load_hardware(profile_name(str(data.get("device", ""))))
-    print(f"GPU {data.get('device', '?')}, profile {profile.name}, planner efficiency {args.efficiency}")
+    gpu = str(data.get("gpu") or data.get("device", ""))
+    profile, _ = load_hardware(profile_name(gpu))
+    print(f"GPU {gpu}, profile {profile.name}, planner efficiency "
+          f"{args.efficiency or 'default (meshpar/planner/cost.py: [Note: the efficiency constants])'}")
     print(f"{'layout':<34} {'measured ms':>11} {'planned ms':>10} {'error':>7} {'implied eff':>11} "
           f"{'measured GiB':>12} {'planned GiB':>11} {'error':>7}")
     implied = []
     for case in cases:
         recipe = recipelib.load(None, overrides(case))
-        at_one = plan(recipe, 1, profile, efficiency=1.0)
-        predicted_s = at_one.time.step_s / args.efficiency
+        planned = plan(recipe, 1, profile, efficiency=args.efficiency)
+        t = planned.time
+        predicted_s = t.step_s
         measured_s = case["step_ms"] / 1e3
-        eff = at_one.time.step_s / measured_s
+        # the compute efficiency the measurement implies: compute at efficiency 1 over what the step
+        # took besides the optimizer (one device: no collectives)
+        eff = t.compute_s * t.efficiency / (measured_s - t.optimizer_s)
         implied.append(eff)
-        planned_gib = max(r.peak_bytes for r in at_one.ranks) / GiB
+        planned_gib = max(r.peak_bytes for r in planned.ranks) / GiB
         name = (f"{case['size']} seq {case['seq_len']}{' compile' if case.get('compile') else ''}"
                 f"{' AC ' + _ac(case) if _ac(case) != 'none' else ''}")
         mem = case.get("peak_gib")
@@ -78,7 +84,7 @@ def main() -> None:
         print(f"{name:<34} {case['step_ms']:>11.1f} {predicted_s * 1e3:>10.1f} {error:>+6.1f}% "
               f"{eff:>11.3f} {mem or 0:>12.2f} {planned_gib:>11.2f} {mem_err}")
     if implied:
-        print(f"implied efficiency: {min(implied):.3f} to {max(implied):.3f} (planner uses {args.efficiency})")
+        print(f"implied compute efficiency: {min(implied):.3f} to {max(implied):.3f}")
 
 
 if __name__ == "__main__":
