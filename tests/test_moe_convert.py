@@ -263,6 +263,16 @@ def test_load_hf_weights_stacks_experts_into_plain_and_sharded_tensors(hf_folder
         cv.load_hf_weights(model.state_dict(), hf_folders[family], family, source.spec.args)
         for name, value in model.state_dict().items():
             assert torch.equal(value, source.read("model." + name)), name
+    # training-only args may differ from config.json's; the aux-free bias, absent from the folder, starts at 0
+    source = cv.open_checkpoint(hf_folders["mixtral"])
+    args = dataclasses.replace(source.spec.args, router_aux_loss_coef=0.5, aux_free_bias=True, capacity_factor=1.5)
+    model = MoETransformer(args)
+    model.layers["0"].moe.expert_bias.fill_(7.0)
+    cv.load_hf_weights(model.state_dict(), hf_folders["mixtral"], "mixtral", args)
+    assert torch.equal(model.layers["0"].moe.experts.w1, source.read("model.layers.0.moe.experts.w1"))
+    assert model.layers["0"].moe.expert_bias.abs().max() == 0
+    with pytest.raises(cv.ConvertError, match="n_experts 8 vs 4"):
+        cv.load_hf_weights(model.state_dict(), hf_folders["mixtral"], "mixtral", dataclasses.replace(args, n_experts=4))
     results = run_distributed(_load_fsdp_job, 2, {f: str(p) for f, p in hf_folders.items()}, timeout=120)
     assert results == [{}, {}]
 

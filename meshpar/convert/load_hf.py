@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,17 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
     the rows and columns of its local shard (``safe_open(...).get_slice``), so no rank ever
     holds a whole tensor; a stacked expert tensor reads only the experts of the shard
     ([Note: stacked experts]). ``config.json`` must describe the same model as ``family``/``args``
-    (``max_seq_len`` may differ); a missing tensor or a wrong shape raises ConvertError naming it.
+    (``max_seq_len`` and the adapter's ``TRAINING_ONLY`` args may differ; entries it marks
+    ``ZERO_INIT``, which no Hugging Face folder holds, are zeroed); a missing tensor or a wrong
+    shape raises ConvertError naming it.
     """
     from safetensors import safe_open
 
     hf = HFSource(Path(hf_dir))
     spec = ModelSpec(family, args)
-    theirs = dataclasses.replace(hf.spec.args, max_seq_len=args.max_seq_len)
+    free = [f for f in ("max_seq_len", *getattr(spec.adapter, "TRAINING_ONLY", ()))
+            if hasattr(hf.spec.args, f) and hasattr(args, f)]  # these may differ from config.json's
+    theirs = dataclasses.replace(hf.spec.args, **{f: getattr(args, f) for f in free})
     if hf.spec.family != family or theirs != args:
         diff = [f"{f.name} {getattr(theirs, f.name)} vs {getattr(args, f.name)}" for f in dataclasses.fields(args)
                 if getattr(theirs, f.name) != getattr(args, f.name)]
@@ -44,6 +49,9 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
         handles = {file: stack.enter_context(safe_open(file, framework="pt"))
                    for file in {file for file, _, _ in hf.where_hf.values()}}
         for fqn, value in state_dict.items():
+            if fqn not in hf.names and any(re.fullmatch(p, fqn) for p in getattr(spec.adapter, "ZERO_INIT", ())):
+                value.zero_()  # no Hugging Face equivalent (the aux-free bias): its value at initialization
+                continue
             if fqn not in hf.names:
                 raise ConvertError(f"state dict entry '{fqn}' is not a parameter of the {family} model; "
                                    "load_hf_weights takes model.state_dict()")

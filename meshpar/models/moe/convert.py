@@ -64,6 +64,10 @@ class MoEAdapter:
     TRANSPOSED: frozenset[str] = frozenset()
     IGNORED_HF: tuple[str, ...] = llama.IGNORED_HF  # old RoPE buffers; lm_head.weight saved although tied
     HF_PREFIX: str = ""
+    # model_args that shape training, not the weights: a Hugging Face folder loads into a model whatever
+    # their values (load_hf_weights), and the aux-free bias it lacks starts at zero, as init_weights sets it
+    TRAINING_ONLY: tuple[str, ...] = ("router_aux_loss_coef", "capacity_factor", "aux_free_bias", "bias_update_rate")
+    ZERO_INIT: tuple[str, ...] = (r"layers\.\d+\.moe\.expert_bias",)
 
     @property
     def EXPERTS_KEY(self) -> str:  # noqa: N802
