@@ -332,6 +332,49 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
         return Work(handle, finish, entry)
 
 
+@torch.no_grad()
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group: dist.ProcessGroup, *, dim: str, async_op: bool = False) -> Work:
+    """Rows of ``input`` in runs of ``input_splits[j]`` go to rank j; ``output`` receives runs of
+    ``output_splits[i]`` rows from rank i, in rank order (uneven splits). Counted as the bytes this
+    rank sends to other ranks (its own run stays local)."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    row = input[0].numel() * input.element_size() if input.shape[0] else 0
+    entry = _record("all_to_all", dim, row * (sum(input_splits) - input_splits[rank]))
+    with record_function(f"meshpar::comm.all_to_all[{dim}]"):
+        if n == 1 and not _forced:
+            output.copy_(input)
+            return Work(None, entry=entry)
+        return Work(dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
+                                           async_op=async_op), entry=entry)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """``all_to_all`` as an autograd function: backward sends the gradients back along the same
+    splits swapped (and is counted the same way)."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup, dim: str) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.dim = (output_splits, input_splits), group, dim
+        output = input.new_empty((sum(output_splits), *input.shape[1:]))
+        all_to_all(output, input.contiguous(), output_splits, input_splits, group, dim=dim).wait()
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        grad_input = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        all_to_all(grad_input, grad.contiguous(), input_splits, output_splits, ctx.group, dim=ctx.dim).wait()
+        return grad_input, None, None, None, None
+
+
+def all_to_all_rows(input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                    group: dist.ProcessGroup, *, dim: str) -> torch.Tensor:
+    """Differentiable ``all_to_all`` of ``input``'s rows (dim 0); returns the received rows."""
+    return _AllToAllRows.apply(input, output_splits, input_splits, group, dim)
+
+
 def world_max(value: int) -> int:
     """The largest of every rank's ``value``: one all-reduce of one int64 over the world, on the CPU
     group (no device sync). How ranks agree on a decision (a stop signal, a non-finite step)."""

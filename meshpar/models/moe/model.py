@@ -14,8 +14,8 @@ After each forward, ``model.aux_loss`` holds the weighted load-balancing loss of
 scalar tensor in the graph) for the training step to add to the cross-entropy (meshpar/step.py),
 and each ``MoE`` layer's ``tokens_per_expert`` the token slots each expert received.
 
-Limits: token-choice routing only; no expert parallelism yet (experts are whole on every rank, or
-FSDP-sharded as any parameter); no router jitter or z-loss.
+Limits: token-choice routing only; no router jitter or z-loss. Expert parallelism is applied from
+outside (meshpar/expert_parallel.py replaces ``Experts.forward`` on the instance).
 """
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ from meshpar.models.moe.grouped import Kernel, grouped_mm
 # sign(mean - load) does not change under that scaling.
 
 
+def swiglu_experts(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, counts: Tensor, kernel: Kernel = "auto") -> Tensor:
+    """x[S, D] sorted by expert, counts[E]: run e @ w1[e]^T, w3[e]^T -> [S_e, F]; @ w2[e]^T -> [S_e, D].
+    The experts' whole computation, for the stacked weights of all experts or of one rank's share
+    (meshpar/expert_parallel.py)."""
+    h = F.silu(grouped_mm(x, w1.transpose(1, 2), counts, kernel))
+    h = h * grouped_mm(x, w3.transpose(1, 2), counts, kernel)
+    return grouped_mm(h, w2.transpose(1, 2), counts, kernel)
+
+
 class Experts(nn.Module):
     """E SwiGLU experts, stacked: w1, w3[E, F, D], w2[E, D, F] (each slice is an nn.Linear weight)."""
 
@@ -61,10 +70,7 @@ class Experts(nn.Module):
         self.kernel: Kernel = "auto"  # grouped_mm's choice; tests and benchmarks force one
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        # x[S, D] sorted by expert, counts[E]: run e @ w1[e]^T, w3[e]^T -> [S_e, F]; @ w2[e]^T -> [S_e, D]
-        h = F.silu(grouped_mm(x, self.w1.transpose(1, 2), counts, self.kernel))
-        h = h * grouped_mm(x, self.w3.transpose(1, 2), counts, self.kernel)
-        return grouped_mm(h, self.w2.transpose(1, 2), counts, self.kernel)
+        return swiglu_experts(x, self.w1, self.w2, self.w3, counts, self.kernel)
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         _trunc_normal(init, self.w1, std)

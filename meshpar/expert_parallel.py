@@ -1,0 +1,84 @@
+"""Expert parallelism: each MoE layer's experts split over the ``ep`` ranks; token slots travel to
+the rank that holds their expert and come back, by all-to-all.
+
+    apply_expert_parallel(model, ep_mesh)   # a 1-D DeviceMesh named "ep"
+
+Every expert weight (``layers.{i}.moe.experts.{w1,w2,w3}``, stacked ``[E, ...]``) becomes a DTensor
+``Shard(0)`` over ``ep``: rank r holds experts ``r * E/ep ... (r + 1) * E/ep - 1``, so checkpoints
+(DCP) keep the global ``[E, ...]`` shapes and load onto any ``ep`` degree. Routing, the auxiliary
+loss and the dispatch order stay the model's own (meshpar/models/moe/model.py); only
+``Experts.forward`` is replaced, on the instance, as ``torch.compile`` per block is applied, so
+names and the model files stay free of parallel code.
+
+[Note: expert-parallel dispatch]
+``MoE.forward`` hands the experts its token slots sorted by expert, ``x[S, D]`` with ``counts[E]``.
+With ``n = ep`` ranks and ``L = E / n`` experts each, the experts of rank j are a contiguous run of
+``counts``, so rank j's rows are one contiguous run of ``x`` as well::
+
+    counts[E] -> [n, L]          send_splits[j] = rows for rank j's experts
+    all-to-all counts            recv_counts[i, l] = rows rank i sends for my expert l
+    all-to-all x rows            received = [from rank 0: expert 0 | 1 ... L-1][from rank 1: ...]...
+    permute expert-major         [expert 0: from 0 | 1 ...][expert 1: ...]...  (stable: source order)
+    the local experts            swiglu_experts(received, w[L, ...], counts = recv_counts.sum(0))
+    unpermute, all-to-all back   the rows in x's order, on the rank they came from
+
+Splits are uneven and read on the host (one sync per layer: the all-to-all needs them). Backward is
+the same exchange reversed (``comm.all_to_all_rows`` is an autograd function), so every call and
+byte is counted by ``meshpar.comm`` on the ``ep`` dim, forward and backward: per layer and pass,
+a rank sends its rows for other ranks' experts (``D * itemsize`` bytes each) and ``n - 1`` counts.
+
+Gradients: an expert's weight gradient sums the contributions of every rank's token slots, and
+the non-expert parameters are replicated, so data-parallel averaging divides both by the number
+of ranks whose losses are averaged (tests/test_expert_parallel.py does it by hand; FSDP over the
+ranks left over is not composed with ``ep`` yet).
+
+Limits: not yet a recipe key (``parallel.ep``) nor composed with FSDP, TP or PP; tokens dropped by a
+capacity factor are dropped before dispatch, per rank.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from meshpar import comm
+from meshpar.models.moe.model import Experts, swiglu_experts
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split every MoE layer's experts over ``mesh`` (1-D) and route token slots by all-to-all
+    ([Note: expert-parallel dispatch]). ``model``: a MoE transformer with its values (each rank the
+    same), or on meta."""
+    n = mesh.size()
+    for moe in model.moe_layers():
+        experts = moe.experts
+        if moe.n_experts % n:
+            raise ValueError(f"{moe.n_experts} experts do not split over ep = {n} ranks; choose an ep degree that "
+                             f"divides the expert count")
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(experts, name)
+            sharded = distribute_tensor(weight.detach(), mesh, [Shard(0)])
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+        experts.forward = functools.partial(_dispatch, experts, mesh)
+
+
+def _dispatch(experts: Experts, mesh: DeviceMesh, x: Tensor, counts: Tensor) -> Tensor:
+    """``Experts.forward`` over ``ep``: [Note: expert-parallel dispatch]."""
+    group, n, dim = mesh.get_group(), mesh.size(), (mesh.mesh_dim_names or ("ep",))[0]
+    w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1, experts.w2, experts.w3))
+    local = w1.shape[0]  # L experts on this rank
+    recv_counts = torch.empty_like(counts)
+    comm.all_to_all(recv_counts, counts, [local] * n, [local] * n, group, dim=dim).wait()
+    recv_counts = recv_counts.view(n, local)  # [source rank, my expert]
+    send_splits = counts.view(n, local).sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    received = comm.all_to_all_rows(x, recv_splits, send_splits, group, dim=dim)  # source-major
+    # expert-major order, stable in source rank: block (source i, expert l) sorts by l * n + i
+    block = (torch.arange(local, device=x.device)[None, :] * n + torch.arange(n, device=x.device)[:, None]).flatten()
+    order = block.repeat_interleave(recv_counts.flatten().to(x.device)).argsort(stable=True)
+    y = swiglu_experts(received[order], w1, w2, w3, recv_counts.sum(0), experts.kernel)
+    return comm.all_to_all_rows(y[order.argsort()], send_splits, recv_splits, group, dim=dim)
