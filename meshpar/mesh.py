@@ -14,12 +14,13 @@ Rank layout, for pp=2, dp_shard=2, tp=2 on 8 ranks::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshpar._torch import flatten_mesh
+from meshpar._torch import flatten_mesh, unflatten_mesh
 from meshpar.recipe import ParallelConfig, RecipeError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -34,6 +35,7 @@ class Layout:
     dp_shard: int
     cp: int
     tp: int
+    ep: int = 1  # not a mesh dim of its own: it splits dp_shard (``Mesh.experts``)
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -49,7 +51,8 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     def __str__(self) -> str:
-        return " x ".join(f"{d} {n}" for d, n in zip(DIMS, self.degrees, strict=True) if n > 1) or "single rank"
+        text = " x ".join(f"{d} {n}" for d, n in zip(DIMS, self.degrees, strict=True) if n > 1) or "single rank"
+        return text + (f" (ep {self.ep} within dp_shard)" if self.ep > 1 else "")
 
 
 def _equation(degrees: dict[str, int]) -> str:
@@ -70,7 +73,11 @@ def resolve(cfg: ParallelConfig, world_size: int) -> Layout:
     if math.prod(degrees.values()) != world_size:
         raise RecipeError(f"[parallel] {_equation(degrees)} = {math.prod(degrees.values())} != world size "
                           f"{world_size}; make the degrees multiply to {world_size} or set dp_shard = -1")
-    return Layout(**degrees)
+    ep = cfg.ep
+    if degrees["dp_shard"] % ep:
+        raise RecipeError(f"[parallel] ep = {ep} borrows its ranks from dp_shard = {degrees['dp_shard']}, which it "
+                          f"must divide; choose an ep that divides dp_shard, or more dp_shard ranks", key="parallel.ep")
+    return Layout(**degrees, ep=ep)
 
 
 def local_world_size(cfg: ParallelConfig) -> int:
@@ -92,6 +99,15 @@ class Mesh:
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.dp if name == "dp" else self.world[name]
+
+    @functools.cached_property
+    def experts(self) -> tuple[DeviceMesh, DeviceMesh]:
+        """(``ep``, ``dp_shard_mod_ep``): ``dp_shard`` split into the expert-parallel ranks (inner,
+        neighbouring ranks) and the ranks left over, over which FSDP shards the experts; sub-meshes
+        of the same root as every dim, so an expert's DTensor spans both."""
+        ep = self.layout.ep
+        split = unflatten_mesh(self.world, "dp_shard", (self.layout.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+        return split["ep"], split["dp_shard_mod_ep"]
 
     @property
     def dp_rank(self) -> int:

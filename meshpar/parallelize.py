@@ -1,7 +1,8 @@
 """Apply parallelism to a model from outside, in one fixed order.
 
-The order (docs/architecture.md) is: pipeline split -> tensor parallel -> activation
-checkpointing -> torch.compile per block -> fully_shard per block, then the stage root ->
+The order (docs/architecture.md) is: pipeline split -> tensor parallel -> expert parallel ->
+activation checkpointing -> torch.compile per block -> fully_shard per block (a MoE block's
+experts first, over the ranks ep leaves), then the stage root ->
 to_empty + init_weights -> optimizer. It runs on the model as built on the meta device, so
 only local shards are ever allocated. Model files hold no parallel code; this module, the
 pipeline package and each family's plan table (``models/<family>/parallelize.py``, data this
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from meshpar.activation_checkpoint import apply_activation_checkpointing
+from meshpar.expert_parallel import apply_expert_parallel
 from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
 from meshpar.mesh import Mesh
 from meshpar.pipeline import SCHEDULES, split
@@ -53,6 +55,12 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
     block_mp = mixed_precision(cfg, root=False)
     extras = dict(shard_threshold=cfg.shard_threshold, accumulate_dtype=block_mp.param_dtype)
     for block in model.layers.values():
+        experts = getattr(getattr(block, "moe", None), "experts", None)
+        if layout.ep > 1 and experts is not None:
+            # the experts first, over the dp_shard ranks ep leaves (their DTensors already span ep); a
+            # gradient there sums every dp rank's token slots, so it is averaged over all of dp
+            fully_shard(experts, mesh=mesh.experts[1], reshard_after_forward=reshard, mp_policy=block_mp, **extras)
+            experts.set_gradient_divide_factor(layout.dp)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **extras)
     # the root keeps its parameters after forward (None), backward needs them first
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False,
@@ -89,6 +97,8 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
     check_fsdp_over_tp(tp_plan, layout.tp, layout.dp_shard)  # a plan that cannot be sharded yet
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], tp_plan.with_loss_parallel(cfg.loss_parallel))
+    if layout.ep > 1:
+        apply_expert_parallel(model, mesh.experts[0])
     apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every)
     if cfg.compile:
         apply_compile(model)

@@ -67,6 +67,9 @@ class ParallelConfig:
                            valid=(lambda v: v == -1 or v >= 1, "-1 (the ranks left over) or >= 1"))
     cp: int = option(1, "Context-parallel degree (sequence split across ranks).", ge=1)
     tp: int = option(1, "Tensor-parallel degree (innermost mesh dim, fastest links).", ge=1)
+    ep: int = option(1, "Expert-parallel degree for mixture-of-experts models: experts split over ep ranks "
+                        "borrowed from dp_shard (which it must divide); FSDP shards the experts over the "
+                        "dp_shard / ep ranks left over.", ge=1)
     reshard_after_forward: bool = option(True, "FSDP: free unsharded parameters after forward and all-gather "
                                                "again in backward (ZeRO-3); false keeps them until after "
                                                "backward (ZeRO-2: less communication, more memory). Under "

@@ -29,8 +29,10 @@ from torch.distributed.tensor import DTensor
 from meshpar import comm
 from meshpar.expert_parallel import apply_expert_parallel
 from meshpar.models.moe import MoEArgs, MoETransformer
-from tests.distributed import CaseSet
-from tests.parity import TOL
+from meshpar.train import train
+from tests.distributed import CaseSet, run_distributed
+from tests.helpers import load_recipe, train_losses, train_on_rank
+from tests.parity import TOL, default_dtype, in_float64
 
 ARGS = MoEArgs(dim=16, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=24, vocab_size=64, max_seq_len=32,
                n_experts=8, top_k=2, moe_ffn_dim=8, mlp_only_layers=(0,), router_aux_loss_coef=0.01)
@@ -166,3 +168,53 @@ def test_all_to_all_traffic_is_what_the_routing_implies(world):
 def test_an_expert_count_the_degree_does_not_divide_is_refused():
     message = JOBS.check("bad_degree", 4)[0]
     assert message == "6 experts do not split over ep = 4 ranks; choose an ep degree that divides the expert count"
+
+
+def _close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want) and got, (what, got, want)
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= TOL * abs(w), (what, got, want)
+
+
+@pytest.mark.parity
+@default_dtype()
+def test_meshpar_train_with_ep_matches_one_rank_and_resumes_on_one(tmp_path, data_cache):
+    """recipes/qwen3_moe_debug_ep.toml through meshpar train: ep 2 within dp_shard 4 on 4 ranks (the
+    experts FSDP-sharded over the 2 ranks ep leaves, two microbatches per rank) against the same
+    recipe on one rank, float64: losses, auxiliary losses, gradient norms and every parameter to
+    TOL. Its step-2 checkpoint (experts Shard(0) over ep and dp_shard) then resumes on one rank, and
+    step 3 gives the uninterrupted run's loss."""
+    steps = ["--train.steps=3", "--train.micro_batch=1"]
+    one = ["--parallel.dp_shard=1", "--parallel.ep=1"]
+    reference = train(load_recipe("qwen3_moe_debug_ep.toml", tmp_path / "ref", *steps, *one), return_state=True)
+    recipe = load_recipe("qwen3_moe_debug_ep.toml", tmp_path / "ep", *steps, "--checkpoint.every=2")
+    records, state = run_distributed(in_float64, 4, train_on_rank, recipe, timeout=300, init_process_group=False)[0]
+    _close(train_losses(records), train_losses(reference.records), "loss")
+    for key in ("aux_loss", "grad_norm"):
+        _close([r[key] for r in records if key in r], [r[key] for r in reference.records if key in r], key)
+    assert state.keys() == reference.state_dict.keys()
+    for name, want in reference.state_dict.items():
+        assert want.dtype == torch.float64, name
+        torch.testing.assert_close(state[name], want, rtol=TOL, atol=TOL, msg=name)
+    resumed = train(load_recipe("qwen3_moe_debug_ep.toml", tmp_path / "resumed", *steps, *one,
+                                f"--checkpoint.load_from={tmp_path / 'ep' / 'checkpoints' / 'step_2'}"))
+    _close(train_losses(resumed.records), train_losses(reference.records)[2:], "resumed loss")
+
+
+@pytest.mark.parametrize(("recipe", "overrides", "world", "message"), [
+    ("llama_debug.toml", ["--parallel.dp_shard=2", "--parallel.ep=2"], 2,
+     r"parallel\.ep = 2: expert parallelism \(mixture-of-experts families only\) is not built yet for model "
+     r"family 'llama'"),
+    ("qwen3_moe_debug_ep.toml", ["--parallel.dp_shard=3", "--parallel.ep=2"], 3,
+     r"\[parallel\] ep = 2 borrows its ranks from dp_shard = 3, which it must divide"),
+    ("qwen3_moe_debug_ep.toml", ["--parallel.dp_shard=3", "--parallel.ep=3", "--train.global_batch=6"], 3,
+     r"parallel\.ep = 3: 8 experts do not split over 3 ranks; choose an ep that divides the expert count"),
+    ("qwen3_moe_debug_ep.toml", ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"], 4,
+     r"parallel\.ep = 2 with parallel\.dp_replicate = 2: experts are not yet sharded over replicas"),
+], ids=["dense-family", "ep-not-dividing-dp_shard", "experts-not-dividing", "with-replicas"])
+def test_bad_ep_layouts_are_refused_before_launch(recipe, overrides, world, message, tmp_path):
+    from meshpar.preflight import check_layout
+    from meshpar.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=message):
+        check_layout(load_recipe(recipe, tmp_path, *overrides), world)

@@ -151,8 +151,8 @@ def test_malformed_recipe(tmp_path, text, message):
 BAD_MODELS = [
     ("unknown-family", '[model]\nfamily = "mistral"\n',
      rf"model\.family = 'mistral': unknown family; choose one of {', '.join(FAMILIES)}$"),
-    ("unknown-size", '[model]\nsize = "3b"\n',
-     rf"model\.size = '3b': no such size for family 'llama'; choose one of {', '.join(FAMILIES['llama'].sizes)}$"),
+    ("unknown-size", '[model]\nsize = "13b"\n',
+     rf"model\.size = '13b': no such size for family 'llama'; choose one of {', '.join(FAMILIES['llama'].sizes)}$"),
     ("unknown-size-gpt2", '[model]\nfamily = "gpt2"\nsize = "8b"\n',
      rf"model\.size = '8b': no such size for family 'gpt2'; choose one of {', '.join(FAMILIES['gpt2'].sizes)}$"),
 ]

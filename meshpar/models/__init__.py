@@ -84,22 +84,32 @@ NOT_BUILT = {
     "dp_shard": "sharded data parallelism (meshpar.fully_shard)",
     "cp": "context parallelism",
     "tp": "tensor parallelism",
+    "ep": "expert parallelism (mixture-of-experts families only)",
 }
 
 _ND = frozenset({"pp", "dp_replicate", "dp_shard", "tp"})
-_DP = frozenset({"dp_replicate", "dp_shard"})  # mixture of experts: tp, pp and ep are not built yet (issue 17)
+_MOE = frozenset({"dp_replicate", "dp_shard", "ep"})  # mixture of experts: tp and pp are not built yet (issue 17)
 
 
-def _no_check(args: Any, layout: Any) -> None:
-    """Nothing to check: the family runs without tensor parallelism (``check_degrees`` refuses tp)."""
+def check_moe_layout(args: Any, layout: Any) -> None:
+    """Expert parallelism: ep divides the expert count, and composes with FSDP only so far."""
+    if layout.ep == 1:
+        return
+    if args.n_experts % layout.ep:
+        raise RecipeError(f"parallel.ep = {layout.ep}: {args.n_experts} experts do not split over {layout.ep} ranks; "
+                          f"choose an ep that divides the expert count", "parallel.ep")
+    if layout.dp_replicate > 1:
+        raise RecipeError(f"parallel.ep = {layout.ep} with parallel.dp_replicate = {layout.dp_replicate}: experts "
+                          f"are not yet sharded over replicas; set dp_replicate = 1 (ep borrows from dp_shard)",
+                          "parallel.ep")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", Transformer, LLAMA_SIZES, LLAMA_TP_PLAN, check_llama_layout, _ND),
     Family("qwen2", Transformer, QWEN2_SIZES, LLAMA_TP_PLAN, check_llama_layout, _ND),
     Family("qwen3", Transformer, QWEN3_SIZES, LLAMA_TP_PLAN, check_llama_layout, _ND),
     Family("gpt2", GPT2, GPT2_SIZES, GPT2_TP_PLAN, check_gpt2_layout, _ND),
-    Family("qwen3_moe", MoETransformer, QWEN3_MOE_SIZES, MIXTRAL.TP_PLAN(), _no_check, _DP),
-    Family("mixtral", MoETransformer, MIXTRAL_SIZES, MIXTRAL.TP_PLAN(), _no_check, _DP),
+    Family("qwen3_moe", MoETransformer, QWEN3_MOE_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
+    Family("mixtral", MoETransformer, MIXTRAL_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
 )}
 
 
