@@ -27,13 +27,14 @@ the same exchange reversed (``comm.all_to_all_rows`` is an autograd function), s
 byte is counted by ``meshpar.comm`` on the ``ep`` dim, forward and backward: per layer and pass,
 a rank sends its rows for other ranks' experts (``D * itemsize`` bytes each) and ``n - 1`` counts.
 
-Gradients: an expert's weight gradient sums the contributions of every rank's token slots, and
-the non-expert parameters are replicated, so data-parallel averaging divides both by the number
-of ranks whose losses are averaged (tests/test_expert_parallel.py does it by hand; FSDP over the
-ranks left over is not composed with ``ep`` yet).
+Gradients: an expert's weight gradient sums the contributions of every rank's token slots, so
+data-parallel averaging divides it by all the data-parallel ranks, not only those it is replicated
+over. In a recipe (``parallel.ep``) ep borrows its ranks from ``dp_shard`` (``Mesh.experts``) and
+meshpar/parallelize.py FSDP-shards the experts over the ranks ep leaves with that divide factor;
+tests/test_expert_parallel.py also drives it by hand, without FSDP.
 
-Limits: not yet a recipe key (``parallel.ep``) nor composed with FSDP, TP or PP; tokens dropped by a
-capacity factor are dropped before dispatch, per rank.
+Limits: not composed with ``dp_replicate``, TP or PP yet; tokens dropped by a capacity factor are
+dropped before dispatch, per rank.
 """
 
 from __future__ import annotations
