@@ -1,0 +1,23 @@
+"""``python -m tests.benchmarks.bench_moe --smoke`` runs: 2 ranks, FSDP only and ep 2, one timed step;
+the all-to-all bytes meshpar.comm counted equal the figure the routing implies (~25 s here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_moe_smoke(tmp_path):
+    out = tmp_path / "bench_moe.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.benchmarks.bench_moe", "--smoke", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fsdp, ep = json.loads(out.read_text())
+    assert (fsdp["ep"], fsdp["a2a_calls_per_step"], fsdp["a2a_bytes_per_step"]) == (1, 0, 0)
+    assert ep["ep"] == 2 and ep["a2a_calls_per_step"] == 5 * 3  # 5 calls per sparse layer, 3 sparse layers
+    assert ep["bytes_equal"] and ep["a2a_bytes_per_step"] > 0
+    assert ep["vs_fsdp"] > 0
