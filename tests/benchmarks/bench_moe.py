@@ -60,14 +60,8 @@ import torch
 import torch.distributed as dist
 
 from meshpar import comm
-from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
-from meshpar.models import get_family
-from meshpar.optim import build_optimizer
-from meshpar.parallelize import build
-from meshpar.preflight import _check_batch
-from meshpar.step import GradSync, Model, train_step
-from tests.benchmarks.calibrate_plan import _RandomBatches
+from tests.benchmarks.calibrate_plan import build_training
 from tests.distributed import run_distributed
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_moe_debug.toml"
@@ -108,20 +102,10 @@ def measure_rank(overrides: list[str], warmup: int, steps: int) -> dict:
     """On one gloo rank: per timed step its seconds, the ep all-to-all calls and bytes counted, and
     the analytic bytes."""
     recipe = recipelib.load(RECIPE, overrides)
-    t, p = recipe.train, recipe.parallel
-    layout = meshlib.resolve(p, dist.get_world_size())
-    accum = _check_batch(recipe, layout)
-    family = get_family(recipe.model.family)
-    args = family.model_args(recipe.model)
-    mesh = meshlib.build(layout, "cpu")
-    device = torch.device("cpu")
-    stages = build(family.model_cls, args, family.tp_plan, mesh, p, device, t.seed)
-    model = Model(torch.nn.ModuleList(m for _, m in stages), None, False)
-    optimizer = build_optimizer(model.stages, recipe.optim)
-    loader = _RandomBatches(accum, t.micro_batch, t.seq_len, args.vocab_size)
-    loader.generator.manual_seed(dist.get_rank())  # each rank its own tokens, so routing differs by rank
-    sync = GradSync.of(mesh, p, recipe.optim)
-    moes = [moe for stage in model.stages for moe in stage.moe_layers()]
+    run = build_training(recipe)
+    layout, args, mesh, p = run.layout, run.args, run.mesh, recipe.parallel
+    run.loader.generator.manual_seed(dist.get_rank())  # each rank its own tokens, so routing differs by rank
+    moes = [moe for stage in run.model.stages for moe in stage.moe_layers()]
     itemsize = getattr(torch, p.param_dtype).itemsize  # the rows travel in the compute dtype
     ep_mesh = mesh.experts[0] if layout.ep > 1 else None
     out: dict = {"times": [], "calls": [], "bytes": [], "expected": []}
@@ -129,7 +113,7 @@ def measure_rank(overrides: list[str], warmup: int, steps: int) -> dict:
         dist.barrier()  # every rank starts together; the step's time is the slowest rank's
         start = time.perf_counter()
         with comm.count() as counted:
-            train_step(model, loader.next_step, accum, sync, device, optimizer)
+            run.step()
         elapsed = time.perf_counter() - start
         expected = 0
         if ep_mesh is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -84,9 +85,29 @@ class _RandomBatches:
                  torch.randint(0, self.vocab, self.shape, generator=self.generator)) for _ in range(self.accum)]
 
 
-def measure_rank(overrides: list[str], steps: int) -> tuple[int, int]:
-    """On one gloo rank: (pipeline stage, peak live bytes of the last of ``steps`` training steps)."""
-    recipe = recipelib.load(None, overrides)
+@dataclass
+class Training:
+    """What ``meshpar train`` builds on one gloo rank for a recipe, without data or LR schedule."""
+
+    layout: meshlib.Layout
+    accum: int
+    args: object
+    mesh: meshlib.Mesh
+    pipeline: object
+    model: Model
+    optimizer: torch.optim.Optimizer
+    loader: _RandomBatches
+    sync: GradSync
+    device: torch.device
+
+    def step(self):
+        """meshpar.train's step, without the LR schedule."""
+        return train_step(self.model, self.loader.next_step, self.accum, self.sync, self.device, self.optimizer)
+
+
+def build_training(recipe: recipelib.Recipe) -> Training:
+    """The parallelized model (``meshpar.parallelize.build``), its pipeline schedule, fused AdamW,
+    random batches and gradient sync, on this gloo rank (also tests/benchmarks/bench_moe.py's)."""
     t, p = recipe.train, recipe.parallel
     layout = meshlib.resolve(p, dist.get_world_size())
     accum = _check_batch(recipe, layout)
@@ -100,13 +121,15 @@ def measure_rank(overrides: list[str], steps: int) -> tuple[int, int]:
         pipeline = build_schedule(stages, layout.pp, mesh["pp"], device, p.pp_schedule, accum, cross_entropy,
                                   reduce_every_microbatch=p.grad_reduce == "microbatch")
     model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, layout.tp > 1 and p.loss_parallel)
-    optimizer = build_optimizer(model.stages, recipe.optim)
     loader = _RandomBatches(accum, t.micro_batch, t.seq_len, args.vocab_size)
-    sync = GradSync.of(mesh, p, recipe.optim)
+    return Training(layout, accum, args, mesh, pipeline, model, build_optimizer(model.stages, recipe.optim), loader,
+                    GradSync.of(mesh, p, recipe.optim), device)
 
-    def step() -> None:  # meshpar.train's step, without the LR schedule
-        train_step(model, loader.next_step, accum, sync, device, optimizer)
 
+def measure_rank(overrides: list[str], steps: int) -> tuple[int, int]:
+    """On one gloo rank: (pipeline stage, peak live bytes of the last of ``steps`` training steps)."""
+    run = build_training(recipelib.load(None, overrides))
+    model, optimizer, pipeline, mesh, step = run.model, run.optimizer, run.pipeline, run.mesh, run.step
     for _ in range(steps - 1):
         step()
     # The tracker starts after the first step: the pipeline's first step infers shapes with
