@@ -27,14 +27,19 @@
   torchtitan ran.
 - Tensor parallel and pipeline transfers sit on the critical path of every microbatch
   (sequence-parallel all-gathers and reduce-scatters run between the matmuls that need
-  them; a stage waits for its input); data-parallel collectives (FSDP all-gathers and
-  reduce-scatters, replica all-reduces) overlap with compute through prefetching, except
-  the first unit's all-gather and the last unit's reduce-scatter of a step.
+  them; a stage waits for its input), and so do expert parallelism's all-to-alls (the
+  experts wait for their token slots, the block for their outputs; bytes of a balanced step,
+  [Note: the planner routes tokens evenly] in planner/moe.py: per sparse layer and microbatch,
+  forward and backward each, 2 x tokens x top_k x (ep - 1) / ep x D x itemsize);
+  data-parallel collectives (FSDP all-gathers and reduce-scatters, replica all-reduces)
+  overlap with compute through prefetching, except the first unit's all-gather and the
+  last unit's reduce-scatter of a step.
 - The pipeline runs ``n + p - 1`` microbatch slots for n microbatches on p stages (1F1B
   and GPipe), so its bubble is ``(p - 1) / (n + p - 1)`` of the step.
 - Links: a mesh dim's groups stay inside a node when the dim's degree times the degrees
   of every dim inside it divides the GPUs per node (tp innermost, so it is the first to
-  stay inside; tp 3 on nodes of 8 would put a group across two nodes); otherwise they
+  stay inside; tp 3 on nodes of 8 would put a group across two nodes; ep is the innermost
+  part of dp_shard, so its span is ep x cp x tp); otherwise they
   cross nodes and run at the inter-node bandwidth, per GPU per direction. Bytes are ring
   volumes per rank ([Note: bytes counted] in meshpar/comm.py), counted in the simulated
   step, at the full link bandwidth, which collectives do not reach: communication times
@@ -113,10 +118,25 @@ class StepTime:
     gpus_per_node: int
 
 
+# dims a step communicates over that are not mesh DIMS: dp (dp_replicate x dp_shard flattened), and
+# dp_shard split into dp_shard_mod_ep (outer) x ep (inner) by expert parallelism (Mesh.experts)
+_SUB_DIMS = {"dp": "dp_replicate", "dp_shard_mod_ep": "dp_shard", "ep": "dp_shard"}
+
+
+def _degree(dim: str, layout: Layout) -> int:
+    if dim == "dp":
+        return layout.dp
+    if dim == "ep":
+        return layout.ep
+    return layout.dp_shard // layout.ep if dim == "dp_shard_mod_ep" else getattr(layout, dim)
+
+
 def _link(dim: str, layout: Layout, gpus_per_node: int, profile: HardwareProfile) -> tuple[str, float]:
     degrees = dict(zip(DIMS, layout.degrees, strict=True))
-    outermost = "dp_replicate" if dim == "dp" else dim  # dp: dp_replicate x dp_shard flattened
+    outermost = _SUB_DIMS.get(dim, dim)
     span = math.prod(degrees[d] for d in DIMS[DIMS.index(outermost):])  # the dim and every dim inside it
+    if dim == "ep":  # the innermost part of dp_shard: ep x the dims inside dp_shard
+        span = span // layout.dp_shard * layout.ep
     if gpus_per_node % span == 0:  # ranks are laid out row-major: a group is `span` consecutive ranks
         return "intra-node", profile.intra_node_gbps
     return "inter-node", profile.inter_node_gbps
@@ -149,12 +169,13 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
         neighbours = (r.stage > 0) + (r.stage < layout.pp - 1)
         per_dim["pp"] += hidden * accum * neighbours
     comms = []
-    for dim, nbytes in sorted(per_dim.items(), key=lambda kv: DIMS.index(kv[0]) if kv[0] in DIMS else -1):
-        if dim not in DIMS and dim != "dp":
+    order = ["dp", "pp", "dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep", "cp", "tp"]
+    for dim, nbytes in sorted(per_dim.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else -1):
+        if dim not in order or _degree(dim, layout) == 1:  # dp_shard_mod_ep 1 under ep = dp_shard: no wire
             continue
         link, gbps = _link(dim, layout, gpn, profile)
-        degree = layout.dp if dim == "dp" else getattr(layout, dim)
-        comms.append(DimComm(dim, degree, link, gbps, nbytes, nbytes / (gbps * 1e9), dim not in ("tp", "pp")))
+        comms.append(DimComm(dim, _degree(dim, layout), link, gbps, nbytes, nbytes / (gbps * 1e9),
+                             dim not in ("tp", "pp", "ep")))
     return comms
 
 

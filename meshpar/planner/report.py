@@ -30,7 +30,14 @@ def header(plan: Plan) -> str:
             f"  batch {t.global_batch} x {t.seq_len} tokens, micro_batch {t.micro_batch}, {plan.accum} "
             f"microbatch{'es' if plan.accum > 1 else ''} per step | compute {dtype}, reduce {p.reduce_dtype}\n"
             f"  activation checkpointing {ac} | reshard_after_forward {str(p.reshard_after_forward).lower()} | "
-            f"{plan.n_params:,} parameters | {plan.time.model_flops_per_token / 1e9:,.1f} GFLOP per token")
+            f"{plan.n_params:,} parameters{_active(plan)} | "
+            f"{plan.time.model_flops_per_token / 1e9:,.1f} GFLOP per token")
+
+
+def _active(plan: Plan) -> str:
+    """", 3,353,032,704 active" for a mixture of experts (total less the experts a token skips)."""
+    inactive = getattr(plan.args, "inactive_params", None)
+    return f", {plan.n_params - inactive():,} active" if inactive else ""
 
 
 def params_table(r: RankPlan) -> str:

@@ -95,12 +95,14 @@ def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_no
     args = family.model_args(recipe.model)
     t = recipe.train
     out = []
-    for tp in [d for d in _divisors(gpus_per_node) if gpus % d == 0]:
-        for pp in [d for d in _divisors(gpus // tp) if d <= args.n_layers // 2 and d <= 16]:
+    dims = family.mesh_dims
+    for tp in [d for d in _divisors(gpus_per_node) if gpus % d == 0 and (d == 1 or "tp" in dims)]:
+        for pp in [d for d in _divisors(gpus // tp) if d <= args.n_layers // 2 and d <= 16
+                   and (d == 1 or "pp" in dims)]:
             dp = gpus // (tp * pp)
             shard_in_node = max(1, gpus_per_node // tp)
             hybrids = [1] + ([dp // shard_in_node] if dp > shard_in_node and dp % shard_in_node == 0 else [])
-            for replicate in hybrids:
+            for replicate, ep in _with_ep(hybrids, dp, args, "ep" in dims):
                 for mb in MICRO_BATCHES:
                     if t.global_batch % (dp * mb):
                         continue
@@ -112,6 +114,7 @@ def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_no
                                 ("step", "microbatch") if n > 1 and sharded else ("step",)):
                             layout = [f"--parallel.tp={tp}", f"--parallel.pp={pp}",
                                       f"--parallel.dp_replicate={replicate}", f"--parallel.dp_shard={dp // replicate}",
+                                      *([f"--parallel.ep={ep}"] if "ep" in dims else []),
                                       f"--train.micro_batch={mb}", f'--parallel.activation_checkpoint="{ac}"',
                                       f"--parallel.reshard_after_forward={str(reshard).lower()}",
                                       f'--parallel.grad_reduce="{reduce}"']
@@ -126,6 +129,15 @@ def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_no
                             bound = _bound(args, cand, pp, tp, dp, n, profile, gpus_per_node, efficiency)
                             out.append(Candidate(tuple(layout), bound))
     return sorted(out, key=lambda c: (-round(c.bound, 6), _memory_key(c.overrides)))
+
+
+def _with_ep(hybrids: list[int], dp: int, args, moe: bool) -> list[tuple[int, int]]:
+    """(dp_replicate, ep) pairs: for a mixture-of-experts family, every ep that divides dp_shard and
+    the expert count (ep borrows its ranks from dp_shard, and does not compose with replicas yet)."""
+    if not moe:
+        return [(r, 1) for r in hybrids]
+    return [(r, ep) for r in hybrids for ep in _divisors(dp // r)
+            if args.n_experts % ep == 0 and (ep == 1 or r == 1)]
 
 
 def _bound(args, recipe: Recipe, pp: int, tp: int, dp: int, n: int, profile: HardwareProfile, gpus_per_node: int,
@@ -144,8 +156,22 @@ def _bound(args, recipe: Recipe, pp: int, tp: int, dp: int, n: int, profile: Har
                                           t.seq_len)[1]
         compute = executed * t.global_batch * t.seq_len / dp / tp / flops
         tp_bytes = 8 * t.micro_batch * t.seq_len * args.dim * itemsize * (tp - 1) / tp * len(layers) * n
-        worst = max(worst, compute + tp_bytes / (gbps * 1e9))
+        worst = max(worst, compute + tp_bytes / (gbps * 1e9) + _all_to_all_s(args, recipe, layers, n, profile,
+                                                                              gpus_per_node))
     return t.global_batch * t.seq_len / (worst * (n + pp - 1) / n)
+
+
+def _all_to_all_s(args, recipe: Recipe, layers: range, n: int, profile: HardwareProfile, gpus_per_node: int) -> float:
+    """Expert parallelism's all-to-alls of a balanced step (cost.py's term, by arithmetic): per sparse
+    layer and microbatch, forward and backward, 2 x tokens x top_k x (ep - 1) / ep x D x itemsize."""
+    ep, t = recipe.parallel.ep, recipe.train
+    if ep == 1:
+        return 0.0
+    sparse = sum(args.is_sparse(i) for i in layers)
+    nbytes = 4 * t.micro_batch * t.seq_len * args.top_k * (ep - 1) / ep * args.dim * sparse * n
+    nbytes *= getattr(torch, recipe.parallel.param_dtype).itemsize
+    gbps = profile.intra_node_gbps if gpus_per_node % ep == 0 else profile.inter_node_gbps
+    return nbytes / (gbps * 1e9)
 
 
 def _memory_key(overrides: tuple[str, ...]) -> tuple:
@@ -157,7 +183,8 @@ def _memory_key(overrides: tuple[str, ...]) -> tuple:
 
 
 def _same_layout(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
-    return a[:4] == b[:4]  # tp, pp, dp_replicate, dp_shard
+    keys = ("--parallel.tp", "--parallel.pp", "--parallel.dp_replicate", "--parallel.dp_shard", "--parallel.ep")
+    return [x for x in a if x.split("=")[0] in keys] == [x for x in b if x.split("=")[0] in keys]
 
 
 def _needs_more(a: tuple[str, ...], b: tuple[str, ...]) -> bool:

@@ -66,6 +66,7 @@ from meshpar.comm import comm_buffers
 from meshpar.fsdp import FSDPModule
 from meshpar.mesh import DIMS, Mesh
 from meshpar.pipeline import Stage
+from meshpar.planner.moe import balanced_routing
 from meshpar.profiling.memory import AllocationTracker
 from meshpar.recipe import Recipe
 from meshpar.step import GradSync, Microbatch, Model, cross_entropy, train_step
@@ -307,7 +308,7 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
         if layout.pp > 1:
             pipe = Stage(stage, index, layout.pp, device, mesh["pp"].get_group(), p.grad_reduce == "microbatch")
         phases: dict[str, Phase] = {}
-        with _Tracker(stage, groups=_groups(mesh)) as tracker:
+        with balanced_routing(stage), _Tracker(stage, groups=_groups(mesh)) as tracker:
             phase = _priced(tracker, phases)
             if pipe is not None:
                 model.pipeline = _OneAtATime(pipe, accum, grads, phase)

@@ -50,6 +50,14 @@ class MoEArgs(ModelArgs):
         """Whether block ``layer`` has experts (Hugging Face's Qwen3MoeDecoderLayer rule)."""
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
+    def n_sparse_layers(self) -> int:
+        return sum(self.is_sparse(i) for i in range(self.n_layers))
+
+    def inactive_params(self) -> int:
+        """Expert weights a token does not run through: the E - top_k experts it is not routed to, in
+        every sparse layer. Active parameters = total - this (3.35B of 30.5B for Qwen3-30B-A3B)."""
+        return self.n_sparse_layers() * (self.n_experts - self.top_k) * 3 * self.dim * self.moe_ffn_dim
+
     def matmul_params(self) -> int:
         """ACTIVE weights in matrix multiplies per token: attention, the router, the top_k experts a
         token runs through (not all n_experts), dense layers, and the output. So flops_per_token, the

@@ -1,0 +1,99 @@
+"""A mixture-of-experts step on fake tensors: routing replaced by a balanced one, in the simulation only.
+
+    with balanced_routing(stage):     # inside simulate()'s FakeTensorMode
+        train_step(...)
+
+[Note: the planner routes tokens evenly]
+``MoE.forward`` (meshpar/models/moe/model.py) sizes its dispatch by the router's choices:
+``torch.bincount`` of the chosen experts, splits read on the host by the loop kernel and by the
+expert-parallel all-to-all (meshpar/expert_parallel.py). Fake tensors have no values, so the
+planner assumes balanced routing, what the load-balancing loss aims at: each expert receives
+``N * top_k / E`` of a forward's ``N * top_k`` token slots (the remainder to the first experts),
+and each ep rank sends and receives ``1/ep`` of its slots to and from every rank. The routing
+itself (router matmul, softmax, top-k, gather of the gate weights, the sort, the auxiliary
+loss) runs unchanged; only what reads values is replaced:
+
+- ``torch.bincount`` -> the balanced counts (a fake tensor of the right shape);
+- the grouped matmul -> one ``bmm`` over ``[E, S/E, D]`` when E divides S (it saves x and w
+  for backward, as CUDA's grouped kernel does; the CPU loop kernel's per-expert outputs and
+  their ``cat`` would add a transient copy no GPU makes), else a loop with the balanced splits;
+- the expert-parallel dispatch -> the same two all-to-alls (counts, then rows forward and
+  back, through ``meshpar.comm``, so their bytes are counted on the ``ep`` dim) and the same
+  permutations, with the balanced splits;
+- a capacity drop keeps every slot (balanced loads never exceed a capacity factor >= 1).
+
+The planned memory is a balanced step's. A real step's busiest expert holds more rows than the
+mean (its grouped-matmul activations grow with its load, and under ep its rank receives more):
+raise ``capacity_factor`` to bound it, or leave headroom for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from meshpar import comm
+from meshpar import expert_parallel as eplib
+from meshpar.models.moe import model as moelib
+
+
+def _balanced(slots: int, experts: int) -> list[int]:
+    """``slots`` token slots over ``experts``, as evenly as integers allow (first ones one more)."""
+    base, extra = divmod(slots, experts)
+    return [base + (e < extra) for e in range(experts)]
+
+
+def _bincount(input: Tensor, weights: Tensor | None = None, minlength: int = 0) -> Tensor:
+    return torch.tensor(_balanced(input.numel(), minlength), dtype=torch.long, device=input.device)
+
+
+def _grouped_mm(x: Tensor, w: Tensor, counts: Tensor, kernel: str = "auto") -> Tensor:
+    """x[S, D] @ w[E, D, N] per balanced run -> [S, N] (``counts`` is not read)."""
+    s, e = x.shape[0], w.shape[0]
+    if s % e == 0:  # x[E, S/E, D] @ w[E, D, N] -> [E, S/E, N]
+        return torch.bmm(x.view(e, s // e, x.shape[1]), w).view(s, w.shape[2])
+    runs = x.split(_balanced(s, e))
+    return torch.cat([run @ w[i] for i, run in enumerate(runs)])
+
+
+def _dispatch(experts: moelib.Experts, mesh, x: Tensor, counts: Tensor) -> Tensor:
+    """meshpar/expert_parallel.py's ``_dispatch`` with balanced splits: the same collectives and copies."""
+    group, n, dim = mesh.get_group(), mesh.size(), (mesh.mesh_dim_names or ("ep",))[0]
+    w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1, experts.w2, experts.w3))
+    local = w1.shape[0]
+    recv_counts = torch.empty_like(counts)
+    comm.all_to_all(recv_counts, counts, [local] * n, [local] * n, group, dim=dim).wait()
+    splits = _balanced(x.shape[0], n)  # sent to each rank; received from each, as many
+    received = comm.all_to_all_rows(x, splits, splits, group, dim=dim)
+    order = torch.arange(received.shape[0], device=x.device).flip(0)  # a permutation, as the real one
+    y = moelib.swiglu_experts(received[order], w1, w2, w3, recv_counts.view(n, local).sum(0), experts.kernel)
+    return comm.all_to_all_rows(y[order.argsort()], splits, splits, group, dim=dim)
+
+
+@contextlib.contextmanager
+def balanced_routing(stage: nn.Module) -> Iterator[None]:
+    """[Note: the planner routes tokens evenly] for ``stage``'s MoE layers, while the context lasts."""
+    layers = stage.moe_layers() if hasattr(stage, "moe_layers") else []
+    if not layers:
+        yield
+        return
+    saved = torch.bincount, moelib.grouped_mm, moelib.MoE._drop_over_capacity
+    rebound = []
+    for moe in layers:  # expert parallelism bound its dispatch to the instance (apply_expert_parallel)
+        fwd = moe.experts.__dict__.get("forward")
+        if isinstance(fwd, functools.partial) and fwd.func is eplib._dispatch:
+            rebound.append((moe.experts, fwd))
+            moe.experts.forward = functools.partial(_dispatch, *fwd.args)
+    torch.bincount, moelib.grouped_mm = _bincount, _grouped_mm
+    moelib.MoE._drop_over_capacity = lambda self, order, flat, counts, slots: (order, counts)
+    try:
+        yield
+    finally:
+        torch.bincount, moelib.grouped_mm, moelib.MoE._drop_over_capacity = saved
+        for experts, fwd in rebound:
+            experts.forward = fwd
