@@ -31,13 +31,15 @@ def test_active_parameters_are_total_less_the_skipped_experts():
 
 
 def test_all_to_all_bytes_are_the_balanced_arithmetic():
-    """Per sparse layer and microbatch, forward and backward: 2 x tokens x top_k x (ep-1)/ep x D x
-    itemsize, plus the counts' exchange (E/ep int64 to each other rank, twice per layer)."""
+    """Per sparse layer and microbatch, forward, backward and (full checkpointing) the recomputed
+    forward: 2 x tokens x top_k x (ep-1)/ep x D x itemsize each, plus the counts' exchange in each
+    forward (E/ep int64 to each other rank)."""
     for name in MOE_RECIPES:
         plan = _run(str(RECIPES / f"{name}.toml"))[3]
         a, t, layout = plan.args, plan.recipe.train, plan.layout
-        rows = 2 * 2 * t.micro_batch * t.seq_len * a.top_k * (layout.ep - 1) / layout.ep
-        counts = 8 * a.n_experts // layout.ep * (layout.ep - 1)
+        forwards = 2 if plan.recipe.parallel.activation_checkpoint == "full" else 1  # every recipe's ac_every 1
+        rows = (forwards + 1) * 2 * t.micro_batch * t.seq_len * a.top_k * (layout.ep - 1) / layout.ep
+        counts = forwards * 8 * a.n_experts // layout.ep * (layout.ep - 1)
         expected = a.n_sparse_layers() * plan.accum * (rows * a.dim * 2 + counts)  # bf16 rows
         ep = next(c for c in plan.time.comm if c.dim == "ep")
         assert ep.bytes_per_step == pytest.approx(expected, rel=1e-6), name

@@ -30,7 +30,8 @@
   them; a stage waits for its input), and so do expert parallelism's all-to-alls (the
   experts wait for their token slots, the block for their outputs; bytes of a balanced step,
   [Note: the planner routes tokens evenly] in planner/moe.py: per sparse layer and microbatch,
-  forward and backward each, 2 x tokens x top_k x (ep - 1) / ep x D x itemsize);
+  forward and backward each, and the forward again under full checkpointing, 2 x tokens x
+  top_k x (ep - 1) / ep x D x itemsize);
   data-parallel collectives (FSDP all-gathers and reduce-scatters, replica all-reduces)
   overlap with compute through prefetching, except the first unit's all-gather and the
   last unit's reduce-scatter of a step.

@@ -163,12 +163,14 @@ def _bound(args, recipe: Recipe, pp: int, tp: int, dp: int, n: int, profile: Har
 
 def _all_to_all_s(args, recipe: Recipe, layers: range, n: int, profile: HardwareProfile, gpus_per_node: int) -> float:
     """Expert parallelism's all-to-alls of a balanced step (cost.py's term, by arithmetic): per sparse
-    layer and microbatch, forward and backward, 2 x tokens x top_k x (ep - 1) / ep x D x itemsize."""
-    ep, t = recipe.parallel.ep, recipe.train
+    layer and microbatch, forward and backward (and the recomputed forward of a checkpointed block),
+    2 x tokens x top_k x (ep - 1) / ep x D x itemsize each."""
+    ep, t, p = recipe.parallel.ep, recipe.train, recipe.parallel
     if ep == 1:
         return 0.0
-    sparse = sum(args.is_sparse(i) for i in layers)
-    nbytes = 4 * t.micro_batch * t.seq_len * args.top_k * (ep - 1) / ep * args.dim * sparse * n
+    sparse = sum(args.is_sparse(i) * (3 if p.activation_checkpoint == "full" and i % p.ac_every == 0 else 2)
+                 for i in layers)
+    nbytes = 2 * t.micro_batch * t.seq_len * args.top_k * (ep - 1) / ep * args.dim * sparse * n
     nbytes *= getattr(torch, recipe.parallel.param_dtype).itemsize
     gbps = profile.intra_node_gbps if gpus_per_node % ep == 0 else profile.inter_node_gbps
     return nbytes / (gbps * 1e9)
