@@ -207,6 +207,8 @@ def evaluate(base: list[str], overrides: tuple[str, ...], gpus: int, profile: Ha
         p = plan(recipe, gpus, profile, gpus_per_node=gpus_per_node, efficiency=efficiency)
     except RecipeError as e:
         return Result(overrides, "", False, 0, 0, 0.0, 0.0, 0.0, str(e))
+    except RuntimeError as e:  # the simulated step itself failed: one candidate, not the search
+        return Result(overrides, "", False, 0, 0, 0.0, 0.0, 0.0, f"the dry run failed: {str(e).splitlines()[0]}")
     peak = max(r.peak_bytes for r in p.ranks)
     return Result(overrides, str(p.layout), peak <= p.usable_bytes, peak, p.usable_bytes, p.time.tokens_per_s,
                   p.time.mfu, p.time.step_s)
