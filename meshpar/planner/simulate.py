@@ -30,6 +30,8 @@ hook).
   GPipe: all of them before the first backward) add their saved activations, measured as
   what a forward leaves alive, to the phase each forward or backward of the real order is
   priced as (``schedule_actions``).
+- Mixture of experts: fake tensors have no routing to read, so tokens are routed evenly
+  (``planner/moe.py``, [Note: the planner routes tokens evenly]): a balanced step's memory.
 - Pipeline receive buffers (activations in, gradients back: one per microbatch, allocated
   once by ``torch.distributed.pipelining`` and kept) are arithmetic from the stage's shapes.
 
