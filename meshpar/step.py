@@ -35,7 +35,11 @@ A model may set ``aux_loss`` in its forward (mixture of experts: the weighted lo
 [Note: load-balancing loss] in meshpar/models/moe/model.py). The step backpropagates
 cross-entropy + aux_loss, each divided by ``accum``, and reports them apart: ``loss`` is the
 cross-entropy alone (comparable with dense models and with validation), ``aux_loss`` the auxiliary
-term. A model with ``update_expert_bias`` (aux-free balancing) has it called after each optimizer
+term. Under activation checkpointing the recomputed forward, inside backward, sets each MoE layer's
+``aux_loss`` again: a graph holding that recompute's saved activations, which nothing consumes and
+which lived until the next forward (the planner found it: 0.3 GiB a layer at 4096 tokens for
+Qwen3-30B-A3B); the step drops the layers' ``aux_loss`` after each backward (tests/test_moe_metrics.py).
+A model with ``update_expert_bias`` (aux-free balancing) has it called after each optimizer
 step with its expert loads summed over the data-parallel ranks. Pipeline stages do not collect
 an auxiliary loss yet (mixture-of-experts families refuse pp).
 
@@ -192,6 +196,8 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
                     if experts:
                         count = count_expert_load(experts, inputs.numel())
                         load = count if load is None else load + count
+                        for moe in experts:  # [Note: auxiliary losses]: a recompute's graph, let go
+                            moe.aux_loss = None
         with phase("optimizer"):
             maybe_reduce_replicas(model.stages, sync)
             params = [q for q in model.stages.parameters() if q.requires_grad]

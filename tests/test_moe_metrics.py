@@ -253,3 +253,24 @@ def test_meshpar_train_writes_expert_loads_to_metrics_jsonl(tmp_path, data_cache
         worst = max(range(2), key=lambda i: r["moe_imbalance"][i])
         assert (f"| experts max/mean {r['moe_imbalance'][worst]:.2f} (layer {r['moe_layers'][worst]}), "
                 f"{sum(r['moe_dropped']):,} slots dropped") in proc.stdout
+
+
+def _aux_losses_after_a_checkpointed_step(recipe_path: str, overrides: list[str]) -> list[bool]:
+    from tests.benchmarks.calibrate_plan import build_training
+
+    run = build_training(recipelib.load(recipe_path, overrides))
+    run.step()
+    return [moe.aux_loss is None for stage in run.model.stages for moe in stage.moe_layers()]
+
+
+def test_a_checkpointed_step_lets_go_of_the_recomputed_aux_losses(tmp_path):
+    """[Note: auxiliary losses] in meshpar/step.py: under full activation checkpointing the recompute
+    in backward sets each layer's aux_loss again, a graph of that recompute's activations; the step
+    drops them (they lived until the next forward: ~0.3 GiB a layer for Qwen3-30B-A3B at 4096 tokens)."""
+    from tests.distributed import run_distributed
+
+    overrides = ["--model.n_layers=2", "--model.vocab_size=256", "--train.seq_len=32", "--train.global_batch=2",
+                 "--train.micro_batch=1", '--parallel.activation_checkpoint="full"', "--parallel.dp_shard=1"]
+    released = run_distributed(_aux_losses_after_a_checkpointed_step, 1, str(ROOT / "recipes" / "qwen3_moe_debug.toml"),
+                               overrides, timeout=120)[0]
+    assert released and all(released), released
