@@ -82,7 +82,8 @@ def balanced_routing(stage: nn.Module) -> Iterator[None]:
     if not layers:
         yield
         return
-    saved = torch.bincount, moelib.grouped_mm, moelib.MoE._drop_over_capacity
+    saved_bincount = torch.bincount
+    saved = moelib.grouped_mm, moelib.MoE._drop_over_capacity
     rebound = []
     for moe in layers:  # expert parallelism bound its dispatch to the instance (apply_expert_parallel)
         fwd = moe.experts.__dict__.get("forward")
@@ -94,6 +95,7 @@ def balanced_routing(stage: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        torch.bincount, moelib.grouped_mm, moelib.MoE._drop_over_capacity = saved
+        torch.bincount = saved_bincount
+        moelib.grouped_mm, moelib.MoE._drop_over_capacity = saved
         for experts, fwd in rebound:
             experts.forward = fwd
