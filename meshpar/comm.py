@@ -355,24 +355,33 @@ class _AllToAllRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                group: dist.ProcessGroup, dim: str) -> torch.Tensor:
-        ctx.splits, ctx.group, ctx.dim = (output_splits, input_splits), group, dim
+                group: dist.ProcessGroup, dim: str, label: str | None) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.dim, ctx.label = (output_splits, input_splits), group, dim, label
         output = input.new_empty((sum(output_splits), *input.shape[1:]))
-        all_to_all(output, input.contiguous(), output_splits, input_splits, group, dim=dim).wait()
+        with _labelled(label):
+            all_to_all(output, input.contiguous(), output_splits, input_splits, group, dim=dim).wait()
         return output
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         output_splits, input_splits = ctx.splits
         grad_input = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        all_to_all(grad_input, grad.contiguous(), input_splits, output_splits, ctx.group, dim=ctx.dim).wait()
-        return grad_input, None, None, None, None
+        with _labelled(ctx.label):
+            all_to_all(grad_input, grad.contiguous(), input_splits, output_splits, ctx.group, dim=ctx.dim).wait()
+        return grad_input, None, None, None, None, None
+
+
+def _labelled(label: str | None) -> contextlib.AbstractContextManager:
+    return record_function(f"meshpar::{label}") if label else contextlib.nullcontext()
 
 
 def all_to_all_rows(input: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                    group: dist.ProcessGroup, *, dim: str) -> torch.Tensor:
-    """Differentiable ``all_to_all`` of ``input``'s rows (dim 0); returns the received rows."""
-    return _AllToAllRows.apply(input, output_splits, input_splits, group, dim)
+                    group: dist.ProcessGroup, *, dim: str, label: str | None = None) -> torch.Tensor:
+    """Differentiable ``all_to_all`` of ``input``'s rows (dim 0); returns the received rows.
+    ``label``: a trace range ``meshpar::<label>`` around the exchange, forward and backward (the
+    expert dispatch passes ``moe.dispatch[<layer>]`` / ``moe.combine[<layer>]``), enclosing the
+    ``meshpar::comm.all_to_all[<dim>]`` range."""
+    return _AllToAllRows.apply(input, output_splits, input_splits, group, dim, label)
 
 
 def world_max(value: int) -> int:

@@ -26,6 +26,8 @@ Splits are uneven and read on the host (one sync per layer: the all-to-all needs
 the same exchange reversed (``comm.all_to_all_rows`` is an autograd function), so every call and
 byte is counted by ``meshpar.comm`` on the ``ep`` dim, forward and backward: per layer and pass,
 a rank sends its rows for other ranks' experts (``D * itemsize`` bytes each) and ``n - 1`` counts.
+In a trace the row exchanges sit inside ``meshpar::moe.dispatch[<layer>]`` and
+``meshpar::moe.combine[<layer>]`` ranges (the block index), forward and backward.
 
 Gradients: an expert's weight gradient sums the contributions of every rank's token slots, so
 data-parallel averaging divides it by all the data-parallel ranks, not only those it is replicated
@@ -55,7 +57,10 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     ([Note: expert-parallel dispatch]). ``model``: a MoE transformer with its values (each rank the
     same), or on meta."""
     n = mesh.size()
-    for moe in model.moe_layers():
+    for layer, block in model.layers.items():
+        moe = getattr(block, "moe", None)
+        if moe is None:
+            continue
         experts = moe.experts
         if moe.n_experts % n:
             raise ValueError(f"{moe.n_experts} experts do not split over ep = {n} ranks; choose an ep degree that "
@@ -64,10 +69,10 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
             weight = getattr(experts, name)
             sharded = distribute_tensor(weight.detach(), mesh, [Shard(0)])
             setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
-        experts.forward = functools.partial(_dispatch, experts, mesh)
+        experts.forward = functools.partial(_dispatch, experts, mesh, int(layer))
 
 
-def _dispatch(experts: Experts, mesh: DeviceMesh, x: Tensor, counts: Tensor) -> Tensor:
+def _dispatch(experts: Experts, mesh: DeviceMesh, layer: int, x: Tensor, counts: Tensor) -> Tensor:
     """``Experts.forward`` over ``ep``: [Note: expert-parallel dispatch]."""
     group, n, dim = mesh.get_group(), mesh.size(), (mesh.mesh_dim_names or ("ep",))[0]
     w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1, experts.w2, experts.w3))
@@ -77,9 +82,11 @@ def _dispatch(experts: Experts, mesh: DeviceMesh, x: Tensor, counts: Tensor) -> 
     recv_counts = recv_counts.view(n, local)  # [source rank, my expert]
     send_splits = counts.view(n, local).sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
-    received = comm.all_to_all_rows(x, recv_splits, send_splits, group, dim=dim)  # source-major
+    received = comm.all_to_all_rows(x, recv_splits, send_splits, group, dim=dim,
+                                    label=f"moe.dispatch[{layer}]")  # source-major
     # expert-major order, stable in source rank: block (source i, expert l) sorts by l * n + i
     block = (torch.arange(local, device=x.device)[None, :] * n + torch.arange(n, device=x.device)[:, None]).flatten()
     order = block.repeat_interleave(recv_counts.flatten().to(x.device)).argsort(stable=True)
     y = swiglu_experts(received[order], w1, w2, w3, recv_counts.sum(0), experts.kernel)
-    return comm.all_to_all_rows(y[order.argsort()], send_splits, recv_splits, group, dim=dim)
+    return comm.all_to_all_rows(y[order.argsort()], send_splits, recv_splits, group, dim=dim,
+                                label=f"moe.combine[{layer}]")

@@ -61,7 +61,7 @@ def _grouped_mm(x: Tensor, w: Tensor, counts: Tensor, kernel: str = "auto") -> T
     return torch.cat([run @ w[i] for i, run in enumerate(runs)])
 
 
-def _dispatch(experts: moelib.Experts, mesh, x: Tensor, counts: Tensor) -> Tensor:
+def _dispatch(experts: moelib.Experts, mesh, layer: int, x: Tensor, counts: Tensor) -> Tensor:
     """meshpar/expert_parallel.py's ``_dispatch`` with balanced splits: the same collectives and copies."""
     group, n, dim = mesh.get_group(), mesh.size(), (mesh.mesh_dim_names or ("ep",))[0]
     w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1, experts.w2, experts.w3))
@@ -69,10 +69,10 @@ def _dispatch(experts: moelib.Experts, mesh, x: Tensor, counts: Tensor) -> Tenso
     recv_counts = torch.empty_like(counts)
     comm.all_to_all(recv_counts, counts, [local] * n, [local] * n, group, dim=dim).wait()
     splits = _balanced(x.shape[0], n)  # sent to each rank; received from each, as many
-    received = comm.all_to_all_rows(x, splits, splits, group, dim=dim)
+    received = comm.all_to_all_rows(x, splits, splits, group, dim=dim, label=f"moe.dispatch[{layer}]")
     order = torch.arange(received.shape[0], device=x.device).flip(0)  # a permutation, as the real one
     y = moelib.swiglu_experts(received[order], w1, w2, w3, recv_counts.view(n, local).sum(0), experts.kernel)
-    return comm.all_to_all_rows(y[order.argsort()], splits, splits, group, dim=dim)
+    return comm.all_to_all_rows(y[order.argsort()], splits, splits, group, dim=dim, label=f"moe.combine[{layer}]")
 
 
 @contextlib.contextmanager
