@@ -41,7 +41,17 @@ which lived until the next forward (the planner found it: 0.3 GiB a layer at 409
 Qwen3-30B-A3B); the step drops the layers' ``aux_loss`` after each backward (tests/test_moe_metrics.py).
 A model with ``update_expert_bias`` (aux-free balancing) has it called after each optimizer
 step with its expert loads summed over the data-parallel ranks. Pipeline stages do not collect
-an auxiliary loss yet (mixture-of-experts families refuse pp).
+step with its expert loads summed over the data-parallel ranks.
+
+[Note: auxiliary losses under pipelining]
+A pipeline schedule backpropagates the last stage's loss and, on every other stage, the gradient
+its output receives; a stage's ``aux_loss`` is in neither. While the schedule runs, each stage's
+forward output passes through ``_JoinAux`` (a forward hook, ``stage_tally``): the identity in
+forward, and in backward it also hands ``aux_loss`` the gradient 1/accum, so each microbatch's
+auxiliary loss joins the backward that reaches its stage's output, whichever schedule (split
+backward passes included: one graph). The hook also sums each microbatch's auxiliary loss and
+expert loads on this rank; train.py adds them over the pp ranks (the expert loads are sized for
+the whole model, zero for layers on other stages) before the data-parallel mean.
 
 [Note: expert load]
 After each microbatch's forward, each mixture-of-experts layer holds the token slots its router
@@ -57,8 +67,9 @@ checkpointing's recompute counts twice.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -102,6 +113,8 @@ def plain(loss: torch.Tensor) -> torch.Tensor:
 
 class Schedule(Protocol):
     """What a step needs of a pipeline: ``meshpar.pipeline.Pipeline`` (or the planner's stand-in)."""
+
+    stages: Sequence[Any]  # this rank's ``meshpar.pipeline.Stage``s
 
     def step_microbatches(self, microbatches: Sequence[Microbatch]) -> torch.Tensor | None: ...
 
@@ -173,9 +186,11 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
             with phase("data"):
                 microbatches = next_batch()
             if model.pipeline is not None:  # the schedule runs every microbatch, forward and backward
-                loss = model.pipeline.step_microbatches(microbatches)
+                with stage_tally(model.pipeline.stages, accum, microbatches[0][0].numel()) as tally:
+                    loss = model.pipeline.step_microbatches(microbatches)
                 if loss is not None:
                     loss_sum = loss_sum + plain(loss)
+                aux_sum, load = tally.aux, tally.load
             else:
                 stage = model.stages[0]
                 sharded = isinstance(stage, FSDPModule)
@@ -194,7 +209,7 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
                     if aux is not None:
                         aux_sum = aux.detach() / accum + (0 if aux_sum is None else aux_sum)
                     if experts:
-                        count = count_expert_load(experts, inputs.numel())
+                        count = count_expert_load(stage, inputs.numel())
                         load = count if load is None else load + count
                         for moe in experts:  # [Note: auxiliary losses]: a recompute's graph, let go
                             moe.aux_loss = None
@@ -218,16 +233,93 @@ def sparse_layers(stage: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     return [(int(i), block.moe) for i, block in blocks.items() if getattr(block, "moe", None) is not None]
 
 
-def count_expert_load(experts: Sequence[torch.nn.Module], tokens: int) -> torch.Tensor:
-    """[2, L, E] after a forward over ``tokens`` tokens: [0] the token slots each layer's router sent
-    to each expert, [1] those over the expert's capacity, dropped ([Note: expert load]). The layers
-    share one MoEArgs, so one capacity."""
-    routed = torch.stack([moe.tokens_per_expert for moe in experts])  # [L, E]
-    moe = experts[0]
-    if moe.capacity_factor <= 0:
-        return torch.stack([routed, torch.zeros_like(routed)])
-    capacity = math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.n_experts)  # as MoE._drop_over_capacity
-    return torch.stack([routed, (routed - capacity).clamp(min=0)])
+class _JoinAux(torch.autograd.Function):
+    """``output`` unchanged; its backward also sends the gradient ``scale`` into ``aux`` (a scalar):
+    [Note: auxiliary losses under pipelining]."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux = scale, (aux.dtype, aux.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dtype, device = ctx.aux
+        return grad, torch.tensor(ctx.scale, dtype=dtype, device=device), None
+
+
+@dataclass
+class StageTally:
+    """A pipeline step's auxiliary losses and expert loads on this rank, summed over its microbatches
+    and stages (``aux`` / ``load`` as ``StepResult``'s; None for a dense model)."""
+
+    aux: torch.Tensor | None = None
+    load: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def stage_tally(runners: Sequence[Any], accum: int, tokens: int) -> Iterator[StageTally]:
+    """While a pipeline schedule runs: every stage's auxiliary loss joins its backward, and is summed
+    with its expert loads ([Note: auxiliary losses under pipelining]); ``runners``: the schedule's
+    ``meshpar.pipeline.Stage``s, ``tokens`` per microbatch."""
+    tally = StageTally()
+    moe_runners = [r for r in runners if model_sparse_layers(r.submod)]
+    moe_stages = [r.submod for r in moe_runners]
+    if moe_stages:  # zeros on a rank whose stages hold no sparse layer: train.py reduces over pp
+        first = next(iter(moe_stages[0].parameters()))
+        tally.aux = torch.zeros((), device=first.device)
+        tally.load = torch.zeros((2, len(model_sparse_layers(moe_stages[0])), moe_stages[0].args.n_experts),
+                                 device=first.device, dtype=torch.int64)
+
+    def join(stage: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
+        aux = getattr(stage, "aux_loss", None)
+        if not torch.is_grad_enabled():
+            return output
+        if sparse_layers(stage):
+            tally.load += count_expert_load(stage, tokens)
+        if aux is None:
+            return output
+        tally.aux += aux.detach().to(tally.aux.dtype) / accum
+        return _JoinAux.apply(output, aux, 1.0 / accum)
+
+    for runner in moe_runners:  # [Note: forwards outside the schedule]: only the schedule's own
+        runner.on_output = join
+    try:
+        yield tally
+    finally:
+        for runner in moe_runners:
+            runner.on_output = None
+        for stage in moe_stages:  # [Note: auxiliary losses]: a recompute's graph, let go
+            stage.aux_loss = None
+            for _, moe in sparse_layers(stage):
+                moe.aux_loss = None
+
+
+def model_sparse_layers(stage: torch.nn.Module) -> list[int]:
+    """The block index of every mixture-of-experts layer of the whole model ``stage`` is part of
+    (every pipeline stage keeps the model's args); [] for a dense model."""
+    args = getattr(stage, "args", None)
+    if not hasattr(args, "is_sparse"):
+        return []
+    return [i for i in range(args.n_layers) if args.is_sparse(i)]
+
+
+def count_expert_load(stage: torch.nn.Module, tokens: int) -> torch.Tensor:
+    """[2, L, E] after a forward of ``stage`` over ``tokens`` tokens, L the whole model's sparse
+    layers (``model_sparse_layers``): [0] the token slots each layer's router sent to each expert,
+    [1] those over the expert's capacity, dropped ([Note: expert load]). Layers on other pipeline
+    stages stay zero. The layers share one MoEArgs, so one capacity."""
+    experts = sparse_layers(stage)
+    moe = experts[0][1]
+    routed = torch.stack([m.tokens_per_expert for _, m in experts])  # [L_stage, E]
+    where = {layer: j for j, layer in enumerate(model_sparse_layers(stage))}
+    rows = [where[i] for i, _ in experts]
+    full = routed.new_zeros((2, len(where), routed.shape[1]))
+    full[0, rows] = routed
+    if moe.capacity_factor > 0:
+        capacity = math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.n_experts)  # as MoE._drop_over_capacity
+        full[1, rows] = (routed - capacity).clamp(min=0)
+    return full
 
 
 def maybe_reduce_replicas(stages: torch.nn.ModuleList, sync: GradSync) -> None:

@@ -53,7 +53,7 @@ from meshpar.preflight import Preflight, preflight
 from meshpar.profiling.capture import StepProfiler, label
 from meshpar.recipe import Recipe, RecipeError
 from meshpar.runtime import RankInfo, init_process_group, leave, rank_info, select_device
-from meshpar.step import GradSync, Model, cross_entropy, plain, sparse_layers, train_step
+from meshpar.step import GradSync, Model, cross_entropy, model_sparse_layers, plain, train_step
 from meshpar.tensor_parallel import loss_parallel_context
 
 
@@ -181,7 +181,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     tokens_per_step = t.global_batch * t.seq_len
     sync = GradSync.of(mesh, recipe.parallel, recipe.optim)
     guard = NonFiniteGuard(t.on_nonfinite, t.max_skips, model.stages)
-    moe_layers = [i for stage in model.stages for i, _ in sparse_layers(stage)]  # block index of each
+    moe_layers = model_sparse_layers(model.stages[0])  # block index of each, on every stage
     records: list[dict[str, Any]] = []
     last_time, last_step = time.perf_counter(), start_step
     stopped_by = None
@@ -215,10 +215,14 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
                           "mem_gb": peak_memory_gb(device)}
                 if done.aux_loss is not None:  # mixture of experts: apart from the loss ([Note: auxiliary losses])
                     aux = done.aux_loss.clone()
+                    if sync.pp_groups:  # each stage's layers: [Note: auxiliary losses under pipelining]
+                        comm.all_reduce(aux, sync.pp_groups[0], dim="pp")
                     comm.all_reduce(aux, mesh["dp"].get_group(), dim="dp", op=dist.ReduceOp.AVG)
                     record["aux_loss"] = aux.item()
                 if done.expert_load is not None:  # [Note: expert load] in meshpar/step.py
                     load = done.expert_load.clone()
+                    if sync.pp_groups:
+                        comm.all_reduce(load, sync.pp_groups[0], dim="pp")
                     comm.all_reduce(load, mesh["dp"].get_group(), dim="dp")
                     record.update(expert_load_fields(moe_layers, load, dropped=args.capacity_factor > 0))
                 records.append(record)

@@ -128,9 +128,8 @@ def test_dropped_slots_equal_what_capacity_implies_on_an_overflowing_batch():
     tokens = torch.randint(0, 32, (2, 8))
     with torch.no_grad():
         model(tokens)
-    experts = [moe for _, moe in sparse_layers(model)]
     assert [i for i, _ in sparse_layers(model)] == [0, 2]
-    load = count_expert_load(experts, tokens.numel())
+    load = count_expert_load(model, tokens.numel())
     assert load.tolist() == [[[16, 16, 0, 0]] * 2, [[8, 8, 0, 0]] * 2]
     assert all(torch.equal(k, torch.tensor([8, 8, 0, 0])) for k in kept)
     fields = expert_load_fields([0, 2], load, dropped=True)
@@ -147,7 +146,7 @@ def test_dropped_slots_equal_what_capacity_implies_on_an_overflowing_batch():
     tokens = torch.randint(0, 32, (4, 16))
     with torch.no_grad():
         model(tokens)
-    routed, dropped = count_expert_load(model.moe_layers(), tokens.numel())
+    routed, dropped = count_expert_load(model, tokens.numel())
     assert dropped.sum() > 0, "nothing dropped: the case tests nothing"
     assert torch.equal(routed - dropped, torch.stack(kept))
     assert (routed.sum(1) == tokens.numel() * 2).all()

@@ -88,7 +88,7 @@ NOT_BUILT = {
 }
 
 _ND = frozenset({"pp", "dp_replicate", "dp_shard", "tp"})
-_MOE = frozenset({"dp_replicate", "dp_shard", "ep"})  # mixture of experts: tp and pp are not built yet (issue 17)
+_MOE = frozenset({"pp", "dp_replicate", "dp_shard", "ep"})  # mixture of experts: tp is not built yet (issue 17)
 
 
 def check_moe_layout(args: Any, layout: Any) -> None:

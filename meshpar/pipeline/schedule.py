@@ -18,8 +18,10 @@ the stage / schedule hooks of torch 2.13 (``PipelineStage.backward_maybe_with_no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,13 +159,30 @@ def check_microbatches(name: str, n_microbatches: int, pp: int, virtual: int = 1
 # block nothing (public FSDPModule.set_modules_to_backward_prefetch; blocks in module order).
 
 
+# [Note: forwards outside the schedule]
+# The first ``schedule.step`` runs torch's metadata inference: one forward (and backward) per stage
+# on inputs made from the shapes alone, uninitialized. A model that keeps state from its forwards
+# (a mixture-of-experts layer adds its expert loads to a buffer for aux-free balancing) must not
+# count it, and the step's tally of auxiliary losses and expert loads must not see it. So the
+# stage tells its own forwards apart: ``forward_one_chunk`` (and the planner's stand-in) run under
+# ``scheduled()``; only those pass their output through ``on_output`` (meshpar.step sets it while a
+# step runs: [Note: auxiliary losses under pipelining]), and a forward with gradients enabled
+# outside them gets the module's buffers restored after it.
+
+
 class Stage(PipelineStage):
     """A ``PipelineStage`` whose module may hold meshpar FSDP units:
-    [Note: one reduce-scatter per step under pipelining]."""
+    [Note: one reduce-scatter per step under pipelining]. ``on_output(module, output) -> output``
+    sees the output of each scheduled forward: [Note: forwards outside the schedule]."""
 
     def __init__(self, module: nn.Module, stage_index: int, n_stages: int, device: torch.device,
                  group: dist.ProcessGroup, reduce_every_microbatch: bool = False):
         super().__init__(module, stage_index, n_stages, device, group=group)
+        self.on_output: Callable[[nn.Module, Any], Any] | None = None
+        self._scheduled = False
+        self._saved_buffers: list[torch.Tensor] | None = None
+        module.register_forward_pre_hook(self._before_forward)
+        module.register_forward_hook(self._after_forward)
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         self.reduce_every_microbatch = reduce_every_microbatch  # parallel.grad_reduce = "microbatch"
         if stage_index > 0:  # [Note: backward prefetch on stages after the first]
@@ -176,8 +195,32 @@ class Stage(PipelineStage):
             unit.set_requires_gradient_sync(sync, recurse=False)
             unit.set_reshard_after_backward(sync if reshard is None else reshard, recurse=False)
 
+    @contextlib.contextmanager
+    def scheduled(self) -> Iterator[None]:
+        """Forwards inside are the schedule's own: [Note: forwards outside the schedule]."""
+        self._scheduled = True
+        try:
+            yield
+        finally:
+            self._scheduled = False
+
+    def _before_forward(self, module: nn.Module, args: tuple) -> None:
+        if not self._scheduled and torch.is_grad_enabled():
+            self._saved_buffers = [b.detach().clone() for b in module.buffers()]
+
+    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self._saved_buffers is not None:
+            with torch.no_grad():
+                for buffer, saved in zip(module.buffers(), self._saved_buffers, strict=True):
+                    if not torch.equal(buffer, saved):  # the unchanged (RoPE tables) are saved for backward
+                        buffer.copy_(saved)
+            self._saved_buffers = None
+        if self._scheduled and self.on_output is not None:
+            return self.on_output(module, output)
+        return output
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        with record_function(f"meshpar::pp.forward[{self.stage_index},{fwd_chunk_id}]"):
+        with record_function(f"meshpar::pp.forward[{self.stage_index},{fwd_chunk_id}]"), self.scheduled():
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):

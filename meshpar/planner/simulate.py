@@ -257,12 +257,14 @@ class _OneAtATime:
     def __init__(self, stage: Stage, accum: int, grads: list[torch.Tensor],
                  phase: Callable[..., contextlib.AbstractContextManager]) -> None:
         self.stage, self.accum, self.grads, self.phase = stage, accum, grads, phase
+        self.stages = [stage]
 
     def step_microbatches(self, microbatches: Sequence[Microbatch]) -> None:
         pipe, n = self.stage, len(microbatches)
         for i, (inputs, targets) in enumerate(microbatches):
             with self.phase("forward", i):
-                out = pipe.submod(inputs)
+                with pipe.scheduled():  # [Note: forwards outside the schedule]
+                    out = pipe.submod(inputs)
                 loss = cross_entropy(out, targets) / self.accum if pipe.is_last else None
             with self.phase("backward", i):
                 kwargs = {"stage_output": loss if pipe.is_last else (out,),

@@ -1,0 +1,58 @@
+"""Expert parallelism composed with the other mesh dims, through ``meshpar train``, against one rank.
+
+recipes/qwen3_moe_debug_ep.toml (Qwen3-MoE debug: 4 blocks, block 1 dense, 8 experts, top 2) runs 3
+steps in float64 on 4 ranks in each layout below, and once on one rank with the same data, batch
+and values. Losses, auxiliary losses, gradient norms, the per-layer expert loads (max and mean token
+slots per expert, summed over the data-parallel ranks) and every parameter equal the one-rank run's
+to TOL (tests/parity.py [Note: parity in float64]): any token sent to a wrong expert, an auxiliary
+loss left out of a stage's backward or counted twice, or an expert gradient summed over the wrong
+ranks moves them by far more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshpar.train import train
+from tests.distributed import run_distributed
+from tests.helpers import load_recipe, merged_state, train_losses, train_on_rank
+from tests.parity import TOL, default_dtype, in_float64
+
+STEPS = ["--train.steps=3", "--train.micro_batch=1", "--model.n_layers=4"]  # sparse blocks 0, 2, 3
+LAYOUTS = {  # name: (overrides, world size)
+    "pp2-ep2": (["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    with default_dtype():
+        return train(load_recipe("qwen3_moe_debug_ep.toml", tmp_path_factory.mktemp("ref"), *STEPS,
+                               "--parallel.dp_shard=1", "--parallel.ep=1"), return_state=True)
+
+
+def _close(got: list, want: list, what: str) -> None:
+    assert len(got) == len(want) and got, (what, got, want)
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= TOL * abs(w), (what, got, want)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_composed_layout_matches_one_rank(layout, reference, tmp_path, data_cache):
+    overrides, world = LAYOUTS[layout]
+    recipe = load_recipe("qwen3_moe_debug_ep.toml", tmp_path, *STEPS, *overrides)
+    results = run_distributed(in_float64, world, train_on_rank, recipe, timeout=300, init_process_group=False)
+    records, want = results[0][0], reference.records
+    _close(train_losses(records), train_losses(want), "loss")
+    for key in ("aux_loss", "grad_norm", "moe_load_mean"):
+        _close([r[key] for r in records if key in r], [r[key] for r in want if key in r], key)
+    logged = [r for r in records if "moe_load_max" in r]
+    assert logged and [r["moe_load_max"] for r in logged] == [r["moe_load_max"] for r in want if "moe_load_max" in r]
+    assert logged[0]["moe_layers"] == [0, 2, 3]
+    state = merged_state(results)
+    assert state.keys() == reference.state_dict.keys()
+    for name, value in reference.state_dict.items():
+        assert value.dtype == torch.float64, name
+        torch.testing.assert_close(state[name], value, rtol=TOL, atol=TOL, msg=name)
