@@ -104,9 +104,12 @@ class Mesh:
     def experts(self) -> tuple[DeviceMesh, DeviceMesh]:
         """(``ep``, ``dp_shard_mod_ep``): ``dp_shard`` split into the expert-parallel ranks (inner,
         neighbouring ranks) and the ranks left over, over which FSDP shards the experts; sub-meshes
-        of the same root as every dim, so an expert's DTensor spans both."""
+        of the same root as every dim, so an expert's DTensor spans both. With replicas the second
+        is ``dp_replicate x dp_shard_mod_ep`` (hybrid sharding, as every other parameter's)."""
         ep = self.layout.ep
         split = unflatten_mesh(self.world, "dp_shard", (self.layout.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+        if self.layout.dp_replicate > 1:  # hybrid: the experts' FSDP mesh keeps the replicas outermost
+            return split["ep"], split["dp_replicate", "dp_shard_mod_ep"]
         return split["ep"], split["dp_shard_mod_ep"]
 
     @property

@@ -22,6 +22,7 @@ from tests.parity import TOL, default_dtype, in_float64
 STEPS = ["--train.steps=3", "--train.micro_batch=1", "--model.n_layers=4"]  # sparse blocks 0, 2, 3
 LAYOUTS = {  # name: (overrides, world size)
     "pp2-ep2": (["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
+    "replicate2-ep2": (["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
 }
 
 

@@ -92,16 +92,12 @@ _MOE = frozenset({"pp", "dp_replicate", "dp_shard", "ep"})  # mixture of experts
 
 
 def check_moe_layout(args: Any, layout: Any) -> None:
-    """Expert parallelism: ep divides the expert count, and composes with FSDP only so far."""
+    """Expert parallelism: ep divides the expert count."""
     if layout.ep == 1:
         return
     if args.n_experts % layout.ep:
         raise RecipeError(f"parallel.ep = {layout.ep}: {args.n_experts} experts do not split over {layout.ep} ranks; "
                           f"choose an ep that divides the expert count", "parallel.ep")
-    if layout.dp_replicate > 1:
-        raise RecipeError(f"parallel.ep = {layout.ep} with parallel.dp_replicate = {layout.dp_replicate}: experts "
-                          f"are not yet sharded over replicas; set dp_replicate = 1 (ep borrows from dp_shard)",
-                          "parallel.ep")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", Transformer, LLAMA_SIZES, LLAMA_TP_PLAN, check_llama_layout, _ND),
