@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshpar.profiling.report.attribution import _attribute, _is_comm
+from meshpar.profiling.report.attribution import _attribute, _is_comm, own_groups
 from meshpar.profiling.report.intervals import Intervals, _intersect, _length, _subtract, _union
+from meshpar.profiling.report.moe import LayerAllToAll, layer_lines, layer_sums
 from meshpar.profiling.report.traces import ProfileReportError, find_traces, load_trace
 
 BUCKETS = ("compute", "exposed_comm", "bubble", "data", "optimizer")  # partition the step: [Note: where step time goes]
@@ -84,6 +85,7 @@ class RankSummary:
     top_ops: list[tuple[str, float, float]]  # (name, self ms per step, calls per step)
     files: list[str]
     dropped: list[dict[str, Any]] = field(default_factory=list)  # what each file's size cap dropped
+    moe_layers: list[LayerAllToAll] = field(default_factory=list)  # [Note: all-to-all per MoE layer]
 
 
 @dataclass
@@ -99,7 +101,8 @@ class Report:
 def summarize(path: str | Path, *, top: int = 10) -> Report:
     """Per rank and step: compute, communication (per collective and mesh dim), exposed
     communication, bubble / idle, data loading, optimizer and the top ops; see
-    [Note: where step time goes]."""
+    [Note: where step time goes]. With expert parallelism also the all-to-all time per MoE
+    layer: [Note: all-to-all per MoE layer] (meshpar/profiling/report/moe.py)."""
     files = find_traces(path)
     by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
     headers = []
@@ -148,7 +151,7 @@ def _analyze(trace: dict[str, Any], path: Path) -> dict[str, Any]:
     recv_wait = spans(lambda e: pipelined and (e["name"] == "gloo:recv" or _is_p2p_wait(e["name"], "recv_")))
     waits = spans(lambda e: e["name"] in _WAIT_LABELS or _is_p2p_wait(e["name"], "send_"))
 
-    per_kind, calls = _attribute(on_main, workers)
+    per_kind, calls = _attribute(on_main, workers, own_groups(trace))
     running = _union([iv for ivs in per_kind.values() for iv in ivs] + comm_ops)
     exposed = _subtract(_subtract(_union(running + waits), compute), recv_wait)
     step_spans = _union([(e["ts"], e["ts"] + e["dur"]) for e in steps])
@@ -175,7 +178,7 @@ def _analyze(trace: dict[str, Any], path: Path) -> dict[str, Any]:
         if m:
             accounted[(m[1], m[2])] = (int(v["calls"]), float(v["bytes"]))
     return {"header": header, "file": str(path), "per_step": per_step, "comm": comm, "accounted": accounted,
-            "ops": _self_times(events)}
+            "ops": _self_times(events), "moe": layer_sums(on_main, per_kind, step_spans, not_exposed)}
 
 
 def _self_times(events: list[dict]) -> dict[str, list[float]]:
@@ -222,7 +225,8 @@ def _rank_summary(parts: list[dict[str, Any]], top: int) -> RankSummary:
     return RankSummary(int(header["rank"]), coords, rank_label(int(header["rank"]), coords, header["layout"]), steps,
                        mean("step_ms"), {b: mean(b) for b in BUCKETS}, mean("comm"), mean("hidden_comm"), per_step,
                        lines, top_ops, [p["file"] for p in parts],
-                       [p["header"]["dropped"] for p in parts if "dropped" in p["header"]])
+                       [p["header"]["dropped"] for p in parts if "dropped" in p["header"]],
+                       layer_lines([p["moe"] for p in parts], n))
 
 
 def rank_label(rank: int, coords: dict[str, int], layout: dict[str, int]) -> str:

@@ -5,12 +5,17 @@ An issue op on the main thread (the outermost ``c10d::*`` / ``_c10d_functional::
 its dim from the enclosing ``meshpar::comm.<op>[<dim>]`` label, or is ``tp`` inside a
 ``meshpar::tp.*`` label and ``pp`` inside a ``meshpar::pp.send_* / recv_*`` one
 (meshpar/profiling/labels.py); an unlabelled op is ``?`` (for example the loss all-reduce of a
-log step). The work itself runs on a gloo worker thread, which serves one process group,
-hence one dim: each of its events votes for the dim of the latest compatible issue op before
-it, the thread takes the majority, and its events then match that dim's issue ops first in,
-first out, for the op name (gloo runs a reduce-scatter as an all-to-all or an all-reduce; the
-report says reduce_scatter). Calls per (op, dim) are counted from the labels (plus unlabelled
-issue ops); bytes come from the header's accounting, since a trace records no sizes.
+log step). The work itself runs on a gloo worker thread, which serves one process group: each
+of its events votes for the dim of the latest compatible issue op before it, the thread takes
+the majority, and its events then match the issue ops of that dim's group first in, first out,
+for the op name and dim (gloo runs a reduce-scatter as an all-to-all or an all-reduce; the
+report says reduce_scatter). A group is one dim's, except that DeviceMesh gives every dim that
+spans all ranks the default group (dp_shard, ep and the flattened dp on 2 ranks with
+dp_shard = ep = 2, and meshpar's ``world`` dim): those dims share its threads and one queue.
+Which dims have a group of their own comes from the profiler's ``distributedInfo.pg_config``
+(``mesh_<dim>`` entries); a trace without it gets a group per dim. Calls per (op, dim) are
+counted from the labels (plus unlabelled issue ops); bytes come from the header's accounting,
+since a trace records no sizes.
 Per-collective exposed times can overlap each other when two collectives run at once; the
 rank's exposed total counts each instant once.
 """
@@ -64,9 +69,21 @@ def _labelled_dims(on_main: list[dict]) -> dict[int, str]:
     return out
 
 
-def _attribute(on_main: list[dict], workers: list[dict]) -> tuple[dict, dict]:
+def own_groups(trace: dict) -> set[str] | None:
+    """The dims with a process group of their own (``mesh_<dim>`` in the profiler's
+    ``distributedInfo.pg_config``); the others run on the default group. None when the trace
+    does not say: [Note: the mesh dim of a collective]."""
+    config = trace.get("distributedInfo", {}).get("pg_config")
+    if not isinstance(config, list):
+        return None
+    return {c["pg_desc"].removeprefix("mesh_") for c in config
+            if isinstance(c, dict) and str(c.get("pg_desc", "")).startswith("mesh_")}
+
+
+def _attribute(on_main: list[dict], workers: list[dict], own_groups: set[str] | None = None) -> tuple[dict, dict]:
     """Intervals of communication per (op, dim), and calls per (op, dim, "meshpar" or "other"):
-    [Note: the mesh dim of a collective]."""
+    [Note: the mesh dim of a collective]. ``own_groups``: as ``own_groups(trace)`` says, None
+    for a group per dim."""
     labels = [e for e in on_main if _COMM_LABEL.fullmatch(e["name"])]
     label_starts = [e["ts"] for e in labels]
     labelled_dim = _labelled_dims(on_main)
@@ -95,19 +112,22 @@ def _attribute(on_main: list[dict], workers: list[dict]) -> tuple[dict, dict]:
             j -= 1
         return issues[j] if j >= 0 else None
 
+    def group(dim: str) -> str:  # the process group a dim's collectives run on, when known
+        return dim if own_groups is None or dim in own_groups or dim == "?" else "default"
     votes: dict[int, Counter] = defaultdict(Counter)
     for e in workers:
         if (hit := latest(e)) is not None:
             votes[e["tid"]][hit[3]] += 1
     thread_dim = {tid: next((d for d, _ in c.most_common() if d != "?"), "?") for tid, c in votes.items()}
     per_kind: dict[tuple[str, str], Intervals] = defaultdict(list)
-    for dim in set(thread_dim.values()) | {"?"}:
-        queue, j = [i for i in issues if i[3] == dim], 0  # this dim's issue ops, first in first out
-        for e in sorted((e for e in workers if thread_dim.get(e["tid"], "?") == dim), key=lambda e: e["ts"]):
+    for g in {group(d) for d in thread_dim.values()} | {"?"}:
+        queue, j = [i for i in issues if group(i[3]) == g], 0  # this group's issue ops, first in first out
+        for e in sorted((e for e in workers if group(thread_dim.get(e["tid"], "?")) == g), key=lambda e: e["ts"]):
             kind = _kind(e["name"])
             k = next((n for n in range(j, len(queue)) if queue[n][0] <= e["ts"] and _runs_as(queue[n][1], kind)),
                      None)
-            op, j = (queue[k][2], k + 1) if k is not None else (_OP_NAMES.get(kind, kind), j)
+            unmatched = (_OP_NAMES.get(kind, kind), thread_dim.get(e["tid"], "?"), j)
+            op, dim, j = (*queue[k][2:], k + 1) if k is not None else unmatched
             per_kind[(op, dim)].append((e["ts"], e["ts"] + e["dur"]))
     for e in on_main:  # gloo work run by the main thread itself: p2p send / recv
         if e["name"].startswith("gloo:"):

@@ -20,7 +20,8 @@ def _layout_text(report: Report) -> str:
 
 def format_table(report: Report) -> str:
     """A row per rank (ms per step, mean over its traced steps, with % of the step), then
-    communication per collective and mesh dim, then the top ops by self time."""
+    communication per collective and mesh dim, the all-to-all per MoE layer (expert parallelism
+    only), then the top ops by self time."""
     first, last = report.steps
     out = [f"meshpar profile: {len(report.ranks)} of {report.world_size} ranks traced | {_layout_text(report)} | "
            f"steps {first}-{last} | ms per step: compute + exposed comm + bubble/idle + data + optimizer = step",
@@ -51,6 +52,7 @@ def format_table(report: Report) -> str:
     for (op, dim), (calls, eng, mb, other, ms, exposed) in sorted(rows.items(), key=lambda kv: -kv[1][4]):
         eng_text = (f"{eng:>13.1f}{mb:>10.2f}") if (op, dim) in engine else f"{'-':>13}{'-':>10}"
         out.append(f"{f'{op}[{dim}]':<28}{calls:>14.1f}{eng_text}{other:>12.1f}{ms:>10.1f}{exposed:>12.1f}")
+    out += _moe_table(report)
     out += ["", "top ops by self time (mean per traced rank and step)",
             f"{'op':<56}{'ms':>10}{'% step':>8}{'calls':>8}"]
     step = sum(r.step_ms for r in report.ranks) / n
@@ -61,6 +63,39 @@ def format_table(report: Report) -> str:
         out.append(f"\nnote: the size cap dropped {sum(d['events'] for d in dropped):,} short events from "
                    f"{len(dropped)} trace(s): op totals undercount")
     return "\n".join(out)
+
+
+def _moe_table(report: Report) -> list[str]:
+    """The expert all-to-all per MoE layer, mean per traced rank and step ([Note: all-to-all per
+    MoE layer]), then what the layers leave of each collective; nothing for a run without experts."""
+    if not any(r.moe_layers for r in report.ranks):
+        return []
+    out = ["", "all-to-all per MoE layer (expert parallelism: meshpar::moe.dispatch / combine[<layer>], forward and "
+               "backward), mean per traced", "rank and step; 'rest' is the collective outside the layers' ranges "
+               "(the token-count exchange before each layer's dispatch)",
+           f"{'layer':<7}{'collective':<17}{'calls':>7}{'forward ms':>12}{'recompute ms':>14}{'backward ms':>13}"
+           f"{'dispatch ms':>13}{'combine ms':>12}{'time ms':>9}{'exposed ms':>12}"]
+    n = len(report.ranks)
+    rows: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0] * 8)
+    for r in report.ranks:
+        for x in r.moe_layers:
+            by = [sum(v for k, v in x.part_ms.items() if k.startswith(p)) for p in ("forward", "recompute", "backward")]
+            by += [sum(v for k, v in x.part_ms.items() if k.endswith(p)) for p in ("dispatch", "combine")]
+            for i, v in enumerate([x.calls / len(r.steps), *by, x.time_ms, x.exposed_ms]):
+                rows[(x.layer, f"{x.op}[{x.dim}]")][i] += v / n
+    for (layer, collective), (calls, *ms) in sorted(rows.items()):
+        out.append(f"{layer:<7}{collective:<17}{calls:>7.1f}" + "".join(
+            f"{v:>{w}.1f}" for v, w in zip(ms, (12, 14, 13, 13, 12, 9, 12), strict=True)))
+    for collective in sorted({c for _, c in rows}):
+        calls, ms = 0.0, 0.0
+        for r in report.ranks:
+            line = next((c for c in r.comm if f"{c.op}[{c.dim}]" == collective), None)
+            layers = [x for x in r.moe_layers if f"{x.op}[{x.dim}]" == collective]
+            if line is not None:
+                calls += (line.calls - sum(x.calls for x in layers)) / len(r.steps) / n
+                ms += (line.time_ms - sum(x.time_ms for x in layers)) / n
+        out.append(f"{'rest':<7}{collective:<17}{calls:>7.1f}{'':>76}{ms:>9.1f}")
+    return out
 
 
 def write_json(report: Report, path: str | Path) -> Path:
