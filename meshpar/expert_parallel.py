@@ -35,8 +35,21 @@ over. In a recipe (``parallel.ep``) ep borrows its ranks from ``dp_shard`` (``Me
 meshpar/parallelize.py FSDP-shards the experts over the ranks ep leaves with that divide factor;
 tests/test_expert_parallel.py also drives it by hand, without FSDP.
 
-Limits: not composed with ``dp_replicate``, TP or PP yet; tokens dropped by a capacity factor are
-dropped before dispatch, per rank.
+[Note: the tp ranks are data-parallel for the experts]
+Under tensor parallelism the residual stream between sub-layers is sharded on the sequence
+(``Shard(1)``). A sparse layer takes its rank's slice as it is (the family's plan hands it a local
+``[B, T/tp, D]``: meshpar/models/moe/parallelize.py) and routes those tokens alone: no all-gather
+in, no reduce-scatter out, and its weights are not split over tp. So the tp ranks see different
+tokens, as data-parallel ranks do: the router's and the experts' gradients sum over them.
+meshpar/parallelize.py FSDP-shards the sparse layer's parameters over ``dp_shard x tp`` (the
+experts over ``dp_shard_mod_ep x tp`` under ep; ``Mesh.sparse``), with gradients averaged over dp
+only, and ``route_over_tp`` makes the routing statistics (auxiliary loss, token counts, aux-free
+loads) those of the whole sequence with one all-reduce of ``2E`` numbers per layer and forward; its
+backward is the identity, because every tp rank holds the same loss and backpropagates it alike.
+The alternative, experts split over tp (Megatron's expert tensor parallelism), gathers every
+token to every tp rank and reduce-scatters the result, for weights that FSDP shards anyway.
+
+Limits: tokens dropped by a capacity factor are dropped before dispatch, per rank (per tp slice).
 """
 
 from __future__ import annotations
@@ -90,3 +103,31 @@ def _dispatch(experts: Experts, mesh: DeviceMesh, layer: int, x: Tensor, counts:
     y = swiglu_experts(received[order], w1, w2, w3, recv_counts.sum(0), experts.kernel)
     return comm.all_to_all_rows(y[order.argsort()], send_splits, recv_splits, group, dim=dim,
                                 label=f"moe.combine[{layer}]")
+
+
+def route_over_tp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Each MoE layer's routing statistics over every tp rank's slice of the sequence: [Note: the tp
+    ranks are data-parallel for the experts], [Note: routing statistics over the whole forward]."""
+    for moe in model.moe_layers():
+        moe.forward_totals = functools.partial(_totals_over_tp, mesh)
+
+
+def _totals_over_tp(mesh: DeviceMesh, counts: Tensor, prob_sum: Tensor, n: int) -> tuple[Tensor, Tensor, int]:
+    stats = _SumOverTP.apply(torch.cat([prob_sum, counts.to(prob_sum.dtype)]), mesh.get_group())
+    e = counts.numel()
+    return stats[e:].round().to(counts.dtype), stats[:e], n * mesh.size()
+
+
+class _SumOverTP(torch.autograd.Function):
+    """All-reduce (sum) over tp in forward; identity in backward: every tp rank backpropagates the same
+    loss, so each rank's part of the sum gets the sum's gradient once."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        out = x.clone()
+        comm.all_reduce(out, group, dim="tp").wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None

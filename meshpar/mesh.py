@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshpar._torch import flatten_mesh, unflatten_mesh
+from meshpar._torch import concatenate_meshes, flatten_mesh, unflatten_mesh
 from meshpar.recipe import ParallelConfig, RecipeError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -106,11 +106,35 @@ class Mesh:
         neighbouring ranks) and the ranks left over, over which FSDP shards the experts; sub-meshes
         of the same root as every dim, so an expert's DTensor spans both. With replicas the second
         is ``dp_replicate x dp_shard_mod_ep`` (hybrid sharding, as every other parameter's)."""
-        ep = self.layout.ep
-        split = unflatten_mesh(self.world, "dp_shard", (self.layout.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+        split = self._split
         if self.layout.dp_replicate > 1:  # hybrid: the experts' FSDP mesh keeps the replicas outermost
             return split["ep"], split["dp_replicate", "dp_shard_mod_ep"]
         return split["ep"], split["dp_shard_mod_ep"]
+
+    @functools.cached_property
+    def sparse(self) -> tuple[DeviceMesh, DeviceMesh | None]:
+        """FSDP meshes of a mixture-of-experts layer's parameters: (the layer's own: router, and the
+        experts without ep; the experts' when ep > 1, else None). Each shards over the ranks that
+        route different tokens through it: ``dp_shard`` (``dp_shard_mod_ep`` for the experts, which
+        ep already splits) and, with tensor parallelism, ``tp`` as well ([Note: the tp ranks are
+        data-parallel for the experts] in meshpar/expert_parallel.py); replicas outermost (hybrid)."""
+        lay = self.layout
+        replicas = [self.world["dp_replicate"]] if lay.dp_replicate > 1 else []
+        layer = self.world["dp_shard"] if lay.tp == 1 else flatten_mesh(self.world["dp_shard", "tp"], "dp_shard_tp")
+        layer = concatenate_meshes([*replicas, layer]) if replicas else layer
+        if lay.ep == 1:
+            return layer, None
+        if lay.tp == 1:
+            return layer, self.experts[1]
+        split = self._split
+        experts = flatten_mesh(split["dp_shard_mod_ep", "tp"], "dp_shard_mod_ep_tp")
+        return layer, concatenate_meshes([split["dp_replicate"], experts]) if replicas else experts
+
+    @functools.cached_property
+    def _split(self) -> DeviceMesh:
+        """The world mesh with ``dp_shard`` split into ``dp_shard_mod_ep x ep``."""
+        ep = self.layout.ep
+        return unflatten_mesh(self.world, "dp_shard", (self.layout.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
 
     @property
     def dp_rank(self) -> int:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from meshpar.activation_checkpoint import apply_activation_checkpointing
-from meshpar.expert_parallel import apply_expert_parallel
+from meshpar.expert_parallel import apply_expert_parallel, route_over_tp
 from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
 from meshpar.mesh import Mesh
 from meshpar.pipeline import SCHEDULES, split
@@ -55,12 +55,19 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
     block_mp = mixed_precision(cfg, root=False)
     extras = dict(shard_threshold=cfg.shard_threshold, accumulate_dtype=block_mp.param_dtype)
     for block in model.layers.values():
-        experts = getattr(getattr(block, "moe", None), "experts", None)
-        if layout.ep > 1 and experts is not None:
-            # the experts first, over the dp_shard ranks ep leaves (their DTensors already span ep); a
-            # gradient there sums every dp rank's token slots, so it is averaged over all of dp
-            fully_shard(experts, mesh=mesh.experts[1], reshard_after_forward=reshard, mp_policy=block_mp, **extras)
-            experts.set_gradient_divide_factor(layout.dp)
+        moe = getattr(block, "moe", None)
+        if moe is not None and (layout.ep > 1 or layout.tp > 1):
+            # the sparse layer's own units first, over the ranks that route different tokens through
+            # them (mesh.sparse): a gradient there sums every such rank's token slots, so it is
+            # averaged over all of dp, not over the ranks of its mesh
+            layer_mesh, experts_mesh = mesh.sparse
+            if layout.ep > 1:  # the experts, over the dp_shard ranks ep leaves (their DTensors span ep)
+                fully_shard(moe.experts, mesh=experts_mesh, reshard_after_forward=reshard, mp_policy=block_mp,
+                            **extras)
+                moe.experts.set_gradient_divide_factor(layout.dp)
+            if layout.tp > 1:  # router (and experts without ep) over dp_shard x tp
+                fully_shard(moe, mesh=layer_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **extras)
+                moe.set_gradient_divide_factor(layout.dp)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **extras)
     # the root keeps its parameters after forward (None), backward needs them first
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False,
@@ -97,6 +104,8 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
     check_fsdp_over_tp(tp_plan, layout.tp, layout.dp_shard)  # a plan that cannot be sharded yet
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], tp_plan.with_loss_parallel(cfg.loss_parallel))
+        if hasattr(model, "moe_layers"):
+            route_over_tp(model, mesh["tp"])
     if layout.ep > 1:
         apply_expert_parallel(model, mesh.experts[0])
     apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every)

@@ -33,7 +33,9 @@ any split of it across ranks and microbatches.
 [Note: auxiliary losses]
 A model may set ``aux_loss`` in its forward (mixture of experts: the weighted load-balancing loss,
 [Note: load-balancing loss] in meshpar/models/moe/model.py). The step backpropagates
-cross-entropy + aux_loss, each divided by ``accum``, and reports them apart: ``loss`` is the
+cross-entropy + aux_loss, each divided by ``accum`` (the auxiliary loss through ``_JoinAux`` on the
+logits, as under pipelining below: a plain scalar added to a tensor-parallel loss, a DTensor, would
+mix the two kinds in backward), and reports them apart: ``loss`` is the
 cross-entropy alone (comparable with dense models and with validation), ``aux_loss`` the auxiliary
 term. Under activation checkpointing the recomputed forward, inside backward, sets each MoE layer's
 ``aux_loss`` again: a graph holding that recompute's saved activations, which nothing consumes and
@@ -201,10 +203,13 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
                     with phase("data"):
                         inputs, targets = inputs.to(device), targets.to(device)
                     with phase("forward", i):
-                        loss = cross_entropy(stage(inputs), targets) / accum
+                        out = stage(inputs)
                         aux = getattr(stage, "aux_loss", None)  # [Note: auxiliary losses]
+                        if aux is not None:  # its backward joins the loss's (logits may be DTensors)
+                            out = _JoinAux.apply(out, aux, 1.0 / accum)
+                        loss = cross_entropy(out, targets) / accum
                     with phase("backward", i):
-                        (loss if aux is None else loss + aux / accum).backward()
+                        loss.backward()
                     loss_sum += plain(loss.detach())
                     if aux is not None:
                         aux_sum = aux.detach() / accum + (0 if aux_sum is None else aux_sum)

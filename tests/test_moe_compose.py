@@ -23,6 +23,8 @@ STEPS = ["--train.steps=3", "--train.micro_batch=1", "--model.n_layers=4"]  # sp
 LAYOUTS = {  # name: (overrides, world size)
     "pp2-ep2": (["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
     "replicate2-ep2": (["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
+    "tp2-dp_shard2": (["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=1"], 4),
+    "tp2-ep2": (["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
 }
 
 

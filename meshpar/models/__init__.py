@@ -26,6 +26,7 @@ from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, Transfor
 from meshpar.models.llama.parallelize import LLAMA_TP_PLAN, check_llama_layout
 from meshpar.models.moe import MIXTRAL_SIZES, QWEN3_MOE_SIZES, MoETransformer
 from meshpar.models.moe.convert import MIXTRAL
+from meshpar.models.moe.parallelize import check_moe_tp
 from meshpar.recipe_keys import MOE_KEYS, ModelConfig
 from meshpar.tensor_parallel import TPPlan
 
@@ -88,11 +89,13 @@ NOT_BUILT = {
 }
 
 _ND = frozenset({"pp", "dp_replicate", "dp_shard", "tp"})
-_MOE = frozenset({"pp", "dp_replicate", "dp_shard", "ep"})  # mixture of experts: tp is not built yet (issue 17)
+_MOE = frozenset({"pp", "dp_replicate", "dp_shard", "tp", "ep"})
 
 
 def check_moe_layout(args: Any, layout: Any) -> None:
-    """Expert parallelism: ep divides the expert count."""
+    """Tensor parallelism as meshpar/models/moe/parallelize.py builds it; ep divides the expert count."""
+    if layout.tp > 1:
+        check_moe_tp(args, layout)
     if layout.ep == 1:
         return
     if args.n_experts % layout.ep:

@@ -29,15 +29,11 @@ from torch import Tensor
 
 from meshpar.models.llama import convert as llama
 from meshpar.models.moe.args import MoEArgs
+from meshpar.models.moe.parallelize import moe_tp_plan
 from meshpar.tensor_parallel import TPPlan
 
 # attention, norms, embedding, output and Qwen3-MoE's dense layers: the Llama family's names (no biases)
 _DENSE = {k: v for k, v in llama.KEYS.items() if not k.endswith(".bias")}
-
-
-def _empty_plan(loss_parallel: bool = True) -> TPPlan:
-    """No tensor parallelism for these families yet (the registry refuses tp > 1)."""
-    return TPPlan(root={}, block={}, embedding="tok_embeddings", output="output")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +84,7 @@ class MoEAdapter:
 
     @staticmethod
     def TP_PLAN(loss_parallel: bool = True) -> TPPlan:  # noqa: N802
-        return _empty_plan(loss_parallel)
+        return moe_tp_plan(loss_parallel)
 
     @staticmethod
     def tied(args: MoEArgs) -> dict[str, str]:

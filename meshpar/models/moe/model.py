@@ -40,6 +40,12 @@ from meshpar.models.moe.grouped import Kernel, grouped_mm
 # pools all layers before the product and lets f sum to top_k, so its value differs; the
 # coefficient's order of magnitude carries over, the exact value does not.
 
+# [Note: routing statistics over the whole forward]
+# The auxiliary loss, the token counts and the aux-free loads are statistics of every token of one
+# forward. Under tensor (sequence) parallelism a rank's MoE layer sees only its slice of the
+# sequence, so meshpar/expert_parallel.py replaces ``forward_totals`` on the instance with sums
+# over the tp ranks; the capacity drop stays per call (``_drop_over_capacity``).
+
 # [Note: aux-free balancing]
 # DeepSeek-V3 (arXiv 2412.19437, section 2.1.2): a per-expert bias b is added to the routing scores
 # for the top-k choice only; the gate weights stay the unbiased probabilities. After each optimizer
@@ -113,12 +119,14 @@ class MoE(nn.Module):
         flat = idx.flatten()  # slot s = t * k + j chose expert flat[s]
         order = flat.argsort(stable=True)  # [S]
         counts = torch.bincount(flat, minlength=self.n_experts)  # [E], before any drop
-        self.tokens_per_expert = counts.detach()
-        f = counts.to(probs.dtype) / (n * k)
-        self.aux_loss = self.n_experts * (f * probs.mean(0)).sum()  # [Note: load-balancing loss]
+        # over every token of the forward: [Note: routing statistics over the whole forward]
+        total, prob_sum, n_total = self.forward_totals(counts, probs.sum(0), n)
+        self.tokens_per_expert = total.detach()
+        f = total.to(probs.dtype) / (n_total * k)
+        self.aux_loss = self.n_experts * (f * (prob_sum / n_total)).sum()  # [Note: load-balancing loss]
         if self.aux_free and torch.is_grad_enabled():
             with torch.no_grad():
-                self.expert_load += counts.to(self.expert_load.dtype)
+                self.expert_load += total.to(self.expert_load.dtype)
         if self.capacity_factor > 0:
             order, counts = self._drop_over_capacity(order, flat, counts, n * k)
         tokens = order // k  # the token of each kept slot
@@ -126,6 +134,12 @@ class MoE(nn.Module):
         y = y * gates.flatten()[order].unsqueeze(-1)
         # index_add in expert order, as Hugging Face's loop over experts sums them
         return torch.zeros_like(x).index_add_(0, tokens, y).reshape(shape)
+
+    def forward_totals(self, counts: Tensor, prob_sum: Tensor, n: int) -> tuple[Tensor, Tensor, int]:
+        """(slots per expert, summed router probabilities, tokens) over every token of this forward,
+        from this call's ``counts[E]``, ``prob_sum[E]`` and ``n`` tokens: the same here;
+        [Note: routing statistics over the whole forward]."""
+        return counts, prob_sum, n
 
     def _drop_over_capacity(self, order: Tensor, flat: Tensor, counts: Tensor, slots: int) -> tuple[Tensor, Tensor]:
         """Keep each expert's first ``capacity`` slots in token order; dropped slots add nothing
