@@ -83,12 +83,6 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
     family.check_degrees(dataclasses.asdict(layout))  # dp_shard = -1 resolved
     accum = _check_batch(recipe, layout)
     family.check_layout(args, layout)
-    if 1 < layout.ep < layout.dp_shard and recipe.parallel.activation_checkpoint == "selective":
-        # experts sharded by FSDP as well as ep: selective recomputation fails in backward ("aten.copy_
-        # encountered during backward but not found in storage"), not yet understood (issue 17)
-        raise RecipeError(f"parallel.activation_checkpoint = 'selective' with parallel.ep = {layout.ep} below "
-                          f"dp_shard = {layout.dp_shard} (the experts FSDP-sharded too) does not work yet; use "
-                          f"'full' or 'none', or ep = dp_shard", key="parallel.activation_checkpoint")
     check_seq_len(t.seq_len, layout.tp)
     check_mixed_precision(recipe.parallel, layout)
     check_profile(recipe.profile, world_size)

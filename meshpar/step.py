@@ -208,6 +208,7 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
                         if aux is not None:  # its backward joins the loss's (logits may be DTensors)
                             out = _JoinAux.apply(out, aux, 1.0 / accum)
                         loss = cross_entropy(out, targets) / accum
+                        del out  # the logits: backward needs the loss's saved tensors only
                     with phase("backward", i):
                         loss.backward()
                     loss_sum += plain(loss.detach())

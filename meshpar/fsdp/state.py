@@ -219,10 +219,33 @@ class FSDPState:
                 self.group.unshard()  # ours first: [Note: prefetch after our own unshard]
             if not self._in_backward:
                 self._in_backward = True
+                for inner in self._nested():  # [Note: units inside a unit]
+                    inner._in_backward = True  # its recompute, inside ours, neither prefetches nor reshards
+                    if inner.group.unshard_in_backward:
+                        inner.group.unshard(async_op=True)
                 for target in self._backward_targets():
                     if target.group.unshard_in_backward:
                         target.group.unshard(async_op=True)
         return grad
+
+    # [Note: units inside a unit]
+    # A mixture-of-experts block is one unit with its experts (or whole sparse layer) a unit inside it,
+    # sharded over other ranks (meshpar/parallelize.py). In forward, the order's prefetch issues the
+    # inner unit's all-gather from the block's pre-forward, outside the block's own forward; under
+    # activation checkpointing the recompute runs the block's forward alone (no hooks of the block),
+    # so the inner unit gathered inside it. Selective checkpointing replays the forward's ops in
+    # order and failed on the first it had not recorded ("aten.copy_ encountered during backward
+    # but not found in storage"). So a unit's pre-backward, which runs before its recompute, also
+    # gathers the units inside it: in backward, as in forward, the inner gather starts outside the
+    # block's forward and only its wait runs inside; and marks them in backward, so that inside the
+    # recompute they neither prefetch the next block (the forward's order) nor reshard. The root
+    # does not: every block is inside it.
+    def _nested(self) -> list[FSDPState]:
+        if self.is_root or self.iteration is None:
+            return []
+        inside = {id(m) for top in self.modules for m in top.modules() if m is not top}
+        return [s for s in self.iteration.states
+                if s is not self and s.group is not None and any(id(m) in inside for m in s.modules)]
 
     def _backward_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
