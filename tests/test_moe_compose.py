@@ -6,7 +6,7 @@ and values. Losses, auxiliary losses, gradient norms, the per-layer expert loads
 slots per expert, summed over the data-parallel ranks) and every parameter equal the one-rank run's
 to TOL (tests/parity.py [Note: parity in float64]): any token sent to a wrong expert, an auxiliary
 loss left out of a stage's backward or counted twice, or an expert gradient summed over the wrong
-ranks moves them by far more.
+ranks moves them by far more. The pp and tp layouts' checkpoints also resume on one rank.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ LAYOUTS = {  # name: (overrides, world size[, model overrides shared with the re
 }
 
 
+RESUMED = {"pp2-ep2", "tp2-ep2"}  # layouts whose step-2 checkpoint is also resumed on one rank
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """The one-rank run per set of model overrides, made once."""
@@ -63,7 +66,9 @@ def test_composed_layout_matches_one_rank(layout, references, tmp_path, data_cac
     overrides, world, *model = LAYOUTS[layout]
     model = tuple(model[0]) if model else ()
     reference = references(model)
-    recipe = load_recipe("qwen3_moe_debug_ep.toml", tmp_path, *STEPS, *model, *overrides)
+    resume = layout in RESUMED
+    recipe = load_recipe("qwen3_moe_debug_ep.toml", tmp_path / "run", *STEPS, *model, *overrides,
+                         *(["--checkpoint.every=2"] if resume else []))
     results = run_distributed(in_float64, world, train_on_rank, recipe, timeout=300, init_process_group=False)
     records, want = results[0][0], reference.records
     _close(train_losses(records), train_losses(want), "loss")
@@ -77,3 +82,9 @@ def test_composed_layout_matches_one_rank(layout, references, tmp_path, data_cac
     for name, value in reference.state_dict.items():
         assert value.dtype == torch.float64, name
         torch.testing.assert_close(state[name], value, rtol=TOL, atol=TOL, msg=name)
+    if resume:  # its step-2 checkpoint (DCP, this layout's shards) continues on one rank
+        with default_dtype():
+            resumed = train(load_recipe("qwen3_moe_debug_ep.toml", tmp_path / "resumed", *STEPS, *model,
+                                        "--parallel.dp_shard=1", "--parallel.ep=1",
+                                        f"--checkpoint.load_from={tmp_path / 'run' / 'checkpoints' / 'step_2'}"))
+        _close(train_losses(resumed.records), train_losses(want)[2:], "resumed loss")
