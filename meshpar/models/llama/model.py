@@ -100,10 +100,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3: normalize each head before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # query head i reads kv head i // (H / Hkv), as repeat_interleave of k, v would give
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=True)  # out[B, H, T, Dh]
+        out = self.attend(q, k, v, mask)  # out[B, H, T, Dh]
         return self.wo(rearrange(out, "b h t d -> b t (h d)"))  # [B, T, H*Dh] @ wo[H*Dh, D] -> [B, T, D]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Causal (or ``mask``ed) attention of q[B, H, T, Dh] over k, v[B, Hkv, T, Dh]. Context
+        parallelism replaces it on the instance (meshpar/context_parallel.py)."""
+        # query head i reads kv head i // (H / Hkv), as repeat_interleave of k, v would give
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -201,6 +205,12 @@ class Transformer(nn.Module):
         self.tie_weights()
         self._init_rope()
 
+    def rope_tables(self, seq_len: int) -> tuple[Tensor, Tensor]:
+        """RoPE's cos, sin[seq_len, Dh/2] for the ``seq_len`` tokens of this forward: positions 0 ..
+        seq_len - 1. Context parallelism replaces it on the instance with the positions of the
+        rank's slice of the sequence (meshpar/context_parallel.py)."""
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+
     def tie_weights(self) -> None:
         """Make output.weight the embedding's Parameter when tied and both are present."""
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
@@ -245,7 +255,7 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}; "
                              "build the model with a larger max_seq_len")
         if eos < 0:
-            cos, sin, mask = self.rope_cos[:seq_len], self.rope_sin[:seq_len], None  # cos, sin[T, Dh/2]
+            (cos, sin), mask = self.rope_tables(seq_len), None  # cos, sin[T, Dh/2]
         else:  # [Note: document-causal attention]: mask[B, 1, T, T] in h's dtype, positions[B, T]
             mask, positions = document_mask(tokens, eos, dtype=h.dtype)
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # [B, 1, T, Dh/2]

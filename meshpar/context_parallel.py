@@ -1,0 +1,145 @@
+"""Context parallelism: every sequence split over the ``cp`` ranks, attention exact over all of it.
+
+    idx = sequence_indices(seq_len=8192, cp=4, rank=1, balanced=True)   # this rank's token indices
+    tokens_local = tokens[:, idx]                                          # [B, T/cp]
+    apply_context_parallel(model, cp_mesh)                                 # before FSDP, on meta
+
+Each cp rank holds ``T / cp`` tokens of every sequence of its data-parallel batch and runs the
+whole model on them: the embeddings, norms, projections and feed-forwards need nothing from the
+other ranks; attention does, since a query attends to every earlier key of the sequence. Two
+seams of the model are replaced on the instance (the model files hold no parallel code):
+``rope_tables`` returns cos, sin at the global positions of the rank's tokens, and every
+``Attention.attend`` gathers K and V of the whole sequence over cp and masks by global position.
+
+[Note: balanced sequence split]
+Causal attention costs query t work proportional to t, so cutting the sequence into cp contiguous
+slices gives the last rank about 2cp - 1 times the first's attention work, and every rank waits
+for it. Cut into 2cp chunks instead, rank r holds chunks r and 2cp - 1 - r (one from the front,
+its mirror from the back, torchtitan's and Megatron's "load-balanced" split): every rank then has
+the same number of (query, key) pairs to within one chunk's diagonal. The split is pure
+scheduling: positions follow the global index and the mask compares global positions, so the
+losses and gradients equal the contiguous split's and one process's (tests/test_context_parallel.py).
+
+[Note: all-gather of K and V]
+Attention over cp gathers K and V (after RoPE) from every cp rank, in rank order, and runs one
+attention of the local queries over all T keys with the mask ``key position <= query position``;
+backward reduce-scatters their gradients (``_GatherSequence``). With grouped-query attention K
+and V are small: per layer and microbatch a rank receives 2 x B x Hkv x T x Dh x (cp - 1) / cp
+elements, Llama 3 70B (Hkv 8 of 64 heads) 1/8 of what gathering the queries would cost. The
+alternative, K/V passed around a ring with an online-softmax merge of partial results, holds only
+two chunks of K/V at a time instead of all T, and overlaps each hop with a chunk's attention;
+it is not built yet (issue 18).
+
+Limits: the gathered K/V and the [T/cp, T] mask are materialized per layer (fine to 128k tokens
+with GQA: 70B at T = 131072 holds 2 x 8 x 131072 x 128 bf16 = 0.5 GiB of K/V per layer during its
+attention); document-causal masks and torch.compile are refused with cp (not built).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshpar import comm
+
+
+def sequence_indices(seq_len: int, cp: int, rank: int, *, balanced: bool = True) -> Tensor:
+    """The global indices (int64, increasing) of the ``seq_len / cp`` tokens cp rank ``rank`` holds:
+    chunks ``rank`` and ``2cp - 1 - rank`` of ``2cp`` ([Note: balanced sequence split]), or the
+    ``rank``-th of ``cp`` contiguous slices (``balanced=False``)."""
+    if balanced:
+        if seq_len % (2 * cp):
+            raise ValueError(f"a sequence of {seq_len} tokens does not cut into 2 x cp = {2 * cp} equal chunks")
+        c = seq_len // (2 * cp)
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                          torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    if seq_len % cp:
+        raise ValueError(f"a sequence of {seq_len} tokens does not cut into cp = {cp} equal slices")
+    n = seq_len // cp
+    return torch.arange(rank * n, (rank + 1) * n)
+
+
+def shard_sequence(x: Tensor, mesh: DeviceMesh, *, balanced: bool = True) -> Tensor:
+    """``x[B, T, ...]``'s tokens held by this cp rank: ``x[:, sequence_indices(T, ...)]``."""
+    idx = sequence_indices(x.shape[1], mesh.size(), mesh.get_local_rank(), balanced=balanced)
+    return x[:, idx.to(x.device)]
+
+
+class _Layout:
+    """Where a forward's tokens sit: this rank's global positions and, for attention, the mask of
+    the local queries over every rank's keys (rank order), cached per sequence length."""
+
+    def __init__(self, mesh: DeviceMesh, balanced: bool) -> None:
+        self.mesh, self.balanced = mesh, balanced
+        self._masks: dict[tuple, Tensor] = {}
+
+    def positions(self, local_len: int) -> Tensor:
+        cp = self.mesh.size()
+        return sequence_indices(local_len * cp, cp, self.mesh.get_local_rank(), balanced=self.balanced)
+
+    def mask(self, local_len: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The additive bias [T/cp, T]: 0 where key position <= query position, -inf elsewhere."""
+        key = (local_len, dtype, device)
+        if key not in self._masks:
+            cp = self.mesh.size()
+            q = self.positions(local_len)
+            k = torch.cat([sequence_indices(local_len * cp, cp, r, balanced=self.balanced) for r in range(cp)])
+            allowed = (k[None, :] <= q[:, None]).to(device)
+            self._masks.clear()  # one sequence length at a time
+            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed,
+                                                                                                   float("-inf"))
+        return self._masks[key]
+
+
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool = True) -> None:
+    """Make ``model`` (a Llama-family transformer or stage, on meta or with values) run on this cp
+    rank's slice of each sequence: RoPE at global positions, attention gathered over ``mesh``
+    (1-D, ``cp``). The inputs must be sliced alike (``shard_sequence``)."""
+    layout = _Layout(mesh, balanced)
+    model.rope_tables = functools.partial(_rope_tables, model, layout)
+    for block in model.layers.values():
+        block.attention.attend = functools.partial(_attend, layout)
+
+
+def _rope_tables(model: nn.Module, layout: _Layout, seq_len: int) -> tuple[Tensor, Tensor]:
+    idx = layout.positions(seq_len).to(model.rope_cos.device)
+    return model.rope_cos[idx], model.rope_sin[idx]
+
+
+def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """[Note: all-gather of K and V]: q[B, H, T/cp, Dh] over k, v[B, Hkv, T, Dh] gathered."""
+    if mask is not None:
+        raise ValueError("context parallelism runs causal attention only (document masks are refused with cp)")
+    group = layout.mesh.get_group()
+    k, v = _GatherSequence.apply(k, group), _GatherSequence.apply(v, group)
+    bias = layout.mask(q.shape[2], q.dtype, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """x[B, H, t, Dh] on each of n ranks -> [B, H, n * t, Dh] in rank order; backward sums the
+    gradient of every rank's copy and hands each rank its own slice (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        n = torch.distributed.get_world_size(group)
+        x = x.contiguous()
+        out = x.new_empty((n, *x.shape))
+        comm.all_gather(out.view(-1), x.view(-1), group, dim="cp").wait()
+        return out.movedim(0, 2).flatten(2, 3)  # [n, B, H, t, Dh] -> [B, H, n * t, Dh]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        group = ctx.group
+        n = torch.distributed.get_world_size(group)
+        b, h, total, d = grad.shape
+        rows = grad.view(b, h, n, total // n, d).movedim(2, 0).reshape(n, -1)  # [n, B * H * t * Dh]
+        buffer = comm.ReduceScatterInput(rows.shape[1], group, dtype=grad.dtype, device=grad.device)
+        buffer.copy_rows(0, rows)
+        comm.reduce_scatter_rows(buffer, group, dim="cp").wait()
+        return buffer.output.view(b, h, total // n, d), None

@@ -1,0 +1,86 @@
+"""Context parallelism (meshpar/context_parallel.py) against one process.
+
+A debug Llama (GQA: 8 query heads, 4 kv heads) runs a batch of sequences whole in one process and
+split over cp 2 and cp 4 ranks, each rank holding its tokens of every sequence ([Note: balanced
+sequence split]) and gathering K and V over cp ([Note: all-gather of K and V]). In float64 the
+logits of each rank's tokens equal the whole run's at those positions, and the gradients (each
+rank's loss is the mean over its tokens; averaged over cp ranks, as FSDP over dp_shard x cp does)
+equal the whole run's, to TOL; the contiguous split gives the same numbers (the balancing is only
+scheduling), and it is what differs in attention work per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from meshpar import comm
+from meshpar.context_parallel import apply_context_parallel, sequence_indices, shard_sequence
+from tests.distributed import CaseSet
+from tests.helpers import build_model
+from tests.parity import TOL
+
+B, T = 2, 32
+
+
+def _setup(tmp):
+    torch.set_default_dtype(torch.float64)
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+
+
+def _case_parity(mesh) -> dict:
+    ref = build_model("llama", "debug", n_layers=2, vocab_size=64, max_seq_len=T)
+    tokens = torch.randint(0, 64, (B, T + 1), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = ref(inputs)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    out = {}
+    for balanced in (True, False):
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        apply_context_parallel(model, mesh, balanced=balanced)
+        idx = sequence_indices(T, mesh.size(), mesh.get_local_rank(), balanced=balanced)
+        with comm.count() as counted:
+            local = model(shard_sequence(inputs, mesh, balanced=balanced))
+            F.cross_entropy(local.flatten(0, 1), shard_sequence(targets, mesh, balanced=balanced).flatten()).backward()
+        diff = {"logits": (local - logits[:, idx]).abs().max().item()}
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            diff[name] = ((grad / mesh.size() - q.grad).abs().max() / q.grad.abs().max()).item()
+        out[balanced] = {"diff": diff, "calls": dict(counted.calls)}
+    return out
+
+
+JOBS = CaseSet({"parity": (_case_parity, (2, 4))}, setup=_setup, timeout=240)
+
+
+def test_sequence_indices_balance_the_causal_work():
+    """Balanced: every rank's (query, key) pairs within one chunk's diagonal of the others'; the
+    contiguous split gives the last rank about 2cp - 1 times the first's."""
+    def pairs(idx):  # causal keys per query, summed
+        return int((idx + 1).sum())
+
+    for cp in (2, 4, 8):
+        bal = [pairs(sequence_indices(1024, cp, r)) for r in range(cp)]
+        con = [pairs(sequence_indices(1024, cp, r, balanced=False)) for r in range(cp)]
+        assert max(bal) - min(bal) <= (1024 // (2 * cp)) ** 2, bal
+        assert con[-1] / con[0] > 2 * cp - 2, con
+        assert sorted(torch.cat([sequence_indices(1024, cp, r) for r in range(cp)]).tolist()) == list(range(1024))
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_matches_one_process(world):
+    r = JOBS.check("parity", world)[0]
+    for balanced in (True, False):
+        diff = r[balanced]["diff"]
+        worst = max(diff.values())
+        assert worst <= TOL, (balanced, {k: v for k, v in diff.items() if v > TOL})
+        # per layer, forward: K and V gathered; backward: their gradients reduce-scattered
+        assert r[balanced]["calls"] == {("all_gather", "cp"): 2 * 2, ("reduce_scatter", "cp"): 2 * 2}
