@@ -112,6 +112,23 @@ class Mesh:
         return split["ep"], split["dp_shard_mod_ep"]
 
     @functools.cached_property
+    def fsdp(self) -> DeviceMesh:
+        """The mesh FSDP shards every block over: ``dp_shard``, flattened with ``cp`` when context
+        parallel (its ranks hold the same parameters and see other tokens of the same sequences:
+        their gradients average like data-parallel ones), ``dp_replicate`` outermost when hybrid."""
+        lay = self.layout
+        shard = self.world["dp_shard"] if lay.cp == 1 else flatten_mesh(self.world["dp_shard", "cp"], "dp_shard_cp")
+        return concatenate_meshes([self.world["dp_replicate"], shard]) if lay.dp_replicate > 1 else shard
+
+    @functools.cached_property
+    def replicas(self) -> DeviceMesh:
+        """The ranks a parameter is whole on, when FSDP does not shard (``dp_shard = 1``), whose
+        gradients the step averages: ``dp_replicate``, flattened with ``cp`` when context parallel."""
+        if self.layout.cp == 1:
+            return self.world["dp_replicate"]
+        return flatten_mesh(self.world["dp_replicate", "cp"], "dp_replicate_cp")
+
+    @functools.cached_property
     def sparse(self) -> tuple[DeviceMesh, DeviceMesh | None]:
         """FSDP meshes of a mixture-of-experts layer's parameters: (the layer's own: router, and the
         experts without ep; the experts' when ep > 1, else None). Each shards over the ranks that

@@ -1,8 +1,8 @@
 """Apply parallelism to a model from outside, in one fixed order.
 
-The order (docs/architecture.md) is: pipeline split -> tensor parallel -> expert parallel ->
-activation checkpointing -> torch.compile per block -> fully_shard per block (a MoE block's
-experts first, over the ranks ep leaves), then the stage root ->
+The order (docs/architecture.md) is: pipeline split -> tensor parallel -> context parallel ->
+expert parallel -> activation checkpointing -> torch.compile per block -> fully_shard per block
+(a MoE block's experts first, over the ranks ep leaves), then the stage root ->
 to_empty + init_weights -> optimizer. It runs on the model as built on the meta device, so
 only local shards are ever allocated. Model files hold no parallel code; this module, the
 pipeline package and each family's plan table (``models/<family>/parallelize.py``, data this
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from meshpar.activation_checkpoint import apply_activation_checkpointing
+from meshpar.context_parallel import apply_context_parallel
 from meshpar.expert_parallel import apply_expert_parallel, route_over_tp
 from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
 from meshpar.mesh import Mesh
@@ -44,11 +45,12 @@ def apply_compile(model: nn.Module) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
     """One FSDP unit per block, then the stage root (embeddings, final norm, output), on the
-    ``dp_shard`` mesh (``dp_replicate x dp_shard`` when hybrid) of the same parent mesh as ``tp``.
+    ``dp_shard`` mesh (``dp_replicate x dp_shard`` when hybrid; ``dp_shard`` flattened with ``cp``
+    under context parallelism: ``Mesh.fsdp``) of the same parent mesh as ``tp``.
     Under pipelining units keep their parameters through backward: the schedule runs every
     microbatch's forward before the backwards finish, so resharding would all-gather per microbatch."""
     layout = mesh.layout
-    dp_mesh = mesh.world["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = mesh.fsdp  # dp_shard (x cp), replicas outermost
     reshard = cfg.reshard_after_forward and layout.pp == 1
     # microbatches without sync sum their gradients in the compute dtype (None, without mixed
     # precision: the parameters' own): [Note: accumulating in reduce_dtype] (meshpar/fsdp/param_group.py)
@@ -106,6 +108,8 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
         apply_tp(model, mesh["tp"], tp_plan.with_loss_parallel(cfg.loss_parallel))
         if hasattr(model, "moe_layers"):
             route_over_tp(model, mesh["tp"])
+    if layout.cp > 1:
+        apply_context_parallel(model, mesh["cp"])
     if layout.ep > 1:
         apply_expert_parallel(model, mesh.experts[0])
     apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every)

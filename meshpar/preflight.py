@@ -83,7 +83,10 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
     family.check_degrees(dataclasses.asdict(layout))  # dp_shard = -1 resolved
     accum = _check_batch(recipe, layout)
     family.check_layout(args, layout)
-    check_seq_len(t.seq_len, layout.tp)
+    if layout.cp > 1:
+        check_context_parallel(recipe, layout, args)
+    else:
+        check_seq_len(t.seq_len, layout.tp)
     check_mixed_precision(recipe.parallel, layout)
     check_profile(recipe.profile, world_size)
     if layout.pp > 1:
@@ -100,6 +103,23 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
         raise RecipeError(f"train.seq_len ({t.seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}) "
                           f"for {family.name} {recipe.model.size}")
     return layout, accum, family, args
+
+
+def check_context_parallel(recipe: Recipe, layout, args) -> None:
+    """cp > 1: the sequence cuts into 2cp chunks ([Note: balanced sequence split]) and each rank's
+    T/cp tokens split again over tp; what context parallelism does not run yet is refused."""
+    t, cp, tp = recipe.train, layout.cp, layout.tp
+    if t.seq_len % (2 * cp):
+        raise RecipeError(f"parallel.cp = {cp}: train.seq_len ({t.seq_len}) does not cut into 2 x cp = {2 * cp} "
+                          f"equal chunks (each cp rank holds one from the front and its mirror from the back); "
+                          f"use a multiple of {2 * cp}", key="parallel.cp")
+    check_seq_len(t.seq_len // cp, tp)
+    if getattr(args, "document_eos", -1) >= 0:
+        raise RecipeError(f"parallel.cp = {cp} with model.attention = 'document': context parallelism runs causal "
+                          f"attention only so far; use attention = 'causal' or cp = 1", key="parallel.cp")
+    if recipe.parallel.compile:
+        raise RecipeError(f"parallel.cp = {cp} with parallel.compile = true: the gathered attention is not "
+                          f"compiled yet; set compile = false or cp = 1", key="parallel.compile")
 
 
 def preflight(recipe: Recipe, world_size: int) -> Preflight:

@@ -38,6 +38,6 @@ def all_reduce_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         flat.div_(mesh.size())  # divide first: the sum of pre-scaled values cannot overflow
-        comm.all_reduce(flat, mesh.get_group(), dim="dp_replicate")
+        comm.all_reduce(flat, mesh.get_group(), dim=(mesh.mesh_dim_names or ("dp_replicate",))[0])
         for g, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(reduced.view_as(g))

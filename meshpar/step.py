@@ -84,6 +84,7 @@ from torch.distributed.tensor import DTensor
 
 from meshpar import comm
 from meshpar.clip import clip_grad_norm_
+from meshpar.context_parallel import shard_sequence
 from meshpar.fsdp import FSDPModule
 from meshpar.mesh import Mesh
 from meshpar.nonfinite import NonFiniteGuard
@@ -141,18 +142,20 @@ class Model:
 class GradSync:
     """How a step reduces and clips this rank's gradients (from the layout, ``[parallel]``, ``[optim]``)."""
 
-    replicate: DeviceMesh  # mesh["dp_replicate"]: replicas all-reduce when FSDP does not shard
+    replicate: DeviceMesh  # Mesh.replicas (dp_replicate, x cp): replicas all-reduce when FSDP does not shard
     tp: bool  # tensor parallel: replicated parameters' partial gradients reduce (FSDP does it itself)
     every_microbatch: bool  # parallel.grad_reduce = "microbatch": FSDP reduce-scatters after each
     max_norm: float  # optim.grad_clip; inf when 0 (clipping off: the norm is still measured)
     pp_groups: list[dist.ProcessGroup] = field(default_factory=list)  # the norm sums over stages
     dp: DeviceMesh | None = None  # mesh["dp"]: expert loads sum over it ([Note: auxiliary losses])
+    cp: DeviceMesh | None = None  # mesh["cp"] when context parallel: each rank takes its tokens of every sequence
 
     @classmethod
     def of(cls, mesh: Mesh, parallel: ParallelConfig, optim: OptimConfig) -> GradSync:
-        return cls(mesh["dp_replicate"], mesh.layout.tp > 1, parallel.grad_reduce == "microbatch",
+        return cls(mesh.replicas, mesh.layout.tp > 1, parallel.grad_reduce == "microbatch",
                    optim.grad_clip if optim.grad_clip > 0 else math.inf,
-                   [mesh["pp"].get_group()] if mesh.layout.pp > 1 else [], mesh["dp"])
+                   [mesh["pp"].get_group()] if mesh.layout.pp > 1 else [], mesh["dp"],
+                   mesh["cp"] if mesh.layout.cp > 1 else None)
 
 
 @dataclass
@@ -187,6 +190,8 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
         with loss_parallel_context(model.loss_parallel):
             with phase("data"):
                 microbatches = next_batch()
+                if sync.cp is not None:  # this cp rank's tokens of every sequence ([Note: balanced sequence split])
+                    microbatches = [(shard_sequence(x, sync.cp), shard_sequence(y, sync.cp)) for x, y in microbatches]
             if model.pipeline is not None:  # the schedule runs every microbatch, forward and backward
                 with stage_tally(model.pipeline.stages, accum, microbatches[0][0].numel()) as tally:
                     loss = model.pipeline.step_microbatches(microbatches)

@@ -35,6 +35,7 @@ from meshpar import comm
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
 from meshpar.checkpoint import Checkpointer, CheckpointError, RunState, optimizer_state, param_names
+from meshpar.context_parallel import shard_sequence
 from meshpar.data import BatchLoader
 from meshpar.fault import (
     EXIT_PREEMPTED,
@@ -69,6 +70,8 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
     with loss_parallel_context(model.loss_parallel):
         for _ in range(t.eval_batches):
             microbatches = list(loader.next_step())
+            if mesh.layout.cp > 1:  # this cp rank's tokens of every sequence
+                microbatches = [(shard_sequence(x, mesh["cp"]), shard_sequence(y, mesh["cp"])) for x, y in microbatches]
             if model.pipeline is not None:
                 inputs, targets = (torch.cat(x).to(device) for x in zip(*microbatches, strict=True))
                 loss = model.pipeline.eval(inputs, targets)
@@ -83,6 +86,8 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
     if mesh.layout.pp > 1:  # the loss lives on the last stage's rank
         dist.all_reduce(total, group=mesh["pp"].get_group())
     dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+    if mesh.layout.cp > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh["cp"].get_group())
     return total.item()
 
 
@@ -205,6 +210,8 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
                 if sync.pp_groups:  # the loss lives on the last stage's rank
                     comm.all_reduce(loss_sum, sync.pp_groups[0], dim="pp")
                 comm.all_reduce(loss_sum, mesh["dp"].get_group(), dim="dp", op=dist.ReduceOp.AVG)
+                if mesh.layout.cp > 1:  # each cp rank's mean over its tokens: the same count on each
+                    comm.all_reduce(loss_sum, mesh["cp"].get_group(), dim="cp", op=dist.ReduceOp.AVG)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 now = time.perf_counter()

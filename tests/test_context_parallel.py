@@ -21,9 +21,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from meshpar import comm
 from meshpar.context_parallel import apply_context_parallel, sequence_indices, shard_sequence
-from tests.distributed import CaseSet
-from tests.helpers import build_model
-from tests.parity import TOL
+from meshpar.train import train
+from tests.distributed import CaseSet, run_distributed
+from tests.helpers import build_model, load_recipe, merged_state, train_losses, train_on_rank
+from tests.parity import TOL, default_dtype, in_float64
 
 B, T = 2, 32
 
@@ -84,3 +85,47 @@ def test_context_parallel_matches_one_process(world):
         assert worst <= TOL, (balanced, {k: v for k, v in diff.items() if v > TOL})
         # per layer, forward: K and V gathered; backward: their gradients reduce-scattered
         assert r[balanced]["calls"] == {("all_gather", "cp"): 2 * 2, ("reduce_scatter", "cp"): 2 * 2}
+
+
+def _close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want) and got, (what, got, want)
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= TOL * abs(w), (what, got, want)
+
+
+LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
+    "cp2-dp_shard2": ([], 4),  # the recipe: FSDP over dp_shard x cp
+    "cp2": (["--parallel.dp_shard=1"], 2),  # no FSDP: gradients averaged over cp as over replicas
+    "cp2-tp2": (["--parallel.dp_shard=1", "--parallel.tp=2"], 4),  # cp outside tp
+    "pp2-cp2": (["--parallel.dp_shard=1", "--parallel.pp=2"], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    with default_dtype():
+        return train(load_recipe("llama_debug_cp.toml", tmp_path_factory.mktemp("ref"), *STEPS,
+                                 "--parallel.dp_shard=1", "--parallel.cp=1"), return_state=True)
+
+
+STEPS = ["--train.steps=3", "--train.seq_len=256", "--train.eval_every=3", "--data.val_fraction=0.1"]
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_meshpar_train_with_cp_matches_one_rank(layout, reference, tmp_path, data_cache):
+    """recipes/llama_debug_cp.toml through meshpar train in each layout against the same recipe on
+    one rank, float64, 3 steps at 256 tokens: losses, validation loss, gradient norms and every
+    parameter to TOL."""
+    overrides, world = LAYOUTS[layout]
+    recipe = load_recipe("llama_debug_cp.toml", tmp_path, *STEPS, *overrides)
+    results = run_distributed(in_float64, world, train_on_rank, recipe, timeout=300, init_process_group=False)
+    records = results[0][0]
+    _close(train_losses(records), train_losses(reference.records), "loss")
+    for key in ("grad_norm", "val_loss"):
+        _close([r[key] for r in records if key in r], [r[key] for r in reference.records if key in r], key)
+    state = merged_state(results)
+    assert state.keys() == reference.state_dict.keys()
+    for name, want in reference.state_dict.items():
+        assert want.dtype == torch.float64, name
+        torch.testing.assert_close(state[name], want, rtol=TOL, atol=TOL, msg=name)

@@ -394,9 +394,12 @@ def test_preflight_default_dp_shard_takes_every_rank(byte_recipe):
     (3, ["--parallel.dp_replicate=2"], r"\[parallel\] dp_shard = -1 takes the ranks left over, but .*= 2 does not "
                                        r"divide the world size 3"),
     (2, ["--model.family=mistral"], r"^model\.family = 'mistral': unknown family; choose one of "),
-    (2, ["--parallel.cp=2"], r"^parallel\.cp = 2: context parallelism is not built yet for model family 'llama'"),
+    (2, ["--parallel.cp=2", "--model.family=gpt2"],
+     r"^parallel\.cp = 2: context parallelism is not built yet for model family 'gpt2'"),
+    (2, ["--parallel.cp=2", "--train.seq_len=66"],
+     r"^parallel\.cp = 2: train\.seq_len \(66\) does not cut into 2 x cp = 4 equal chunks"),
 ], ids=["batch-dp", "batch-dp-none", "seq-len", "eval-no-val", "vocab", "data-path", "world-indivisible", "family",
-        "cp"])
+        "cp-gpt2", "cp-seq-len"])
 def test_preflight_errors(byte_recipe, world_size, overrides, message):
     with pytest.raises(RecipeError, match=message):
         preflight(byte_recipe(*overrides), world_size)

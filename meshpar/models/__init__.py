@@ -89,6 +89,7 @@ NOT_BUILT = {
 }
 
 _ND = frozenset({"pp", "dp_replicate", "dp_shard", "tp"})
+_LLAMA = _ND | {"cp"}  # context parallelism: the Llama model's seams (meshpar/context_parallel.py)
 _MOE = frozenset({"pp", "dp_replicate", "dp_shard", "tp", "ep"})
 
 
@@ -103,9 +104,9 @@ def check_moe_layout(args: Any, layout: Any) -> None:
                           f"choose an ep that divides the expert count", "parallel.ep")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llama", Transformer, LLAMA_SIZES, LLAMA_TP_PLAN, check_llama_layout, _ND),
-    Family("qwen2", Transformer, QWEN2_SIZES, LLAMA_TP_PLAN, check_llama_layout, _ND),
-    Family("qwen3", Transformer, QWEN3_SIZES, LLAMA_TP_PLAN, check_llama_layout, _ND),
+    Family("llama", Transformer, LLAMA_SIZES, LLAMA_TP_PLAN, check_llama_layout, _LLAMA),
+    Family("qwen2", Transformer, QWEN2_SIZES, LLAMA_TP_PLAN, check_llama_layout, _LLAMA),
+    Family("qwen3", Transformer, QWEN3_SIZES, LLAMA_TP_PLAN, check_llama_layout, _LLAMA),
     Family("gpt2", GPT2, GPT2_SIZES, GPT2_TP_PLAN, check_gpt2_layout, _ND),
     Family("qwen3_moe", MoETransformer, QWEN3_MOE_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
     Family("mixtral", MoETransformer, MIXTRAL_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),

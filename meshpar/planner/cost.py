@@ -119,17 +119,21 @@ class StepTime:
     gpus_per_node: int
 
 
-# dims a step communicates over that are not mesh DIMS: dp (dp_replicate x dp_shard flattened), and
-# dp_shard split into dp_shard_mod_ep (outer) x ep (inner) by expert parallelism (Mesh.experts)
-_SUB_DIMS = {"dp": "dp_replicate", "dp_shard_mod_ep": "dp_shard", "ep": "dp_shard"}
+# dims a step communicates over that are not mesh DIMS, by their outermost mesh dim: dp (dp_replicate x
+# dp_shard flattened); dp_shard split into dp_shard_mod_ep (outer) x ep (inner) by expert parallelism
+# (Mesh.experts); FSDP meshes flattened with the ranks that see other tokens of the same parameters:
+# dp_shard x cp (Mesh.fsdp), dp_replicate x cp (Mesh.replicas), a sparse layer's dp_shard x tp and its
+# experts' dp_shard_mod_ep x tp (Mesh.sparse)
+_SUB_DIMS = {"dp": "dp_replicate", "dp_shard_mod_ep": "dp_shard", "ep": "dp_shard", "dp_shard_cp": "dp_shard",
+             "dp_replicate_cp": "dp_replicate", "dp_shard_tp": "dp_shard", "dp_shard_mod_ep_tp": "dp_shard"}
 
 
 def _degree(dim: str, layout: Layout) -> int:
-    if dim == "dp":
-        return layout.dp
-    if dim == "ep":
-        return layout.ep
-    return layout.dp_shard // layout.ep if dim == "dp_shard_mod_ep" else getattr(layout, dim)
+    degrees = {"dp": layout.dp, "ep": layout.ep, "dp_shard_mod_ep": layout.dp_shard // layout.ep,
+               "dp_shard_cp": layout.dp_shard * layout.cp, "dp_replicate_cp": layout.dp_replicate * layout.cp,
+               "dp_shard_tp": layout.dp_shard * layout.tp,
+               "dp_shard_mod_ep_tp": layout.dp_shard // layout.ep * layout.tp}
+    return degrees[dim] if dim in degrees else getattr(layout, dim)
 
 
 def _link(dim: str, layout: Layout, gpus_per_node: int, profile: HardwareProfile) -> tuple[str, float]:
@@ -170,13 +174,14 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
         neighbours = (r.stage > 0) + (r.stage < layout.pp - 1)
         per_dim["pp"] += hidden * accum * neighbours
     comms = []
-    order = ["dp", "pp", "dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep", "cp", "tp"]
+    order = ["dp", "pp", "dp_replicate", "dp_replicate_cp", "dp_shard", "dp_shard_cp", "dp_shard_tp",
+             "dp_shard_mod_ep", "dp_shard_mod_ep_tp", "ep", "cp", "tp"]
     for dim, nbytes in sorted(per_dim.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else -1):
         if dim not in order or _degree(dim, layout) == 1:  # dp_shard_mod_ep 1 under ep = dp_shard: no wire
             continue
         link, gbps = _link(dim, layout, gpn, profile)
         comms.append(DimComm(dim, _degree(dim, layout), link, gbps, nbytes, nbytes / (gbps * 1e9),
-                             dim not in ("tp", "pp", "ep")))
+                             dim not in ("tp", "pp", "ep", "cp")))
     return comms
 
 
