@@ -30,9 +30,17 @@ alternative, K/V passed around a ring with an online-softmax merge of partial re
 two chunks of K/V at a time instead of all T, and overlaps each hop with a chunk's attention;
 it is not built yet (issue 18).
 
-Limits: the gathered K/V and the [T/cp, T] mask are materialized per layer (fine to 128k tokens
-with GQA: 70B at T = 131072 holds 2 x 8 x 131072 x 128 bf16 = 0.5 GiB of K/V per layer during its
-attention); document-causal masks and torch.compile are refused with cp (not built).
+[Note: attention per query chunk]
+The gathered K and V are put back in sequence order, and each chunk of local queries attends to
+the keys up to its own chunk's end, the last ``n`` of them causally: one attention call per chunk
+with ``causal_lower_right(n, keys)`` (the causal mask aligned to the bottom right, which the fused
+GPU kernels apply without building it). No [T/cp, T] mask exists, and the keys after a chunk
+(half of all pairs) are never computed: rank r's two chunks of c = T/2cp queries see (r + 1) c and
+(2cp - r) c keys, 2cp + 1 chunks of keys in all on every rank.
+
+Limits: the gathered K/V are materialized per layer (70B at T = 131072 holds 2 x 8 x 131072 x 128
+bf16 = 0.5 GiB per layer during its attention, and twice that while reordered); document-causal
+masks and torch.compile are refused with cp (not built).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 
 from meshpar import comm
 
@@ -70,29 +79,35 @@ def shard_sequence(x: Tensor, mesh: DeviceMesh, *, balanced: bool = True) -> Ten
 
 
 class _Layout:
-    """Where a forward's tokens sit: this rank's global positions and, for attention, the mask of
-    the local queries over every rank's keys (rank order), cached per sequence length."""
+    """Where a forward's tokens sit: this rank's global positions, the order that puts every rank's
+    gathered chunks back in sequence order, and the local query chunks with how many keys each sees."""
 
     def __init__(self, mesh: DeviceMesh, balanced: bool) -> None:
         self.mesh, self.balanced = mesh, balanced
-        self._masks: dict[tuple, Tensor] = {}
 
     def positions(self, local_len: int) -> Tensor:
         cp = self.mesh.size()
         return sequence_indices(local_len * cp, cp, self.mesh.get_local_rank(), balanced=self.balanced)
 
-    def mask(self, local_len: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """The additive bias [T/cp, T]: 0 where key position <= query position, -inf elsewhere."""
-        key = (local_len, dtype, device)
-        if key not in self._masks:
-            cp = self.mesh.size()
-            q = self.positions(local_len)
-            k = torch.cat([sequence_indices(local_len * cp, cp, r, balanced=self.balanced) for r in range(cp)])
-            allowed = (k[None, :] <= q[:, None]).to(device)
-            self._masks.clear()  # one sequence length at a time
-            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed,
-                                                                                                   float("-inf"))
-        return self._masks[key]
+    def query_chunks(self, local_len: int) -> list[tuple[int, int, int]]:
+        """(first local query, queries, keys it may see: the sequence up to its chunk's end) per
+        chunk this rank holds: [Note: attention per query chunk]."""
+        cp, rank = self.mesh.size(), self.mesh.get_local_rank()
+        if not self.balanced:
+            return [(0, local_len, (rank + 1) * local_len)]
+        c = local_len // 2
+        return [(0, c, (rank + 1) * c), (c, c, (2 * cp - rank) * c)]
+
+
+def _in_sequence_order(x: Tensor, cp: int, balanced: bool) -> Tensor:
+    """Gathered chunks, in rank order along dim 2, in sequence order: with the balanced split rank r
+    sent chunks (r, 2cp - 1 - r), so the front halves in rank order are chunks 0 .. cp - 1 and the
+    back halves in reverse rank order chunks cp .. 2cp - 1."""
+    if not balanced:
+        return x
+    b, h, total, d = x.shape
+    halves = x.view(b, h, cp, 2, total // (2 * cp), d)
+    return torch.cat([halves[:, :, :, 0], halves[:, :, :, 1].flip(2)], dim=2).view(b, h, total, d)
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool = True) -> None:
@@ -111,13 +126,16 @@ def _rope_tables(model: nn.Module, layout: _Layout, seq_len: int) -> tuple[Tenso
 
 
 def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """[Note: all-gather of K and V]: q[B, H, T/cp, Dh] over k, v[B, Hkv, T, Dh] gathered."""
+    """[Note: all-gather of K and V]: q[B, H, T/cp, Dh] over k, v gathered to [B, Hkv, T, Dh]."""
     if mask is not None:
         raise ValueError("context parallelism runs causal attention only (document masks are refused with cp)")
-    group = layout.mesh.get_group()
-    k, v = _GatherSequence.apply(k, group), _GatherSequence.apply(v, group)
-    bias = layout.mask(q.shape[2], q.dtype, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    cp, group = layout.mesh.size(), layout.mesh.get_group()
+    k = _in_sequence_order(_GatherSequence.apply(k, group), cp, layout.balanced)
+    v = _in_sequence_order(_GatherSequence.apply(v, group), cp, layout.balanced)
+    out = [F.scaled_dot_product_attention(q[:, :, first:first + n], k[:, :, :keys], v[:, :, :keys],
+                                          attn_mask=causal_lower_right(n, keys), enable_gqa=True)
+           for first, n, keys in layout.query_chunks(q.shape[2])]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 class _GatherSequence(torch.autograd.Function):
