@@ -1,7 +1,7 @@
 """``meshpar plan`` for the mixture-of-experts families: the MoE recipes dry-run at their world size
 within two minutes and match their headers; active versus total parameters; the expert-parallel
 all-to-all's bytes are the balanced-routing arithmetic ([Note: the planner routes tokens evenly],
-meshpar/planner/moe.py); the layout search tries ep."""
+meshpar/planner/moe.py); the layout search tries ep, with tp and pp."""
 
 from __future__ import annotations
 
@@ -59,10 +59,13 @@ def test_search_tries_ep_for_moe_families():
     profile = planlib.load_hardware("h100_sxm")[0]
     base = ["--model.family=\"qwen3_moe\"", "--model.size=\"30b_a3b\"", "--train.seq_len=2048",
             "--train.global_batch=64", '--parallel.param_dtype="bfloat16"']
-    eps = set()
+    eps, tp_pp = set(), set()
     for c in candidates(base, 8, profile, 8, 0.34):
         o = dict(x.removeprefix("--").split("=", 1) for x in c.overrides)
         ep, shard = int(o["parallel.ep"]), int(o["parallel.dp_shard"])
-        assert shard % ep == 0 and 128 % ep == 0 and o["parallel.tp"] == o["parallel.pp"] == "1"
+        tp, pp = int(o["parallel.tp"]), int(o["parallel.pp"])
+        assert shard % ep == 0 and 128 % ep == 0 and tp * pp * shard == 8
         eps.add(ep)
+        tp_pp.add((tp, pp, ep > 1))
     assert eps == {1, 2, 4, 8}
+    assert {(2, 1, True), (1, 2, True)} <= tp_pp  # tp and pp compose with ep in the MoE families
