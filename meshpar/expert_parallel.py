@@ -43,9 +43,12 @@ in, no reduce-scatter out, and its weights are not split over tp. So the tp rank
 tokens, as data-parallel ranks do: the router's and the experts' gradients sum over them.
 meshpar/parallelize.py FSDP-shards the sparse layer's parameters over ``dp_shard x tp`` (the
 experts over ``dp_shard_mod_ep x tp`` under ep; ``Mesh.sparse``), with gradients averaged over dp
-only, and ``route_over_tp`` makes the routing statistics (auxiliary loss, token counts, aux-free
+only, and ``route_over_sequence`` makes the routing statistics (auxiliary loss, token counts, aux-free
 loads) those of the whole sequence with one all-reduce of ``2E`` numbers per layer and forward; its
 backward is the identity, because every tp rank holds the same loss and backpropagates it alike.
+Context parallelism splits the sequence too, so the same holds over ``cp`` (the experts shard over
+``dp_shard_mod_ep x cp [x tp]``), except that each cp rank has a loss of its own, averaged with
+the others': there the statistics' backward sums as well (``_totals_over_sequence``).
 The alternative, experts split over tp (Megatron's expert tensor parallelism), gathers every
 token to every tp rank and reduce-scatters the result, for weights that FSDP shards anyway.
 
@@ -105,29 +108,40 @@ def _dispatch(experts: Experts, mesh: DeviceMesh, layer: int, x: Tensor, counts:
                                 label=f"moe.combine[{layer}]")
 
 
-def route_over_tp(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Each MoE layer's routing statistics over every tp rank's slice of the sequence: [Note: the tp
-    ranks are data-parallel for the experts], [Note: routing statistics over the whole forward]."""
+def route_over_sequence(model: nn.Module, tp: DeviceMesh | None, cp: DeviceMesh | None) -> None:
+    """Each MoE layer's routing statistics over the whole sequence when tp or cp ranks hold slices
+    of it: [Note: the tp ranks are data-parallel for the experts], [Note: routing statistics over
+    the whole forward]."""
     for moe in model.moe_layers():
-        moe.forward_totals = functools.partial(_totals_over_tp, mesh)
+        moe.forward_totals = functools.partial(_totals_over_sequence, tp, cp)
 
 
-def _totals_over_tp(mesh: DeviceMesh, counts: Tensor, prob_sum: Tensor, n: int) -> tuple[Tensor, Tensor, int]:
-    stats = _SumOverTP.apply(torch.cat([prob_sum, counts.to(prob_sum.dtype)]), mesh.get_group())
-    e = counts.numel()
-    return stats[e:].round().to(counts.dtype), stats[:e], n * mesh.size()
+def _totals_over_sequence(tp: DeviceMesh | None, cp: DeviceMesh | None, counts: Tensor, prob_sum: Tensor,
+                          n: int) -> tuple[Tensor, Tensor, int]:
+    """Sums over tp, backward the identity (the tp ranks share one loss), then over cp, backward a
+    sum too: each cp rank's loss has its own copy of the auxiliary loss and the step averages their
+    gradients over cp, so each rank's part must receive every copy's gradient."""
+    stats, e = torch.cat([prob_sum, counts.to(prob_sum.dtype)]), counts.numel()
+    for mesh, backward_sums in ((tp, False), (cp, True)):
+        if mesh is not None:
+            stats = _SumOverRanks.apply(stats, mesh.get_group(), mesh.mesh_dim_names[0], backward_sums)
+            n *= mesh.size()
+    return stats[e:].round().to(counts.dtype), stats[:e], n
 
 
-class _SumOverTP(torch.autograd.Function):
-    """All-reduce (sum) over tp in forward; identity in backward: every tp rank backpropagates the same
-    loss, so each rank's part of the sum gets the sum's gradient once."""
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) in forward; in backward the identity, or the same sum (``backward_sums``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
+    def forward(ctx, x: Tensor, group, dim: str, backward_sums: bool) -> Tensor:
+        ctx.group, ctx.dim, ctx.backward_sums = group, dim, backward_sums
         out = x.clone()
-        comm.all_reduce(out, group, dim="tp").wait()
+        comm.all_reduce(out, group, dim=dim).wait()
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad, None
+        if ctx.backward_sums:
+            grad = grad.clone()
+            comm.all_reduce(grad, ctx.group, dim=ctx.dim).wait()
+        return grad, None, None, None

@@ -133,19 +133,19 @@ class Mesh:
         """FSDP meshes of a mixture-of-experts layer's parameters: (the layer's own: router, and the
         experts without ep; the experts' when ep > 1, else None). Each shards over the ranks that
         route different tokens through it: ``dp_shard`` (``dp_shard_mod_ep`` for the experts, which
-        ep already splits) and, with tensor parallelism, ``tp`` as well ([Note: the tp ranks are
-        data-parallel for the experts] in meshpar/expert_parallel.py); replicas outermost (hybrid)."""
+        ep already splits), and ``cp`` and ``tp`` where they split the sequence ([Note: the tp ranks
+        are data-parallel for the experts] in meshpar/expert_parallel.py), flattened into one dim
+        named after its parts (``dp_shard_mod_ep_cp_tp``); replicas outermost (hybrid)."""
         lay = self.layout
-        replicas = [self.world["dp_replicate"]] if lay.dp_replicate > 1 else []
-        layer = self.world["dp_shard"] if lay.tp == 1 else flatten_mesh(self.world["dp_shard", "tp"], "dp_shard_tp")
-        layer = concatenate_meshes([*replicas, layer]) if replicas else layer
-        if lay.ep == 1:
-            return layer, None
-        if lay.tp == 1:
-            return layer, self.experts[1]
-        split = self._split
-        experts = flatten_mesh(split["dp_shard_mod_ep", "tp"], "dp_shard_mod_ep_tp")
-        return layer, concatenate_meshes([split["dp_replicate"], experts]) if replicas else experts
+        inner = [d for d in ("cp", "tp") if getattr(lay, d) > 1]
+
+        def tokens_mesh(root: DeviceMesh, first: str) -> DeviceMesh:
+            dims = (first, *inner)
+            mesh = root[first] if not inner else flatten_mesh(root[dims], "_".join(dims))
+            return concatenate_meshes([root["dp_replicate"], mesh]) if lay.dp_replicate > 1 else mesh
+
+        layer = self.fsdp if inner == ["cp"] else tokens_mesh(self.world, "dp_shard")
+        return layer, tokens_mesh(self._split, "dp_shard_mod_ep") if lay.ep > 1 else None
 
     @functools.cached_property
     def _split(self) -> DeviceMesh:

@@ -20,7 +20,7 @@ from torch import nn
 
 from meshpar.activation_checkpoint import apply_activation_checkpointing
 from meshpar.context_parallel import apply_context_parallel
-from meshpar.expert_parallel import apply_expert_parallel, route_over_tp
+from meshpar.expert_parallel import apply_expert_parallel, route_over_sequence
 from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
 from meshpar.mesh import Mesh
 from meshpar.pipeline import SCHEDULES, split
@@ -61,15 +61,16 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
         if moe is not None and (layout.ep > 1 or layout.tp > 1):
             # the sparse layer's own units first, over the ranks that route different tokens through
             # them (mesh.sparse): a gradient there sums every such rank's token slots, so it is
-            # averaged over all of dp, not over the ranks of its mesh
+            # averaged over the ranks with a loss of their own (dp x cp), not over the ranks of its
+            # mesh (the tp ranks share one loss)
             layer_mesh, experts_mesh = mesh.sparse
             if layout.ep > 1:  # the experts, over the dp_shard ranks ep leaves (their DTensors span ep)
                 fully_shard(moe.experts, mesh=experts_mesh, reshard_after_forward=reshard, mp_policy=block_mp,
                             **extras)
-                moe.experts.set_gradient_divide_factor(layout.dp)
-            if layout.tp > 1:  # router (and experts without ep) over dp_shard x tp
+                moe.experts.set_gradient_divide_factor(layout.dp * layout.cp)
+            if layout.tp > 1:  # router (and experts without ep) over dp_shard (x cp) x tp
                 fully_shard(moe, mesh=layer_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **extras)
-                moe.set_gradient_divide_factor(layout.dp)
+                moe.set_gradient_divide_factor(layout.dp * layout.cp)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **extras)
     # the root keeps its parameters after forward (None), backward needs them first
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False,
@@ -106,10 +107,10 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
     check_fsdp_over_tp(tp_plan, layout.tp, layout.dp_shard)  # a plan that cannot be sharded yet
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], tp_plan.with_loss_parallel(cfg.loss_parallel))
-        if hasattr(model, "moe_layers"):
-            route_over_tp(model, mesh["tp"])
     if layout.cp > 1:
         apply_context_parallel(model, mesh["cp"])
+    if hasattr(model, "moe_layers") and (layout.tp > 1 or layout.cp > 1):
+        route_over_sequence(model, mesh["tp"] if layout.tp > 1 else None, mesh["cp"] if layout.cp > 1 else None)
     if layout.ep > 1:
         apply_expert_parallel(model, mesh.experts[0])
     apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every)

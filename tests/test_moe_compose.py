@@ -30,6 +30,8 @@ LAYOUTS = {  # name: (overrides, world size[, model overrides shared with the re
     "replicate2-ep2": (["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
     "tp2-dp_shard2": (["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=1"], 4),
     "tp2-ep2": (["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
+    "cp2-ep2": (["--parallel.cp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
+    "cp2-tp2-ep2": (["--parallel.cp=2", "--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 8),
     # the experts a unit inside each block, gathered over the 2 ranks ep leaves: [Note: units inside a unit]
     "ep2-in-dp_shard4-selective-ac": (["--parallel.dp_shard=4", "--parallel.ep=2",
                                        '--parallel.activation_checkpoint="selective"'], 4),

@@ -90,13 +90,17 @@ NOT_BUILT = {
 
 _ND = frozenset({"pp", "dp_replicate", "dp_shard", "tp"})
 _LLAMA = _ND | {"cp"}  # context parallelism: the Llama model's seams (meshpar/context_parallel.py)
-_MOE = frozenset({"pp", "dp_replicate", "dp_shard", "tp", "ep"})
+_MOE = frozenset({"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"})
 
 
 def check_moe_layout(args: Any, layout: Any) -> None:
     """Tensor parallelism as meshpar/models/moe/parallelize.py builds it; ep divides the expert count."""
     if layout.tp > 1:
         check_moe_tp(args, layout)
+    if layout.cp > 1 and args.capacity_factor > 0:
+        raise RecipeError(f"model.capacity_factor = {args.capacity_factor} with parallel.cp = {layout.cp}: the "
+                          f"capacity would apply to each cp rank's slice of the sequence, which is not built; "
+                          f"set capacity_factor = 0 or cp = 1", "model.capacity_factor")
     if layout.ep == 1:
         return
     if args.n_experts % layout.ep:
