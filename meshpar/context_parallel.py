@@ -26,9 +26,16 @@ attention of the local queries over all T keys with the mask ``key position <= q
 backward reduce-scatters their gradients (``_GatherSequence``). With grouped-query attention K
 and V are small: per layer and microbatch a rank receives 2 x B x Hkv x T x Dh x (cp - 1) / cp
 elements, Llama 3 70B (Hkv 8 of 64 heads) 1/8 of what gathering the queries would cost. The
-alternative, K/V passed around a ring with an online-softmax merge of partial results, holds only
-two chunks of K/V at a time instead of all T, and overlaps each hop with a chunk's attention;
-it is not built yet (issue 18).
+alternative, K/V passed around a ring with an online-softmax merge of partial results, moves the
+same bytes in forward (cp - 1 hops of T/cp) and twice as many in backward (K/V again, plus their
+gradients back to their owners); what it buys is memory (two chunks of K/V at a time instead of
+all T) and overlap of each hop with a chunk's attention. At the sizes this is for, with the
+planner's H100 links (meshpar/hardware profiles: 450 GB/s in a node, 50 GB/s across), Llama 3 70B
+at T = 131072, cp 8, one sequence: a layer gathers 470 MB of K/V per rank, 1.0 ms inside a node
+and 9.4 ms across nodes, against ~71 ms of that layer's attention forward per rank (3.5e13 FLOPs
+at half of 989 TFLOP/s); 8B (32 heads) ~36 ms. The gather is at most ~13% of the attention it
+feeds, before any overlap, so meshpar builds the gather; the ring is for multi-head attention
+without GQA or cp across slow links, and is not built yet (issue 18).
 
 [Note: attention per query chunk]
 The gathered K and V are put back in sequence order, and each chunk of local queries attends to
