@@ -11,6 +11,13 @@
   ("selective" keeps matmul and attention outputs, so it recomputes no matmul FLOPs),
   on the stage's tokens divided over tp, at ``efficiency`` x the profile's dense peak for
   the compute dtype; then the optimizer step ([Note: the efficiency constants]).
+- Context parallelism divides that work by cp: a rank runs every weight on its T/cp tokens,
+  and its attention, T/cp queries over the keys up to each of its chunks, is 1/cp of the
+  sequence's causal attention exactly under the balanced split ([Note: balanced sequence
+  split] in meshpar/context_parallel.py: 2cp x (T/2cp)^2 of T^2/2 (query, key) pairs on every
+  rank), whatever convention counts the whole (``flops_per_token``'s, without the causal
+  halving, as calibrated). Its K/V all-gathers (and their reduce-scatters in backward) sit on
+  the critical path of every block: the attention waits for them.
 - ``efficiency`` stands for everything a step's compute does besides ideal matmuls;
   ``default_efficiency`` gives it from [Note: the efficiency constants]. The published
   figure it was first calibrated on: torchtitan's Llama 3.1 8B with FSDP on 8 H100s (its
@@ -34,13 +41,14 @@
   top_k x (ep - 1) / ep x D x itemsize);
   data-parallel collectives (FSDP all-gathers and reduce-scatters, replica all-reduces)
   overlap with compute through prefetching, except the first unit's all-gather and the
-  last unit's reduce-scatter of a step.
+  last unit's reduce-scatter of a step (over FSDP's mesh: dp_shard, x cp when context parallel).
 - The pipeline runs ``n + p - 1`` microbatch slots for n microbatches on p stages (1F1B
   and GPipe), so its bubble is ``(p - 1) / (n + p - 1)`` of the step.
 - Links: a mesh dim's groups stay inside a node when the dim's degree times the degrees
   of every dim inside it divides the GPUs per node (tp innermost, so it is the first to
   stay inside; tp 3 on nodes of 8 would put a group across two nodes; ep is the innermost
-  part of dp_shard, so its span is ep x cp x tp); otherwise they
+  part of dp_shard, so its span is ep x cp x tp; cp's is cp x tp, so cp stays inside a node
+  when cp x tp divides its GPUs); otherwise they
   cross nodes and run at the inter-node bandwidth, per GPU per direction. Bytes are ring
   volumes per rank ([Note: bytes counted] in meshpar/comm.py), counted in the simulated
   step, at the full link bandwidth, which collectives do not reach: communication times
@@ -119,28 +127,41 @@ class StepTime:
     gpus_per_node: int
 
 
-# dims a step communicates over that are not mesh DIMS, by their outermost mesh dim: dp (dp_replicate x
-# dp_shard flattened); dp_shard split into dp_shard_mod_ep (outer) x ep (inner) by expert parallelism
-# (Mesh.experts); FSDP meshes flattened with the ranks that see other tokens of the same parameters:
-# dp_shard x cp (Mesh.fsdp), dp_replicate x cp (Mesh.replicas), a sparse layer's dp_shard x tp and its
-# experts' dp_shard_mod_ep x tp (Mesh.sparse)
-_SUB_DIMS = {"dp": "dp_replicate", "dp_shard_mod_ep": "dp_shard", "ep": "dp_shard", "dp_shard_cp": "dp_shard",
-             "dp_replicate_cp": "dp_replicate", "dp_shard_tp": "dp_shard", "dp_shard_mod_ep_tp": "dp_shard"}
+# [Note: flattened dims]
+# A step also communicates over dims that are not mesh DIMS: dp (dp_replicate x dp_shard), ep and
+# dp_shard_mod_ep (dp_shard split into dp_shard_mod_ep (outer) x ep (inner): Mesh.experts), and FSDP
+# meshes flattened from the ranks that see other tokens of the same parameters, named after their parts
+# outermost first: dp_shard_cp (Mesh.fsdp), dp_replicate_cp (Mesh.replicas), a sparse layer's
+# dp_shard_tp, dp_shard_cp_tp, and its experts' dp_shard_mod_ep_cp_tp and the like (Mesh.sparse). A
+# dim's degree is the product of its parts'; its groups span its outermost part's mesh dim and every
+# dim inside it (for ep, the innermost part of dp_shard: ep x cp x tp).
+_PARTS = ("dp_replicate", "dp_shard_mod_ep", "dp_shard", "dp", "pp", "ep", "cp", "tp")  # longest prefix first
+_OUTER = {"dp": "dp_replicate", "dp_shard_mod_ep": "dp_shard", "ep": "dp_shard"}  # a part's outermost mesh dim
+
+
+def _parts(dim: str) -> list[str]:
+    """``dp_shard_mod_ep_cp_tp`` -> [dp_shard_mod_ep, cp, tp]; [] for a name that is no mesh dim's."""
+    parts, rest = [], dim
+    while rest:
+        part = next((p for p in _PARTS if rest == p or rest.startswith(p + "_")), None)
+        if part is None:
+            return []
+        parts.append(part)
+        rest = rest[len(part):].removeprefix("_")
+    return parts
 
 
 def _degree(dim: str, layout: Layout) -> int:
-    degrees = {"dp": layout.dp, "ep": layout.ep, "dp_shard_mod_ep": layout.dp_shard // layout.ep,
-               "dp_shard_cp": layout.dp_shard * layout.cp, "dp_replicate_cp": layout.dp_replicate * layout.cp,
-               "dp_shard_tp": layout.dp_shard * layout.tp,
-               "dp_shard_mod_ep_tp": layout.dp_shard // layout.ep * layout.tp}
-    return degrees[dim] if dim in degrees else getattr(layout, dim)
+    special = {"dp": layout.dp, "ep": layout.ep, "dp_shard_mod_ep": layout.dp_shard // layout.ep}
+    return math.prod(special[p] if p in special else getattr(layout, p) for p in _parts(dim))
 
 
 def _link(dim: str, layout: Layout, gpus_per_node: int, profile: HardwareProfile) -> tuple[str, float]:
     degrees = dict(zip(DIMS, layout.degrees, strict=True))
-    outermost = _SUB_DIMS.get(dim, dim)
+    first = _parts(dim)[0]
+    outermost = _OUTER.get(first, first)
     span = math.prod(degrees[d] for d in DIMS[DIMS.index(outermost):])  # the dim and every dim inside it
-    if dim == "ep":  # the innermost part of dp_shard: ep x the dims inside dp_shard
+    if first == "ep":  # the innermost part of dp_shard: ep x the dims inside dp_shard
         span = span // layout.dp_shard * layout.ep
     if gpus_per_node % span == 0:  # ranks are laid out row-major: a group is `span` consecutive ranks
         return "intra-node", profile.intra_node_gbps
@@ -162,7 +183,7 @@ def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: i
 def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
                  profile: HardwareProfile) -> list[DimComm]:
     """A stage's communication per mesh dim in one step: the bytes of its simulated step, plus
-    the pipeline's transfers by arithmetic: each microbatch a stage sends one fp32 [mb, T/tp, D]
+    the pipeline's transfers by arithmetic: each microbatch a stage sends one fp32 [mb, T/(cp tp), D]
     to each neighbour (activations on, gradients back) and receives as many over the other
     direction of the link; an end stage has one neighbour."""
     t = recipe.train
@@ -170,14 +191,19 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
     for (_, dim), nbytes in r.measured.comm_bytes.items():
         per_dim[dim] += nbytes
     if layout.pp > 1:
-        hidden = t.micro_batch * (t.seq_len // layout.tp) * args.dim * 4
+        hidden = t.micro_batch * (t.seq_len // (layout.cp * layout.tp)) * args.dim * 4
         neighbours = (r.stage > 0) + (r.stage < layout.pp - 1)
         per_dim["pp"] += hidden * accum * neighbours
     comms = []
-    order = ["dp", "pp", "dp_replicate", "dp_replicate_cp", "dp_shard", "dp_shard_cp", "dp_shard_tp",
-             "dp_shard_mod_ep", "dp_shard_mod_ep_tp", "ep", "cp", "tp"]
-    for dim, nbytes in sorted(per_dim.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else -1):
-        if dim not in order or _degree(dim, layout) == 1:  # dp_shard_mod_ep 1 under ep = dp_shard: no wire
+    known = {dim: _parts(dim) for dim in per_dim if _parts(dim)}  # [Note: flattened dims]
+
+    def order(dim: str) -> tuple[int, int]:  # outermost first; a part (ep) after the whole (dp_shard)
+        first = known[dim][0]
+        return DIMS.index(_OUTER.get(first, first)), first in _OUTER
+
+    for dim in sorted(known, key=order):
+        nbytes = per_dim[dim]
+        if _degree(dim, layout) == 1:  # dp_shard_mod_ep 1 under ep = dp_shard: no wire
             continue
         link, gbps = _link(dim, layout, gpn, profile)
         comms.append(DimComm(dim, _degree(dim, layout), link, gbps, nbytes, nbytes / (gbps * 1e9),
@@ -194,12 +220,12 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
         efficiency = default_efficiency(p.compile, layout.world_size)
     gpn = gpus_per_node or profile.devices_per_node or links.gpus_per_node
     peak = profile.peak_flops(getattr(torch, p.param_dtype))
-    tokens_dp = t.global_batch * t.seq_len / layout.dp  # tokens per step on one data-parallel rank
+    tokens = t.global_batch * t.seq_len / (layout.dp * layout.cp)  # tokens per step on one rank (all its tp ranks)
     stages = []  # (compute s, critical comm s, DimComms) per stage; the step is set by the largest sum
     for r in ranks:
         _, executed = _stage_flops_per_token(args, r.layers, r.stage == layout.pp - 1, p.activation_checkpoint,
                                              p.ac_every, t.seq_len)
-        compute = executed * tokens_dp / layout.tp / (peak * efficiency)
+        compute = executed * tokens / layout.tp / (peak * efficiency)
         comms = _stage_comms(r, recipe, layout, args, accum, gpn, profile)
         # the optimizer step: every local fp32 parameter, memory-bound ([Note: the efficiency constants])
         optimizer = r.param_bytes / 4 * OPTIMIZER_BYTES_PER_PARAM / (profile.memory_bandwidth_gbps * 1e9)
@@ -210,10 +236,11 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
     pipeline = (compute + critical) / accum * slots
     # the first all-gather and the last reduce-scatter of a step cannot hide behind compute
     edge = 0.0
-    if slowest.units and layout.dp_shard > 1:
-        _, gbps = _link("dp_shard", layout, gpn, profile)
+    shard = layout.dp_shard * layout.cp  # FSDP's mesh: Mesh.fsdp
+    if slowest.units and shard > 1:
+        _, gbps = _link("dp_shard" if layout.cp == 1 else "dp_shard_cp", layout, gpn, profile)
         unit = max(slowest.units, key=lambda u: u.gathered_bytes)
-        edge = (unit.gathered_bytes + unit.reduce_bytes) * (layout.dp_shard - 1) / layout.dp_shard / (gbps * 1e9)
+        edge = (unit.gathered_bytes + unit.reduce_bytes) * (shard - 1) / shard / (gbps * 1e9)
     step = pipeline + max(0.0, overlappable - compute) + edge + optimizer
     tokens_per_s = t.global_batch * t.seq_len / step
     model_flops = args.flops_per_token(t.seq_len)

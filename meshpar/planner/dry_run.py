@@ -15,7 +15,7 @@ read off the result; ``simulate.py`` then runs the step on fake tensors. Stages 
 shape (same number of blocks, neither end) are simulated once.
 
 Limits: one stage per rank (``gpipe``, ``1f1b``; not yet the interleaved and zero-bubble
-schedules); ``parallel.compile`` is ignored (memory is eager mode's); ``cp`` is not built.
+schedules); ``parallel.compile`` is ignored (memory is eager mode's).
 """
 
 from __future__ import annotations
@@ -246,8 +246,8 @@ def _describe(rank: int, mesh: meshlib.Mesh, stages: list[tuple[int, torch.nn.Mo
     rows, n_global, param_bytes, n_tensors = _rows(stage)
     layout, t, p = mesh.layout, recipe.train, recipe.parallel
     coordinate = dict(zip(meshlib.DIMS, mesh.world.get_coordinate(), strict=True))
-    # [Note: what the simulation leaves to arithmetic]: receive buffers, fp32 [micro_batch, T/tp, D]
-    hidden = t.micro_batch * (t.seq_len // layout.tp) * stage.args.dim * 4
+    # [Note: what the simulation leaves to arithmetic]: receive buffers, fp32 [micro_batch, T/(cp tp), D]
+    hidden = t.micro_batch * (t.seq_len // (layout.cp * layout.tp)) * stage.args.dim * 4
     ends = (index > 0) + (index < layout.pp - 1)
     p2p = accum * hidden * ends
     optim = 2 * param_bytes + 4 * n_tensors

@@ -6,6 +6,7 @@ the part of the peak the change shrinks most.
 
 from __future__ import annotations
 
+from meshpar.models import get_family
 from meshpar.planner.dry_run import Plan, RankPlan
 
 GIB = 2**30
@@ -94,14 +95,15 @@ def memory_table(plan: Plan) -> str:
 def time_table(plan: Plan) -> str:
     t = plan.time
     peak = plan.profile.peak_tflops.get(plan.recipe.parallel.param_dtype, 0)
+    w = max([14, *(len(c.dim) for c in t.comm)])  # flattened dims' names: [Note: flattened dims] in cost.py
     lines = ["step time (the slowest stage):",
-             f"  compute        {t.compute_s:8.3f} s   at {t.efficiency:.2f} x {peak:g} TFLOP/s "
+             f"  {'compute':<{w}} {t.compute_s:8.3f} s   at {t.efficiency:.2f} x {peak:g} TFLOP/s "
              f"{plan.recipe.parallel.param_dtype} (recomputation included)",
-             f"  optimizer      {t.optimizer_s:8.3f} s   clipping + AdamW, memory-bound at "
+             f"  {'optimizer':<{w}} {t.optimizer_s:8.3f} s   clipping + AdamW, memory-bound at "
              f"{plan.profile.memory_bandwidth_gbps:g} GB/s"]
     for c in t.comm:
         how = "overlapped with compute" if c.overlapped else "on the critical path"
-        lines.append(f"  {c.dim:<14} {c.seconds:8.3f} s   {c.bytes_per_step / 1e9:9.2f} GB per step over {c.degree} "
+        lines.append(f"  {c.dim:<{w}} {c.seconds:8.3f} s   {c.bytes_per_step / 1e9:9.2f} GB per step over {c.degree} "
                      f"ranks, {c.link} {c.gbps:g} GB/s, {how}")
     if plan.layout.pp > 1:
         lines.append(f"  pipeline bubble {t.bubble:.3f} = (p - 1) / (m + p - 1) with p = {plan.layout.pp}, "
@@ -150,6 +152,9 @@ def advice(plan: Plan, r: RankPlan) -> str:
     if layout.tp < plan.time.gpus_per_node:  # past a node, tp's collectives would cross the network
         fixes.append((activations + gathered, f"raise parallel.tp (now {layout.tp}; divides activations and "
                       f"gathered parameters, best within a node of {plan.time.gpus_per_node})"))
+    if "cp" in get_family(plan.recipe.model.family).mesh_dims and t.seq_len % (4 * layout.cp * layout.tp) == 0:
+        fixes.append((activations, f"raise parallel.cp (now {layout.cp}; each rank holds train.seq_len / cp tokens of "
+                      f"every sequence: divides activations)"))
     fixes.append((states, f"raise parallel.dp_shard (now {layout.dp_shard}; shards parameters, gradients and AdamW "
                   f"state, {_g(states)} GiB here) or parallel.pp"))
     if plan.accum > 1 and layout.dp_shard > 1 and p.grad_reduce == "step" and at["Gradient"] > r.grad_bytes:

@@ -3,8 +3,9 @@
     results = search("llama", "70b", gpus=64, profile=profile, seq_len=8192, global_batch=16)
     results[0].recipe    # the best: a Recipe whose dry run fits, the highest predicted tokens/s
 
-Candidates are the combinations of pipeline, tensor and data-parallel degrees (tp a divisor of
-the GPUs per node, pp at most 16 and at most half the blocks; FSDP across
+Candidates are the combinations of pipeline, tensor, context and data-parallel degrees (tp a
+divisor of the GPUs per node, pp at most 16 and at most half the blocks, cp as
+[Note: which cp degrees the search tries] says; FSDP across
 the data-parallel ranks, or hybrid: sharded within a node, replicated across), micro batch,
 activation checkpointing, reshard_after_forward (without pipelining) and when gradients are
 reduced (``parallel.grad_reduce``, with several microbatches under FSDP), micro batch 1, 2 or
@@ -20,6 +21,17 @@ best tokens/s among candidates that fit, since no later candidate can beat it, o
 time budget is spent (the table then says so). A candidate is skipped without a dry run when
 a variant of the same layout that needs no more memory (a micro batch no larger, at least as
 much checkpointing, resharding if it reshards, reducing every microbatch if it does) did not fit.
+
+[Note: which cp degrees the search tries]
+For a family that runs context parallelism: cp a power of two that leaves every rank at least
+``MIN_CP_TOKENS`` tokens of each sequence (so none at 8192 tokens; up to 16 at 131072, Llama 3's
+own cp at that length), the sequence cut into 2cp chunks each divisible over tp (the launch
+check, ``check_context_parallel``). A rank's work falls as 1/cp while its K/V all-gathers per
+block stay near one sequence's K and V, so below that the gathers' share of a block grows
+with cp and more data-parallel ranks, where the batch has the sequences, do the same work
+without them. Where cp sits needs no choice: the mesh puts it just outside tp, so its groups
+stay inside a node when cp x tp divides the GPUs per node and cross nodes otherwise; the
+bound prices the gathers at that link, which ranks an intra-node cp first among equals.
 """
 
 from __future__ import annotations
@@ -41,10 +53,12 @@ from meshpar.models import get_family
 from meshpar.parallelize import check_mixed_precision
 from meshpar.pipeline import check_microbatches, stage_layers
 from meshpar.planner.cost import _stage_flops_per_token, default_efficiency
+from meshpar.preflight import check_context_parallel
 from meshpar.recipe import Recipe, RecipeError
 
 AC_MODES = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4)
+MIN_CP_TOKENS = 8192  # tokens of each sequence a cp rank keeps at least: [Note: which cp degrees the search tries]
 
 
 @dataclass(frozen=True)
@@ -96,11 +110,12 @@ def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_no
     t = recipe.train
     out = []
     dims = family.mesh_dims
-    for tp in [d for d in _divisors(gpus_per_node) if gpus % d == 0 and (d == 1 or "tp" in dims)]:
-        for pp in [d for d in _divisors(gpus // tp) if d <= args.n_layers // 2 and d <= 16
+    tps = [d for d in _divisors(gpus_per_node) if gpus % d == 0 and (d == 1 or "tp" in dims)]
+    for tp, cp in [(d, c) for d in tps for c in _cp_degrees(gpus // d, t.seq_len, "cp" in dims)]:
+        for pp in [d for d in _divisors(gpus // (tp * cp)) if d <= args.n_layers // 2 and d <= 16
                    and (d == 1 or "pp" in dims)]:
-            dp = gpus // (tp * pp)
-            shard_in_node = max(1, gpus_per_node // tp)
+            dp = gpus // (tp * cp * pp)
+            shard_in_node = max(1, gpus_per_node // (tp * cp))
             hybrids = [1] + ([dp // shard_in_node] if dp > shard_in_node and dp % shard_in_node == 0 else [])
             for replicate, ep in _with_ep(hybrids, dp, args, "ep" in dims):
                 for mb in MICRO_BATCHES:
@@ -117,18 +132,31 @@ def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_no
                                       *([f"--parallel.ep={ep}"] if "ep" in dims else []),
                                       f"--train.micro_batch={mb}", f'--parallel.activation_checkpoint="{ac}"',
                                       f"--parallel.reshard_after_forward={str(reshard).lower()}",
-                                      f'--parallel.grad_reduce="{reduce}"']
+                                      f'--parallel.grad_reduce="{reduce}"',
+                                      *([f"--parallel.cp={cp}"] if "cp" in dims else [])]
                             try:
                                 cand = recipelib.load(None, [*base, *layout])
                                 family.check_layout(args, resolve(cand.parallel, gpus))
                                 check_mixed_precision(cand.parallel, resolve(cand.parallel, gpus))
+                                if cp > 1:
+                                    check_context_parallel(cand, resolve(cand.parallel, gpus), args)
                                 if pp > 1:
                                     check_microbatches("1f1b", n, pp, local_batch=t.global_batch // dp)
                             except RecipeError:
                                 continue
-                            bound = _bound(args, cand, pp, tp, dp, n, profile, gpus_per_node, efficiency)
+                            bound = _bound(args, cand, pp, tp, cp, dp, n, profile, gpus_per_node, efficiency)
                             out.append(Candidate(tuple(layout), bound))
     return sorted(out, key=lambda c: (-round(c.bound, 6), _memory_key(c.overrides)))
+
+
+def _cp_degrees(ranks: int, seq_len: int, allowed: bool) -> list[int]:
+    """[Note: which cp degrees the search tries]: 1, and with ``allowed`` the powers of two that
+    divide ``ranks`` and leave each cp rank ``MIN_CP_TOKENS`` or more of a sequence."""
+    out, cp = [1], 2
+    while allowed and ranks % cp == 0 and seq_len // cp >= MIN_CP_TOKENS:
+        out.append(cp)
+        cp *= 2
+    return out
 
 
 def _with_ep(hybrids: list[int], dp: int, args, moe: bool) -> list[tuple[int, int]]:
@@ -140,39 +168,46 @@ def _with_ep(hybrids: list[int], dp: int, args, moe: bool) -> list[tuple[int, in
             if args.n_experts % ep == 0 and (ep == 1 or r == 1)]
 
 
-def _bound(args, recipe: Recipe, pp: int, tp: int, dp: int, n: int, profile: HardwareProfile, gpus_per_node: int,
-           efficiency: float | None) -> float:
+def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, profile: HardwareProfile,
+           gpus_per_node: int, efficiency: float | None) -> float:
     """tokens/s no dry run of this candidate can exceed: its compute (cost.py's term) plus the
     sequence-parallel collectives every block runs at least (2 all-gathers and 2 reduce-scatters
-    of [micro_batch, T, D] each way), stretched by the pipeline bubble."""
+    of [micro_batch, T/cp, D] each way) and context parallelism's (K and V gathered in forward,
+    their gradients reduce-scattered in backward: [micro_batch, Hkv/tp, T/cp, Dh] each, from
+    cp - 1 ranks), stretched by the pipeline bubble."""
     t, p = recipe.train, recipe.parallel
     itemsize = getattr(torch, p.param_dtype).itemsize
-    efficiency = efficiency or default_efficiency(p.compile, pp * tp * dp)
+    efficiency = efficiency or default_efficiency(p.compile, pp * tp * cp * dp)
     flops = profile.peak_flops(getattr(torch, p.param_dtype)) * efficiency
     gbps = profile.intra_node_gbps if tp <= gpus_per_node else profile.inter_node_gbps
+    cp_gbps = profile.intra_node_gbps if gpus_per_node % (cp * tp) == 0 else profile.inter_node_gbps
+    local = t.micro_batch * t.seq_len // cp  # a microbatch's tokens on one rank
+    kv = 2 * 2 * local * args.n_kv_heads // tp * args.resolved_head_dim * itemsize * (cp - 1)
     worst = 0.0
     for i, layers in enumerate(stage_layers(args.n_layers, pp)):
         executed = _stage_flops_per_token(args, layers, i == pp - 1, p.activation_checkpoint, p.ac_every,
                                           t.seq_len)[1]
-        compute = executed * t.global_batch * t.seq_len / dp / tp / flops
-        tp_bytes = 8 * t.micro_batch * t.seq_len * args.dim * itemsize * (tp - 1) / tp * len(layers) * n
-        worst = max(worst, compute + tp_bytes / (gbps * 1e9) + _all_to_all_s(args, recipe, layers, n, profile,
-                                                                              gpus_per_node))
+        compute = executed * t.global_batch * t.seq_len / dp / cp / tp / flops
+        tp_bytes = 8 * local * args.dim * itemsize * (tp - 1) / tp * len(layers) * n
+        comm = tp_bytes / (gbps * 1e9) + kv * len(layers) * n / (cp_gbps * 1e9)
+        worst = max(worst, compute + comm + _all_to_all_s(args, recipe, layers, n, profile, gpus_per_node))
     return t.global_batch * t.seq_len / (worst * (n + pp - 1) / n)
 
 
 def _all_to_all_s(args, recipe: Recipe, layers: range, n: int, profile: HardwareProfile, gpus_per_node: int) -> float:
     """Expert parallelism's all-to-alls of a balanced step (cost.py's term, by arithmetic): per sparse
     layer and microbatch, forward and backward (and the recomputed forward of a checkpointed block),
-    2 x tokens x top_k x (ep - 1) / ep x D x itemsize each."""
+    2 x tokens x top_k x (ep - 1) / ep x D x itemsize each, the tokens a rank routes: its T / (cp tp)
+    of each sequence; at the link of ep's span, ep x cp x tp (cost.py's ``_link``)."""
     ep, t, p = recipe.parallel.ep, recipe.train, recipe.parallel
     if ep == 1:
         return 0.0
     sparse = sum(args.is_sparse(i) * (3 if p.activation_checkpoint == "full" and i % p.ac_every == 0 else 2)
                  for i in layers)
-    nbytes = 2 * t.micro_batch * t.seq_len * args.top_k * (ep - 1) / ep * args.dim * sparse * n
+    tokens = t.micro_batch * t.seq_len // (p.cp * p.tp)
+    nbytes = 2 * tokens * args.top_k * (ep - 1) / ep * args.dim * sparse * n
     nbytes *= getattr(torch, recipe.parallel.param_dtype).itemsize
-    gbps = profile.intra_node_gbps if gpus_per_node % ep == 0 else profile.inter_node_gbps
+    gbps = profile.intra_node_gbps if gpus_per_node % (ep * p.cp * p.tp) == 0 else profile.inter_node_gbps
     return nbytes / (gbps * 1e9)
 
 
@@ -185,7 +220,8 @@ def _memory_key(overrides: tuple[str, ...]) -> tuple:
 
 
 def _same_layout(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
-    keys = ("--parallel.tp", "--parallel.pp", "--parallel.dp_replicate", "--parallel.dp_shard", "--parallel.ep")
+    keys = ("--parallel.tp", "--parallel.pp", "--parallel.dp_replicate", "--parallel.dp_shard", "--parallel.ep",
+            "--parallel.cp")
     return [x for x in a if x.split("=")[0] in keys] == [x for x in b if x.split("=")[0] in keys]
 
 

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshpar import comm
+from meshpar import context_parallel as cplib
 from meshpar._torch import FakeTensorMode
 from meshpar._torch import dtensor_sharding_prop as sharding_prop
 from meshpar.comm import comm_buffers
@@ -204,9 +205,15 @@ class _NcclReduceScatterInput(comm.ReduceScatterInput):
             self.send = None if self.shortcut else torch.empty(self.n, per_rank, dtype=dtype, device=device)
 
 
+def _unmasked(n_queries: int, n_keys: int) -> None:
+    """``causal_lower_right`` in the simulation: no mask at all ([Note: context parallel attention on fake tensors])."""
+    return None
+
+
 @contextlib.contextmanager
 def _patched(nccl: bool) -> Iterator[None]:
-    """NCCL's reduce-scatter buffers when ``nccl``; DTensor's shape propagation in a fake mode of its own.
+    """NCCL's reduce-scatter buffers when ``nccl``; DTensor's shape propagation in a fake mode of its own;
+    context parallelism's per-chunk causal mask left out.
 
     [Note: DTensor's shape propagation is not memory]
     DTensor finds its output shapes by running each op on fake tensors of the *global* shapes,
@@ -214,17 +221,28 @@ def _patched(nccl: bool) -> Iterator[None]:
     a [B, T, V] logits tensor where each rank holds [B, T, V/tp] (debug Llama, tp 2: +16 MiB,
     10% of the peak; Llama 3 70B at tp 8: +8 GiB). Given a fresh fake mode, as it makes
     outside one, those ops run below the tracker's notice, as MemTracker intends.
+
+    [Note: context parallel attention on fake tensors]
+    Each chunk of a cp rank's queries attends with ``causal_lower_right(n, keys)``
+    ([Note: attention per query chunk] in meshpar/context_parallel.py), a tensor subclass that
+    fake tensors cannot become (torch raises creating it under a fake mode). On a GPU it
+    dispatches to the flash kernel with its causal flag, no mask built, saving q, k, v, the
+    output and the log-sum-exp; off the GPU it would materialize a [n, keys] boolean mask
+    (70B at 131072 tokens over cp 8: 1 GiB per chunk). The simulation calls the attention
+    unmasked instead: the CPU's flash kernel, which saves the same tensors as the GPU's
+    causal one (FLOPs are cost.py's arithmetic, not the simulation's).
     """
-    original = comm.ReduceScatterInput, sharding_prop.detect_fake_mode
+    original = comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right
     if nccl:
         comm.ReduceScatterInput = _NcclReduceScatterInput
     sharding_prop.detect_fake_mode = lambda *args: None
+    cplib.causal_lower_right = _unmasked
     try:
         with warnings.catch_warnings():  # MemTracker on ops that return None among their outputs
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             yield
     finally:
-        comm.ReduceScatterInput, sharding_prop.detect_fake_mode = original
+        comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right = original
 
 
 def _steady_prefetch(stage: torch.nn.Module) -> None:
@@ -252,16 +270,19 @@ class _OneAtATime:
     then its backward as the schedule runs it ([Note: one reduce-scatter per step under
     pipelining]), and after the last the schedule's ``perform_reduce_grad``. The stage keeps
     its output until its backward; the order the schedule interleaves microbatches in is
-    priced apart (``schedule_actions``). ``grads``: the gradients the next stage sends back."""
+    priced apart (``schedule_actions``). ``received``: the activations the previous stage sends
+    (a stage after the first reads them instead of the microbatch's tokens, as the schedule
+    does), ``grads``: the gradients the next stage sends back."""
 
-    def __init__(self, stage: Stage, accum: int, grads: list[torch.Tensor],
+    def __init__(self, stage: Stage, accum: int, received: list[torch.Tensor], grads: list[torch.Tensor],
                  phase: Callable[..., contextlib.AbstractContextManager]) -> None:
-        self.stage, self.accum, self.grads, self.phase = stage, accum, grads, phase
+        self.stage, self.accum, self.received, self.grads, self.phase = stage, accum, received, grads, phase
         self.stages = [stage]
 
     def step_microbatches(self, microbatches: Sequence[Microbatch]) -> None:
         pipe, n = self.stage, len(microbatches)
-        for i, (inputs, targets) in enumerate(microbatches):
+        for i, (tokens, targets) in enumerate(microbatches):
+            inputs = tokens if pipe.is_first else self.received[i]
             with self.phase("forward", i):
                 with pipe.scheduled():  # [Note: forwards outside the schedule]
                     out = pipe.submod(inputs)
@@ -296,17 +317,19 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
     t, p, layout = recipe.train, recipe.parallel, mesh.layout
     n_run = min(accum, 3 if layout.pp > 1 else 2)
     device = torch.device("cpu")
+    sync = GradSync.of(mesh, p, recipe.optim)  # flattens Mesh.replicas on real tensors: not under the fake mode
     with FakeTensorMode(allow_non_fake_inputs=True), _patched(nccl):
         for _, stage in stages:
             stage.to_empty(device=device)  # values are never read: no init_weights
             _steady_prefetch(stage)
         (index, stage), = stages  # one stage per rank (checked by the planner)
         tokens = torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long)
-        # the stage's received activations and gradients (kept by the schedule, counted by the planner, not here)
-        dim, seq = _hidden_dim(stage), t.seq_len // layout.tp
-        inputs = [torch.empty(t.micro_batch, seq, dim, requires_grad=True) for _ in range(n_run)]
+        # the stage's received activations and gradients, [mb, T/(cp tp), D] (kept by the schedule,
+        # counted by the planner, not here); every stage's microbatches are token ids, as in training
+        dim, seq = _hidden_dim(stage), t.seq_len // (layout.cp * layout.tp)
+        received = [torch.empty(t.micro_batch, seq, dim, requires_grad=True) for _ in range(n_run)]
         grads = [torch.empty(t.micro_batch, seq, dim) for _ in range(n_run)]
-        microbatches = [(tokens if index == 0 else inputs[i], tokens) for i in range(n_run)]
+        microbatches = [(tokens, tokens)] * n_run
         model = Model(torch.nn.ModuleList([stage]), None, layout.tp > 1 and p.loss_parallel)
         pipe = None
         if layout.pp > 1:
@@ -315,8 +338,8 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
         with balanced_routing(stage), _Tracker(stage, groups=_groups(mesh)) as tracker:
             phase = _priced(tracker, phases)
             if pipe is not None:
-                model.pipeline = _OneAtATime(pipe, accum, grads, phase)
-            train_step(model, lambda: microbatches, accum, GradSync.of(mesh, p, recipe.optim), device, phase=phase)
+                model.pipeline = _OneAtATime(pipe, accum, received, grads, phase)
+            train_step(model, lambda: microbatches, accum, sync, device, phase=phase)
     # what a forward leaves alive besides parameters (saved activations, the output, the loss's
     # graph): the price of a microbatch in flight
     activation = phases["F0"].saved
