@@ -1,0 +1,105 @@
+"""``meshpar plan`` with context parallelism (issue 18 item 5): the 131072-token Llama recipes
+dry-run at their world size within two minutes each and match their headers; a rank's
+activations and compute fall as 1/cp; cp's K/V gathers are the arithmetic of
+[Note: all-gather of K and V] at the link the mesh order gives them; the pipeline's
+transfers carry T/(cp tp) tokens; the layout search tries cp for long sequences only."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from meshpar import recipe as recipelib
+from meshpar.mesh import Layout
+from meshpar.planner.cost import _degree, _link
+from meshpar.planner.search import MIN_CP_TOKENS, candidates
+from tests.test_plan import RECIPES, _check_recipe, _run, planlib
+
+CP_RECIPES = ("llama3_8b_128k", "llama3_70b_128k")
+H100 = planlib.load_hardware("h100_sxm")[0]
+
+
+@pytest.mark.parametrize("name", CP_RECIPES)
+def test_cp_recipe_fits_at_its_world_size_and_its_header_is_the_plan(name):
+    _check_recipe(name)  # under two minutes each: 19 s and 42 s on a loaded two-core machine
+    out = _run(str(RECIPES / f"{name}.toml"))[1]
+    for category in ("parameters, sharded and gathered", "gradients", "activations", "temporaries", "AdamW state"):
+        assert f"    {category}" in out  # the acceptance line: memory by category
+    plan = _run(str(RECIPES / f"{name}.toml"))[3]
+    assert plan.recipe.train.seq_len == 131072 <= plan.args.max_seq_len
+
+
+def test_cp_gathers_are_the_arithmetic_at_their_link():
+    """Per block and microbatch, K and V ([mb, Hkv/tp, T/cp, Dh] bf16 each) gathered from cp - 1
+    ranks three times: forward, the forward recomputed under selective checkpointing (it keeps
+    matmul and attention outputs, not the gathered K and V) and backward's reduce-scatter of
+    their gradients; on the critical path, across nodes when cp x tp exceeds a node."""
+    for name in CP_RECIPES:
+        plan = _run(str(RECIPES / f"{name}.toml"))[3]
+        a, t, layout = plan.args, plan.recipe.train, plan.layout
+        kv = 2 * t.micro_batch * a.n_kv_heads // layout.tp * t.seq_len // layout.cp * a.resolved_head_dim * 2
+        expected = 3 * kv * (layout.cp - 1) * a.n_layers * plan.accum
+        cp = next(c for c in plan.time.comm if c.dim == "cp")
+        assert cp.bytes_per_step == pytest.approx(expected, rel=1e-9), name
+        assert not cp.overlapped and cp.degree == layout.cp and cp.link == "inter-node"
+        fsdp = next(c for c in plan.time.comm if c.dim == "dp_shard_cp")
+        assert fsdp.overlapped and fsdp.degree == layout.dp_shard * layout.cp
+
+
+def test_flattened_dims_take_their_parts_degrees_and_links():
+    """[Note: flattened dims] in meshpar/planner/cost.py: ranks are row-major with cp just outside
+    tp, so a cp group spans cp x tp consecutive ranks, and a flattened dim its outermost part's
+    mesh dim and every dim inside it."""
+    assert _link("cp", Layout(1, 1, 2, 2, 4), 8, H100)[0] == "intra-node"
+    assert _link("cp", Layout(1, 1, 2, 4, 4), 8, H100)[0] == "inter-node"
+    assert _link("dp_shard_cp", Layout(1, 1, 2, 4, 1), 8, H100)[0] == "intra-node"
+    assert _link("dp_shard_cp", Layout(1, 1, 4, 4, 1), 8, H100)[0] == "inter-node"
+    layout = Layout(1, 2, 8, 2, 2, ep=4)  # pp, dp_replicate, dp_shard, cp, tp
+    degrees = {d: _degree(d, layout) for d in ("dp_replicate_cp", "dp_shard_cp_tp", "dp_shard_mod_ep_cp_tp", "ep")}
+    assert degrees == {"dp_replicate_cp": 4, "dp_shard_cp_tp": 32, "dp_shard_mod_ep_cp_tp": 8, "ep": 4}
+    assert _link("ep", layout, 16, H100)[0] == "intra-node"  # ep x cp x tp = 16 ranks
+    assert _link("dp_shard_mod_ep_cp_tp", layout, 16, H100)[0] == "inter-node"  # dp_shard x cp x tp = 32
+
+
+def test_activations_and_compute_per_rank_fall_as_one_over_cp():
+    """Llama 3.1 8B at 131072 tokens, dp_shard 2 x cp (one microbatch): what a forward leaves alive
+    and the compute time are 1/cp of cp 1's (the balanced split gives every rank T/cp tokens and
+    1/cp of the causal attention); the gathered K and V are not kept under selective checkpointing."""
+    act, compute = {}, {}
+    for cp in (1, 2, 4, 8):
+        recipe = recipelib.load(RECIPES / "llama3_8b.toml", ["--train.seq_len=131072", "--train.global_batch=2",
+                                                              "--parallel.dp_shard=2", f"--parallel.cp={cp}"])
+        plan = planlib.plan(recipe, 2 * cp, H100)
+        act[cp], compute[cp] = plan.ranks[0].measured.activation_bytes, plan.time.compute_s
+    assert act[1] > act[2] > act[4] > act[8]
+    for cp in (2, 4, 8):
+        assert act[cp] == pytest.approx(act[1] / cp, rel=0.01), (cp, act)
+        assert compute[cp] == pytest.approx(compute[1] / cp, rel=1e-9)
+    assert [round(act[cp] / 2**30) for cp in (1, 2, 4, 8)] == [469, 235, 117, 59]  # llama3_8b_128k's header
+
+
+def test_pipeline_transfers_carry_a_cp_ranks_tokens():
+    """pp 2 x cp 2 x tp 2: each microbatch a stage sends and receives fp32 [mb, T/(cp tp), D]."""
+    code, _, err, plan, _ = _run(str(RECIPES / "llama_debug_cp.toml"), "--world", "16", "--hardware", "cpu",
+                                 "--parallel.pp=2", "--parallel.tp=2")
+    assert code == 0, err
+    t, layout = plan.recipe.train, plan.layout
+    hidden = t.micro_batch * t.seq_len // (layout.cp * layout.tp) * plan.args.dim * 4
+    assert [r.p2p_bytes for r in plan.ranks] == [plan.accum * hidden] * 2
+    pp = next(c for c in plan.time.comm if c.dim == "pp")
+    assert pp.bytes_per_step >= plan.accum * hidden  # plus clipping's norm over the stages
+
+
+def test_search_tries_cp_for_long_sequences_only():
+    base = ["--model.size=8b", "--train.global_batch=8", '--parallel.param_dtype="bfloat16"']
+    seen = set()
+    for c in candidates([*base, "--train.seq_len=131072"], 32, H100, 8, None):
+        o = {k: v for k, v in (x.removeprefix("--").split("=", 1) for x in c.overrides)}
+        tp, cp, pp = int(o["parallel.tp"]), int(o["parallel.cp"]), int(o["parallel.pp"])
+        assert tp * cp * pp * int(o["parallel.dp_replicate"]) * int(o["parallel.dp_shard"]) == 32
+        assert 131072 % (2 * cp * tp) == 0 and 131072 // cp >= MIN_CP_TOKENS and math.log2(cp).is_integer()
+        seen.add(cp)
+    assert seen == {1, 2, 4, 8, 16}
+    assert {int(dict(x.split("=") for x in c.overrides)["--parallel.cp"])
+            for c in candidates([*base, "--train.seq_len=8192"], 32, H100, 8, None)} == {1}
