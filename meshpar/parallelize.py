@@ -90,7 +90,7 @@ def check_mixed_precision(cfg: ParallelConfig, layout) -> None:
     unit exists and the model would silently compute in float32, so a lower precision there is
     refused (one rank alone gets its units: ``one_device_fsdp``)."""
     for key in ("param_dtype", "reduce_dtype"):
-        if layout.dp_shard == 1 and not one_device_fsdp(layout) and getattr(cfg, key) != "float32":
+        if layout.dp_shard * layout.cp == 1 and not one_device_fsdp(layout) and getattr(cfg, key) != "float32":
             raise RecipeError(f"parallel.{key} = {getattr(cfg, key)!r} takes effect through FSDP, and "
                               f"parallel.dp_shard = 1 makes no FSDP unit (the model would run in float32); set "
                               f"parallel.{key} = \"float32\", or shard over data-parallel ranks (dp_shard > 1)",
@@ -99,10 +99,10 @@ def check_mixed_precision(cfg: ParallelConfig, layout) -> None:
 
 def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, tp_plan: TPPlan) -> nn.Module:
     """Tensor parallel -> activation checkpointing -> compile -> FSDP on one stage (or the whole
-    model) built on meta. ``tp_plan`` is the family's plan table (``family.tp_plan``). With
-    ``dp_shard = 1`` no FSDP unit is made and the training step averages gradients over
-    ``dp_replicate`` (meshpar.replicate), except on one rank with mixed precision
-    (``one_device_fsdp``)."""
+    model) built on meta. ``tp_plan`` is the family's plan table (``family.tp_plan``). FSDP shards
+    over ``dp_shard x cp`` (``Mesh.fsdp``: the cp ranks hold the same parameters); with both 1 no
+    FSDP unit is made and the training step averages gradients over ``dp_replicate``
+    (meshpar.replicate), except on one rank with mixed precision (``one_device_fsdp``)."""
     layout = mesh.layout
     check_fsdp_over_tp(tp_plan, layout.tp, layout.dp_shard)  # a plan that cannot be sharded yet
     if layout.tp > 1:
@@ -117,7 +117,7 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
     if cfg.compile:
         apply_compile(model)
     mixed = cfg.param_dtype != "float32" or cfg.reduce_dtype != "float32"
-    if layout.dp_shard > 1 or (mixed and one_device_fsdp(layout)):
+    if layout.dp_shard * layout.cp > 1 or (mixed and one_device_fsdp(layout)):  # Mesh.fsdp: dp_shard x cp
         apply_fsdp(model, mesh, cfg)
     return model
 
