@@ -45,6 +45,15 @@ GPU kernels apply without building it). No [T/cp, T] mask exists, and the keys a
 (half of all pairs) are never computed: rank r's two chunks of c = T/2cp queries see (r + 1) c and
 (2cp - r) c keys, 2cp + 1 chunks of keys in all on every rank.
 
+[Note: the causal mask off the fused kernels]
+On CUDA the flash kernel applies the bottom-right causal mask without building it. Elsewhere (the
+CPU kernels, and CUDA kernels that cannot take it) PyTorch builds each chunk's [n, keys] mask and
+keeps it as a float tensor for backward: T^2 / cp memory per layer, which at cp 4 and T = 8192
+made a rank's activations 0.433 of one process's instead of 0.276 (tests/benchmarks/bench_cp.py).
+Off CUDA each chunk's attention is therefore checkpointed: the mask lives only during its call,
+and backward recomputes that one attention. Exact (the same kernels, the same order), at the cost
+of one more attention forward per chunk in backward on CPU.
+
 Limits: the gathered K/V are materialized per layer (70B at T = 131072 holds 2 x 8 x 131072 x 128
 bf16 = 0.5 GiB per layer during its attention, and twice that while reordered); document-causal
 masks and torch.compile are refused with cp (not built).
@@ -59,6 +68,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import checkpoint
 
 from meshpar import comm
 
@@ -139,10 +149,26 @@ def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     cp, group = layout.mesh.size(), layout.mesh.get_group()
     k = _in_sequence_order(_GatherSequence.apply(k, group), cp, layout.balanced)
     v = _in_sequence_order(_GatherSequence.apply(v, group), cp, layout.balanced)
-    out = [F.scaled_dot_product_attention(q[:, :, first:first + n], k[:, :, :keys], v[:, :, :keys],
-                                          attn_mask=causal_lower_right(n, keys), enable_gqa=True)
-           for first, n, keys in layout.query_chunks(q.shape[2])]
+    # [Note: the causal mask off the fused kernels]: recomputed in backward rather than kept
+    run = _chunk_attention if q.device.type == "cuda" else functools.partial(checkpoint, _chunk_attention,
+                                                                             use_reentrant=False)
+    out = [run(q[:, :, first:first + n], k[:, :, :keys], v[:, :, :keys]) for first, n, keys in
+           layout.query_chunks(q.shape[2])]
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+def _chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """q[B, H, n, Dh] over the keys k, v[B, Hkv, keys, Dh] up to its chunk's end, causal at the bottom
+    right: torch's ``causal_lower_right`` on CUDA (the flash kernel applies it unbuilt); elsewhere
+    the same mask built here as bools, since torch would build it anyway, and a tensor subclass
+    cannot be made under a dispatch mode (selective checkpointing, fake tensors, the allocation
+    tracker)."""
+    n, keys = q.shape[2], k.shape[2]
+    if q.device.type == "cuda":
+        mask = causal_lower_right(n, keys)
+    else:
+        mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - n)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 class _GatherSequence(torch.autograd.Function):

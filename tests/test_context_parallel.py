@@ -100,6 +100,8 @@ LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
     "pp2-cp2": (["--parallel.dp_shard=1", "--parallel.pp=2"], 4),
     "replicate2-cp2": (["--parallel.dp_shard=1", "--parallel.dp_replicate=2"], 4),
     "pp2-cp2-tp2": (["--parallel.dp_shard=1", "--parallel.pp=2", "--parallel.tp=2"], 8),
+    # each chunk's attention is itself checkpointed on CPU: [Note: the causal mask off the fused kernels]
+    "cp2-dp_shard2-selective-ac": (['--parallel.activation_checkpoint="selective"'], 4),
 }
 RESUMED = {"cp2-dp_shard2"}  # its step-2 checkpoint also resumes on one rank and on cp 4
 
