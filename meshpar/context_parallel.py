@@ -150,11 +150,16 @@ def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     k = _in_sequence_order(_GatherSequence.apply(k, group), cp, layout.balanced)
     v = _in_sequence_order(_GatherSequence.apply(v, group), cp, layout.balanced)
     # [Note: the causal mask off the fused kernels]: recomputed in backward rather than kept
-    run = _chunk_attention if q.device.type == "cuda" else functools.partial(checkpoint, _chunk_attention,
-                                                                             use_reentrant=False)
+    run = _chunk_attention if _fused(q) else functools.partial(checkpoint, _chunk_attention, use_reentrant=False)
     out = [run(q[:, :, first:first + n], k[:, :, :keys], v[:, :, :keys]) for first, n, keys in
            layout.query_chunks(q.shape[2])]
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+def _fused(q: Tensor) -> bool:
+    """Whether the attention kernels apply ``causal_lower_right`` without building it (CUDA's flash).
+    The planner, simulating a GPU step on CPU fake tensors, replaces it with True."""
+    return q.device.type == "cuda"
 
 
 def _chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -164,7 +169,7 @@ def _chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     cannot be made under a dispatch mode (selective checkpointing, fake tensors, the allocation
     tracker)."""
     n, keys = q.shape[2], k.shape[2]
-    if q.device.type == "cuda":
+    if _fused(q):
         mask = causal_lower_right(n, keys)
     else:
         mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - n)

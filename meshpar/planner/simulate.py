@@ -232,17 +232,17 @@ def _patched(nccl: bool) -> Iterator[None]:
     unmasked instead: the CPU's flash kernel, which saves the same tensors as the GPU's
     causal one (FLOPs are cost.py's arithmetic, not the simulation's).
     """
-    original = comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right
+    original = comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused
     if nccl:
         comm.ReduceScatterInput = _NcclReduceScatterInput
     sharding_prop.detect_fake_mode = lambda *args: None
-    cplib.causal_lower_right = _unmasked
+    cplib.causal_lower_right, cplib._fused = _unmasked, lambda q: True  # the GPU's path: no mask, no recompute
     try:
         with warnings.catch_warnings():  # MemTracker on ops that return None among their outputs
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             yield
     finally:
-        comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right = original
+        comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused = original
 
 
 def _steady_prefetch(stage: torch.nn.Module) -> None:
