@@ -31,20 +31,28 @@ def test_active_parameters_are_total_less_the_skipped_experts():
 
 
 def test_all_to_all_bytes_are_the_balanced_arithmetic():
-    """Per sparse layer and microbatch, forward, backward and (full checkpointing) the recomputed
-    forward: 2 x tokens x top_k x (ep-1)/ep x D x itemsize each, plus the counts' exchange in each
-    forward (E/ep int64 to each other rank)."""
+    """Per sparse layer of a stage and microbatch, forward, backward and (full or selective
+    checkpointing: the all-to-all is no matmul, so selective recomputes it too) the recomputed
+    forward: 2 x tokens x top_k x (ep-1)/ep x D x itemsize each, a rank's tokens its 1/tp of the
+    sequence, plus the counts' exchange in each forward (E/ep int64 to each other rank)."""
     for name in MOE_RECIPES:
         plan = _run(str(RECIPES / f"{name}.toml"))[3]
         a, t, layout = plan.args, plan.recipe.train, plan.layout
-        forwards = 2 if plan.recipe.parallel.activation_checkpoint == "full" else 1  # every recipe's ac_every 1
-        rows = (forwards + 1) * 2 * t.micro_batch * t.seq_len * a.top_k * (layout.ep - 1) / layout.ep
+        forwards = 1 if plan.recipe.parallel.activation_checkpoint == "none" else 2  # every recipe's ac_every 1
+        tokens = t.micro_batch * t.seq_len // layout.tp
+        rows = (forwards + 1) * 2 * tokens * a.top_k * (layout.ep - 1) / layout.ep
         counts = forwards * 8 * a.n_experts // layout.ep * (layout.ep - 1)
-        expected = a.n_sparse_layers() * plan.accum * (rows * a.dim * 2 + counts)  # bf16 rows
+        sparse = max(sum(map(a.is_sparse, r.layers)) for r in plan.ranks)  # the stages hold as many
+        expected = sparse * plan.accum * (rows * a.dim * 2 + counts)  # bf16 rows
         ep = next(c for c in plan.time.comm if c.dim == "ep")
         assert ep.bytes_per_step == pytest.approx(expected, rel=1e-6), name
         assert not ep.overlapped and ep.degree == layout.ep
-        assert ep.link == "intra-node"  # ep innermost of dp_shard: 8 consecutive ranks, one node
+        # ep innermost of dp_shard, tp inside it: a group spans ep x tp consecutive ranks
+        assert ep.link == ("intra-node" if 8 % (layout.ep * layout.tp) == 0 else "inter-node"), name
+    assert {name: str(_run(str(RECIPES / f"{name}.toml"))[3].layout) for name in MOE_RECIPES} == {
+        "qwen3_30b_a3b": "dp_shard 4 x tp 2 (ep 4 within dp_shard)",
+        "qwen3_235b_a22b": "dp_shard 64 x tp 2 (ep 8 within dp_shard)",  # ep's all-to-all across two nodes
+        "mixtral_8x7b": "pp 2 x dp_shard 8 (ep 8 within dp_shard)"}
 
 
 def test_debug_moe_plans_with_and_without_ep():
