@@ -55,15 +55,45 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def _checkpointed(forward: Callable, context_fn: Callable | None) -> Callable:
+def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | None) -> Callable:
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return forward(*args, **kwargs)
+        calls = 0
+
+        def once_then_recompute(*a, **k):
+            nonlocal calls
+            calls += 1
+            try:
+                return forward(*a, **k)
+            finally:  # also when the recompute stops early (torch raises out of it)
+                if calls > 1:
+                    _drop_side_outputs(block)
+
         extra = {"context_fn": context_fn} if context_fn is not None else {}
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+        return checkpoint(once_then_recompute, *args, use_reentrant=False, preserve_rng_state=False, **extra,
+                          **kwargs)
 
     return run
+
+
+# [Note: a recompute's side outputs]
+# A block may leave results on its modules besides its return value: a mixture-of-experts layer
+# sets ``aux_loss``, a graph over the layer's input and router probabilities that the step adds
+# to the loss. The recompute in backward runs the same forward, so it sets ``aux_loss`` again,
+# and nothing consumes that second graph: held by the module, it kept every recomputed layer's
+# input and probabilities alive until the step dropped it after the whole backward (planned for
+# Qwen3-235B-A22B at 4096 tokens: most of a 110 GiB peak). The wrapper drops them as soon as the
+# recompute returns; the forward's own (first call) stay for the loss.
+_SIDE_OUTPUTS = ("aux_loss",)
+
+
+def _drop_side_outputs(block: nn.Module) -> None:
+    for module in block.modules():
+        for name in _SIDE_OUTPUTS:
+            if getattr(module, name, None) is not None:
+                setattr(module, name, None)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) -> nn.Module:
@@ -83,5 +113,5 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) 
     for key, block in model.layers.items():
         if int(key) % every == 0:
             # no dropout in meshpar's models, so the RNG state need not be replayed
-            block.forward = _checkpointed(block.forward, context_fn)
+            block.forward = _checkpointed(block, block.forward, context_fn)
     return model

@@ -38,12 +38,12 @@ logits, as under pipelining below: a plain scalar added to a tensor-parallel los
 mix the two kinds in backward), and reports them apart: ``loss`` is the
 cross-entropy alone (comparable with dense models and with validation), ``aux_loss`` the auxiliary
 term. Under activation checkpointing the recomputed forward, inside backward, sets each MoE layer's
-``aux_loss`` again: a graph holding that recompute's saved activations, which nothing consumes and
-which lived until the next forward (the planner found it: 0.3 GiB a layer at 4096 tokens for
-Qwen3-30B-A3B); the step drops the layers' ``aux_loss`` after each backward (tests/test_moe_metrics.py).
-A model with ``update_expert_bias`` (aux-free balancing) has it called after each optimizer
-step with its expert loads summed over the data-parallel ranks. Pipeline stages do not collect
-step with its expert loads summed over the data-parallel ranks.
+``aux_loss`` again: a graph over that recompute's activations which nothing consumes. The checkpoint
+wrapper drops it as soon as the recompute returns ([Note: a recompute's side outputs] in
+meshpar/activation_checkpoint.py); the step also lets go of the layers' ``aux_loss`` after each
+backward, so that nothing of a step outlives it (tests/test_moe_metrics.py). A model with
+``update_expert_bias`` (aux-free balancing) has it called after each optimizer step with its expert
+loads summed over the data-parallel ranks.
 
 [Note: auxiliary losses under pipelining]
 A pipeline schedule backpropagates the last stage's loss and, on every other stage, the gradient

@@ -77,3 +77,12 @@ def test_search_tries_ep_for_moe_families():
         tp_pp.add((tp, pp, ep > 1))
     assert eps == {1, 2, 4, 8}
     assert {(2, 1, True), (1, 2, True)} <= tp_pp  # tp and pp compose with ep in the MoE families
+    # On two nodes the search also tries FSDP inside a node and replicas across: ep with dp_replicate.
+    hybrid = set()
+    for c in candidates(base, 16, profile, 8, 0.34):
+        o = dict(x.removeprefix("--").split("=", 1) for x in c.overrides)
+        replicate, shard, ep = int(o["parallel.dp_replicate"]), int(o["parallel.dp_shard"]), int(o["parallel.ep"])
+        assert shard % ep == 0
+        if replicate > 1:
+            hybrid.add(ep)
+    assert {1, 2, 4, 8} <= hybrid

@@ -161,11 +161,11 @@ def _cp_degrees(ranks: int, seq_len: int, allowed: bool) -> list[int]:
 
 def _with_ep(hybrids: list[int], dp: int, args, moe: bool) -> list[tuple[int, int]]:
     """(dp_replicate, ep) pairs: for a mixture-of-experts family, every ep that divides dp_shard and
-    the expert count (ep borrows its ranks from dp_shard, and does not compose with replicas yet)."""
+    the expert count (ep borrows its ranks from dp_shard; with replicas the experts are
+    hybrid-sharded over dp_replicate x dp_shard / ep, Mesh.sparse)."""
     if not moe:
         return [(r, 1) for r in hybrids]
-    return [(r, ep) for r in hybrids for ep in _divisors(dp // r)
-            if args.n_experts % ep == 0 and (ep == 1 or r == 1)]
+    return [(r, ep) for r in hybrids for ep in _divisors(dp // r) if args.n_experts % ep == 0]
 
 
 def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, profile: HardwareProfile,
