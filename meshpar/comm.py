@@ -404,3 +404,18 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: str, asyn
         if n == 1 and not _forced:
             return Work(None, entry=entry)
         return Work(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), entry=entry)
+
+
+@torch.no_grad()
+def send_recv(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, *, to: int, frm: int, dim: str,
+              tag: int = 0) -> Work:
+    """One hop of a ring: ``send`` to group rank ``to`` while ``recv`` fills from group rank ``frm``, both
+    in flight until ``wait()`` (ring attention posts a hop, then computes). Counted as the bytes sent."""
+    entry = _record("send_recv", dim, send.numel() * send.element_size())
+    with record_function(f"meshpar::comm.send_recv[{dim}]"):
+        if dist.get_world_size(group) == 1 and not _forced:
+            recv.copy_(send)
+            return Work(None, entry=entry)
+        sent = dist.isend(send, dist.get_global_rank(group, to), group=group, tag=tag)
+        received = dist.irecv(recv, dist.get_global_rank(group, frm), group=group, tag=tag)
+        return Work(received, sent.wait, entry)

@@ -71,6 +71,9 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from meshpar import comm
+from meshpar.ring_attention import ring_attention
+
+ATTENTIONS = ("allgather", "ring")  # parallel.cp_attention: [Note: all-gather of K and V], [Note: ring attention]
 
 
 def sequence_indices(seq_len: int, cp: int, rank: int, *, balanced: bool = True) -> Tensor:
@@ -127,14 +130,19 @@ def _in_sequence_order(x: Tensor, cp: int, balanced: bool) -> Tensor:
     return torch.cat([halves[:, :, :, 0], halves[:, :, :, 1].flip(2)], dim=2).view(b, h, total, d)
 
 
-def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool = True) -> None:
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool = True,
+                           attention: str = "allgather") -> None:
     """Make ``model`` (a Llama-family transformer or stage, on meta or with values) run on this cp
-    rank's slice of each sequence: RoPE at global positions, attention gathered over ``mesh``
-    (1-D, ``cp``). The inputs must be sliced alike (``shard_sequence``)."""
+    rank's slice of each sequence: RoPE at global positions, attention over ``mesh`` (1-D, ``cp``)
+    with K and V gathered (``attention="allgather"``) or passed around a ring (``"ring"``,
+    meshpar/ring_attention.py). The inputs must be sliced alike (``shard_sequence``)."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"cp attention {attention!r} is none of {ATTENTIONS} (parallel.cp_attention)")
     layout = _Layout(mesh, balanced)
     model.rope_tables = functools.partial(_rope_tables, model, layout)
+    attend = _attend if attention == "allgather" else _attend_ring
     for block in model.layers.values():
-        block.attention.attend = functools.partial(_attend, layout)
+        block.attention.attend = functools.partial(attend, layout)
 
 
 def _rope_tables(model: nn.Module, layout: _Layout, seq_len: int) -> tuple[Tensor, Tensor]:
@@ -144,8 +152,7 @@ def _rope_tables(model: nn.Module, layout: _Layout, seq_len: int) -> tuple[Tenso
 
 def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """[Note: all-gather of K and V]: q[B, H, T/cp, Dh] over k, v gathered to [B, Hkv, T, Dh]."""
-    if mask is not None:
-        raise ValueError("context parallelism runs causal attention only (document masks are refused with cp)")
+    _causal_only(mask)
     cp, group = layout.mesh.size(), layout.mesh.get_group()
     k = _in_sequence_order(_GatherSequence.apply(k, group), cp, layout.balanced)
     v = _in_sequence_order(_GatherSequence.apply(v, group), cp, layout.balanced)
@@ -154,6 +161,17 @@ def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     out = [run(q[:, :, first:first + n], k[:, :, :keys], v[:, :, :keys]) for first, n, keys in
            layout.query_chunks(q.shape[2])]
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+def _attend_ring(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """[Note: ring attention]: q[B, H, T/cp, Dh] over every rank's k, v[B, Hkv, T/cp, Dh] in turn."""
+    _causal_only(mask)
+    return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced)
+
+
+def _causal_only(mask: Tensor | None) -> None:
+    if mask is not None:
+        raise ValueError("context parallelism runs causal attention only (document masks are refused with cp)")
 
 
 def _fused(q: Tensor) -> bool:

@@ -35,27 +35,44 @@ def _setup(tmp):
 
 
 def _case_parity(mesh) -> dict:
-    ref = build_model("llama", "debug", n_layers=2, vocab_size=64, max_seq_len=T)
-    tokens = torch.randint(0, 64, (B, T + 1), generator=torch.Generator().manual_seed(0))
+    ref, tokens, logits = reference_model()
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = ref(inputs)
-    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     out = {}
     for balanced in (True, False):
-        model = copy.deepcopy(ref)
-        model.zero_grad(set_to_none=True)
-        apply_context_parallel(model, mesh, balanced=balanced)
+        local, grads, calls = run_cp(ref, inputs, targets, mesh, balanced)
         idx = sequence_indices(T, mesh.size(), mesh.get_local_rank(), balanced=balanced)
-        with comm.count() as counted:
-            local = model(shard_sequence(inputs, mesh, balanced=balanced))
-            F.cross_entropy(local.flatten(0, 1), shard_sequence(targets, mesh, balanced=balanced).flatten()).backward()
         diff = {"logits": (local - logits[:, idx]).abs().max().item()}
-        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-            grad = p.grad.clone()
-            dist.all_reduce(grad)
-            diff[name] = ((grad / mesh.size() - q.grad).abs().max() / q.grad.abs().max()).item()
-        out[balanced] = {"diff": diff, "calls": dict(counted.calls)}
+        for (name, grad), q in zip(grads.items(), ref.parameters(), strict=True):
+            diff[name] = ((grad - q.grad).abs().max() / q.grad.abs().max()).item()
+        out[balanced] = {"diff": diff, "calls": calls}
     return out
+
+
+def reference_model(seed: int = 0):
+    """The debug Llama (2 blocks, vocabulary 64), a batch [B, T + 1] of tokens, and its logits after
+    one process's forward and backward (its parameters hold their gradients)."""
+    ref = build_model("llama", "debug", n_layers=2, vocab_size=64, max_seq_len=T)
+    tokens = torch.randint(0, 64, (B, T + 1), generator=torch.Generator().manual_seed(seed))
+    logits = ref(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return ref, tokens, logits
+
+
+def run_cp(ref, inputs, targets, mesh, balanced: bool, attention: str = "allgather"):
+    """A copy of ``ref`` over cp on this rank's tokens: its logits, every parameter's gradient
+    averaged over the cp ranks (as FSDP over dp_shard x cp does), the collectives it issued."""
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    apply_context_parallel(model, mesh, balanced=balanced, attention=attention)
+    with comm.count() as counted:
+        local = model(shard_sequence(inputs, mesh, balanced=balanced))
+        F.cross_entropy(local.flatten(0, 1), shard_sequence(targets, mesh, balanced=balanced).flatten()).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        grads[name] = p.grad.clone()
+        dist.all_reduce(grads[name])
+        grads[name] /= mesh.size()
+    return local.detach(), grads, dict(counted.calls)
 
 
 JOBS = CaseSet({"parity": (_case_parity, (2, 4))}, setup=_setup, timeout=240)
@@ -102,6 +119,8 @@ LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
     "pp2-cp2-tp2": (["--parallel.dp_shard=1", "--parallel.pp=2", "--parallel.tp=2"], 8),
     # each chunk's attention is itself checkpointed on CPU: [Note: the causal mask off the fused kernels]
     "cp2-dp_shard2-selective-ac": (['--parallel.activation_checkpoint="selective"'], 4),
+    # K/V passed around the ring instead of gathered: [Note: ring attention] (tests/test_ring_attention.py)
+    "cp2-dp_shard2-ring": (['--parallel.cp_attention="ring"'], 4),
 }
 RESUMED = {"cp2-dp_shard2"}  # its step-2 checkpoint also resumes on one rank and on cp 4
 
@@ -116,9 +135,12 @@ def reference(tmp_path_factory):
 STEPS = ["--train.steps=3", "--train.seq_len=256", "--train.eval_every=3", "--data.val_fraction=0.1"]
 
 
-# the parity reruns on other kernel paths (.ci/run) take the recipe's own layout only: the same
-# float64 arithmetic as the others, and each rerun of all of them would add minutes
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.parity) if name == "cp2-dp_shard2" else name
+# the parity reruns on other kernel paths (.ci/run) take the recipe's own layout and the ring only: the
+# same float64 arithmetic as the others, and each rerun of all of them would add minutes
+PARITY_LAYOUTS = {"cp2-dp_shard2", "cp2-dp_shard2-ring"}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.parity) if name in PARITY_LAYOUTS else name
                                     for name in LAYOUTS])
 def test_meshpar_train_with_cp_matches_one_rank(layout, reference, tmp_path, data_cache):
     """recipes/llama_debug_cp.toml through meshpar train in each layout against the same recipe on

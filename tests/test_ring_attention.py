@@ -1,0 +1,109 @@
+"""Ring attention (meshpar/ring_attention.py) against one process and against the all-gather.
+
+At cp 2 and cp 4, with the balanced and the contiguous split, float64: the ring alone (q, k, v
+of 8 query heads over 2 kv heads, chunks cut into score blocks of 5 queries so that partial
+blocks and diagonals meet) gives one process's causal attention output and q, k, v gradients at
+this rank's tokens; the debug Llama with ``attention="ring"`` gives one process's logits and
+every parameter's gradient, and the all-gather path's. One planted bug (the online-softmax merge
+without its rescaling of what was merged before) must fail the comparison. ``meshpar train``
+with ``parallel.cp_attention = "ring"`` is a layout of tests/test_context_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from meshpar import ring_attention as ringlib
+from meshpar.context_parallel import apply_context_parallel, sequence_indices
+from tests.distributed import CaseSet
+from tests.parity import TOL, must_fail
+from tests.test_context_parallel import T, reference_model, run_cp
+
+H, HKV, DH, SEQ = 8, 2, 16, 48  # the ring alone: 48 tokens cut into 2cp chunks of 12 (cp 2) or 6 (cp 4)
+
+
+def _setup(tmp):
+    torch.set_default_dtype(torch.float64)
+    return init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("cp",))
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _unrescaled_merge(out, lse, part, part_lse):
+    """The planted bug: O + o exp(l - L) without rescaling O by exp(L_old - L)."""
+    merged = torch.logaddexp(lse, part_lse)
+    out.add_(part * torch.exp(part_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def _ring_alone(mesh, balanced: bool) -> dict:
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, H, SEQ, DH, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, HKV, SEQ, DH, generator=g) for _ in range(2))
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True).backward(dout)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    idx = sequence_indices(SEQ, mesh.size(), mesh.get_local_rank(), balanced=balanced)
+    local = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)]
+    out = ringlib.ring_attention(*local, mesh, balanced=balanced)
+    out.backward(dout[:, :, idx])
+    diff = {"out": _rel(out, want[:, :, idx])}
+    diff.update({f"d{n}": _rel(x.grad, r.grad[:, :, idx]) for n, x, r in zip("qkv", local, ref, strict=True)})
+    merge, ringlib._merge = ringlib._merge, _unrescaled_merge
+    try:
+        bug = _rel(ringlib.ring_attention(*local, mesh, balanced=balanced), want[:, :, idx])
+    finally:
+        ringlib._merge = merge
+    return {"diff": diff, "bug": bug}
+
+
+def _case_ring(mesh) -> dict:
+    ringlib.BLOCK = 5  # score blocks of 5 queries: chunks of 6, 12 and 24 end in a partial block
+    alone = {balanced: _ring_alone(mesh, balanced) for balanced in (True, False)}
+    ringlib.BLOCK = 512
+    ref, tokens, logits = reference_model()
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    out = {}
+    for balanced in (True, False):
+        idx = sequence_indices(T, mesh.size(), mesh.get_local_rank(), balanced=balanced)
+        ring, ring_grads, calls = run_cp(ref, inputs, targets, mesh, balanced, attention="ring")
+        gathered, gathered_grads, _ = run_cp(ref, inputs, targets, mesh, balanced)
+        vs_one = {"logits": _rel(ring, logits[:, idx])}
+        vs_one.update({name: _rel(ring_grads[name], p.grad) for name, p in ref.named_parameters()})
+        vs_gather = {"logits": _rel(ring, gathered)}
+        vs_gather.update({name: _rel(ring_grads[name], gathered_grads[name]) for name in ring_grads})
+        out[balanced] = {**alone[balanced], "vs_one": vs_one, "vs_gather": vs_gather, "calls": calls}
+    return out
+
+
+JOBS = CaseSet({"ring": (_case_ring, (2, 4))}, setup=_setup, timeout=240)
+
+
+def _within(diff: dict[str, float], what) -> None:
+    assert max(diff.values()) <= TOL, (what, {k: v for k, v in diff.items() if v > TOL})
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_matches_one_process_and_the_all_gather(world):
+    """Every rank's (contiguous rank 0 merges nothing: its one pair is its own diagonal)."""
+    ranks = JOBS.check("ring", world)
+    for balanced in (True, False):
+        for rank, case in enumerate(r[balanced] for r in ranks):
+            _within(case["diff"], ("ring alone", balanced, rank))
+            _within(case["vs_one"], ("debug Llama against one process", balanced, rank))
+            _within(case["vs_gather"], ("debug Llama against the all-gather", balanced, rank))
+            # per layer (2): forward cp - 1 hops of K/V; backward cp - 1 of K/V and cp - 1 of dK/dV
+            assert case["calls"] == {("send_recv", "cp"): 2 * 3 * (world - 1)}, case["calls"]
+        bug = {"out": max(r[balanced]["bug"] for r in ranks)}
+        must_fail(lambda bug=bug: _within(bug, "unrescaled merge"), "the merge left unrescaled")
+
+
+def test_cp_attention_is_checked():
+    with pytest.raises(ValueError, match="parallel.cp_attention"):
+        apply_context_parallel(torch.nn.Module(), None, attention="rings")
