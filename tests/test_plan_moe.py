@@ -51,7 +51,7 @@ def test_all_to_all_bytes_are_the_balanced_arithmetic():
         assert ep.link == ("intra-node" if 8 % (layout.ep * layout.tp) == 0 else "inter-node"), name
     assert {name: str(_run(str(RECIPES / f"{name}.toml"))[3].layout) for name in MOE_RECIPES} == {
         "qwen3_30b_a3b": "dp_shard 4 x tp 2 (ep 4 within dp_shard)",
-        "qwen3_235b_a22b": "dp_shard 64 x tp 2 (ep 8 within dp_shard)",  # ep's all-to-all across two nodes
+        "qwen3_235b_a22b": "dp_shard 64 (ep 8 within dp_shard)",  # ep's all-to-all inside a node
         "mixtral_8x7b": "pp 2 x dp_shard 8 (ep 8 within dp_shard)"}
 
 
