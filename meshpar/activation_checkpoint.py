@@ -60,6 +60,10 @@ def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | No
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return forward(*args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        if torch.compiler.is_compiling():  # compiled, the recompute is the graph's: no module is set again,
+            # and the counter below would be a side effect dynamo refuses inside checkpoint (a graph break)
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
         calls = 0
 
         def once_then_recompute(*a, **k):
@@ -71,7 +75,6 @@ def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | No
                 if calls > 1:
                     _drop_side_outputs(block)
 
-        extra = {"context_fn": context_fn} if context_fn is not None else {}
         return checkpoint(once_then_recompute, *args, use_reentrant=False, preserve_rng_state=False, **extra,
                           **kwargs)
 
