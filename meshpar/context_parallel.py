@@ -3,13 +3,16 @@
     idx = sequence_indices(seq_len=8192, cp=4, rank=1, balanced=True)   # this rank's token indices
     tokens_local = tokens[:, idx]                                          # [B, T/cp]
     apply_context_parallel(model, cp_mesh)                                 # before FSDP, on meta
+    apply_context_parallel(model, cp_mesh, attention="ring")               # or K/V around a ring
 
 Each cp rank holds ``T / cp`` tokens of every sequence of its data-parallel batch and runs the
 whole model on them: the embeddings, norms, projections and feed-forwards need nothing from the
 other ranks; attention does, since a query attends to every earlier key of the sequence. Two
 seams of the model are replaced on the instance (the model files hold no parallel code):
 ``rope_tables`` returns cos, sin at the global positions of the rank's tokens, and every
-``Attention.attend`` gathers K and V of the whole sequence over cp and masks by global position.
+``Attention.attend`` gathers K and V of the whole sequence over cp and masks by global position,
+or, with ``attention="ring"`` (``parallel.cp_attention``), passes each rank's K/V chunk around the
+cp ranks and merges partial results (meshpar/ring_attention.py, [Note: ring attention]).
 
 [Note: balanced sequence split]
 Causal attention costs query t work proportional to t, so cutting the sequence into cp contiguous
@@ -26,16 +29,23 @@ attention of the local queries over all T keys with the mask ``key position <= q
 backward reduce-scatters their gradients (``_GatherSequence``). With grouped-query attention K
 and V are small: per layer and microbatch a rank receives 2 x B x Hkv x T x Dh x (cp - 1) / cp
 elements, Llama 3 70B (Hkv 8 of 64 heads) 1/8 of what gathering the queries would cost. The
-alternative, K/V passed around a ring with an online-softmax merge of partial results, moves the
-same bytes in forward (cp - 1 hops of T/cp) and twice as many in backward (K/V again, plus their
-gradients back to their owners); what it buys is memory (two chunks of K/V at a time instead of
-all T) and overlap of each hop with a chunk's attention. At the sizes this is for, with the
-planner's H100 links (meshpar/hardware profiles: 450 GB/s in a node, 50 GB/s across), Llama 3 70B
-at T = 131072, cp 8, one sequence: a layer gathers 470 MB of K/V per rank, 1.0 ms inside a node
-and 9.4 ms across nodes, against ~71 ms of that layer's attention forward per rank (3.5e13 FLOPs
-at half of 989 TFLOP/s); 8B (32 heads) ~36 ms. The gather is at most ~13% of the attention it
-feeds, before any overlap, so meshpar builds the gather; the ring is for multi-head attention
-without GQA or cp across slow links, and is not built yet (issue 18).
+alternative, K/V passed around a ring with an online-softmax merge of partial results
+(``attention="ring"``: meshpar/ring_attention.py, [Note: ring attention]), moves the same bytes in
+forward (cp - 1 hops of T/cp) and twice as many in backward (K/V again, plus their gradients back
+to their owners); what it buys is memory (two chunks of K/V at a time instead of all T) and
+overlap of each hop with a chunk's attention. Both are built, and the gather is the default:
+- at the sizes this is for, with the planner's H100 links (450 GB/s in a node, 50 GB/s across),
+  the gather is under 1% of a block's compute inside a node and 3-8% across nodes (Llama 3 8B and
+  70B at T = 131072); the ring hides all but one hop per block of it ([Note: the ring's overlap]
+  in meshpar/planner/cost.py), so the planner prices the ring a few percent faster across nodes;
+- but the ring's attention is explicit matmuls per chunk pair, where the gather calls one fused
+  kernel per query chunk: on the CPU (tests/benchmarks/bench_cp.py, debug Llama, T 2048-8192) the
+  ring's step with the balanced split took 0.94-2.6x the gather's, slower at 5 of 6 sizes, and on
+  a GPU the flash kernel's advantage is expected to exceed the few percent the ring hides; under
+  selective checkpointing the ring also recomputes its attention forward. Its peak activation per
+  rank is at most the gather's (0.94x at cp 4: no gathered K/V, no masks), which is what to choose
+  it for: a sequence whose gathered K/V does not fit, or multi-head attention without GQA (K/V as
+  large as the queries) across slow links.
 
 [Note: attention per query chunk]
 The gathered K and V are put back in sequence order, and each chunk of local queries attends to
@@ -55,8 +65,8 @@ and backward recomputes that one attention. Exact (the same kernels, the same or
 of one more attention forward per chunk in backward on CPU.
 
 Limits: the gathered K/V are materialized per layer (70B at T = 131072 holds 2 x 8 x 131072 x 128
-bf16 = 0.5 GiB per layer during its attention, and twice that while reordered); document-causal
-masks and torch.compile are refused with cp (not built).
+bf16 = 0.5 GiB per layer during its attention, and twice that while reordered; the ring holds two
+chunks of T/cp); document-causal masks and torch.compile are refused with cp (not built).
 """
 
 from __future__ import annotations

@@ -34,10 +34,14 @@ the all-gather's volume forward and twice it backward ([Note: all-gather of K an
 
 Memory: a rank holds two K/V chunks at a time (the one it attends to and the one arriving),
 not the gathered T; it saves q, its own k and v, the output and L, the same as one attention;
-scores exist per block of at most ``BLOCK`` queries against one key chunk, during that block's
-computation only. The attention itself is explicit matmuls (no fused kernel takes a partial
-log-sum-exp through torch's public API): on a GPU, slower than the flash kernel the all-gather
-path calls.
+scores exist per block of queries against one key chunk (at most ``SCORE_ELEMENTS`` of them, two
+such tensors at a time in backward), during that block's computation only. The attention itself
+is explicit matmuls (no fused kernel returns a partial log-sum-exp through torch's public API):
+on a GPU, slower than the flash kernel the all-gather path calls. Selective activation
+checkpointing keeps none of it (``_mm``): a block's recomputation runs the ring's forward again,
+hops included, one more attention forward per block than the all-gather, whose fused
+attention's output selective checkpointing keeps (the planner counts it: [Note: the ring's
+overlap] in meshpar/planner/cost.py).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpar import comm
 
-BLOCK = 512  # queries per score block: at most [B, H, BLOCK, key chunk] scores live at once
+SCORE_ELEMENTS = 2**22  # scores per block, B x H x queries x keys (16 MiB in fp32): a block's queries are set by it
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, *, balanced: bool) -> Tensor:
@@ -71,33 +75,45 @@ class _Ring:
         c = local_len // 2
         return [(rank, 0, c), (2 * self.cp - 1 - rank, c, c)]
 
-    def pairs(self, src: int, local_len: int):
+    def pairs(self, src: int, local_len: int, heads: int):
         """(query slice, key slice, diagonal) of every pair causality needs, this rank's queries
-        against ``src``'s keys, in blocks of at most BLOCK queries; the diagonal's key slice ends
-        at its block's last query."""
+        against ``src``'s keys, in blocks of queries whose scores over the key chunk (``heads``:
+        B x H of them per query and key) fit SCORE_ELEMENTS; the diagonal's key slice ends at its
+        block's last query, and its mask starts there."""
         for qi, q0, n in self.chunks(self.rank, local_len):
             for ki, k0, m in self.chunks(src, local_len):
                 if ki > qi:
                     continue
-                for a in range(0, n, BLOCK):
-                    rows = min(BLOCK, n - a)
+                block = max(1, SCORE_ELEMENTS // (heads * m))
+                for a in range(0, n, block):
+                    rows = min(block, n - a)
                     keys = a + rows if ki == qi else m
                     yield slice(q0 + a, q0 + a + rows), slice(k0, k0 + keys), (a if ki == qi else None)
 
 
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """a[N, n, k] @ b[N, k, m], as a baddbmm with beta 0: selective checkpointing keeps the output of
+    every aten.bmm ([Note: what selective checkpointing keeps] in meshpar/activation_checkpoint.py),
+    which here would keep every score block; the ring's forward is recomputed whole instead."""
+    return torch.baddbmm(a.new_zeros(()), a, b, beta=0)
+
+
+def _block(x: Tensor, qs: slice) -> Tensor:
+    """Rows ``qs`` of x[B Hkv, G, T/cp, ...] as [B Hkv, G rows, ...]: a block's queries of every head
+    sharing a kv head, against which one matmul takes that kv head's keys."""
+    return x[:, :, qs].flatten(1, 2)
+
+
 def _scores(q: Tensor, k: Tensor, diagonal: int | None, acc: torch.dtype) -> Tensor:
-    """q[B, Hkv, G, n, Dh] @ k[B, Hkv, 1, m, Dh]^T / sqrt(Dh) -> [B, Hkv, G, n, m] in ``acc``; on the
-    diagonal block starting at query ``diagonal`` of its chunk, key j > query i + diagonal is -inf."""
-    s = (q @ k.transpose(-1, -2)).to(acc) * q.shape[-1] ** -0.5
+    """q[B Hkv, G n, Dh] / sqrt(Dh) @ k[B Hkv, m, Dh]^T -> [B Hkv, G n, m] in ``acc``; on the diagonal
+    block starting at query ``diagonal`` of its chunk, key j > query i + diagonal is -inf."""
+    s = _mm(q * q.shape[-1] ** -0.5, k.transpose(-1, -2)).to(acc)
     if diagonal is not None:
-        n, m = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=s.device).tril(diagonal), float("-inf"))
+        m = s.shape[-1]
+        n = k.shape[-2] - diagonal  # the block's queries: its keys end at its last query
+        mask = ~torch.ones(n, m, dtype=torch.bool, device=s.device).tril(diagonal)
+        s.view(s.shape[0], -1, n, m).masked_fill_(mask, float("-inf"))
     return s
-
-
-def _grouped(x: Tensor, hkv: int) -> Tensor:
-    """[B, H, T, Dh] -> [B, Hkv, H / Hkv, T, Dh]: query head i reads kv head i // (H / Hkv)."""
-    return x.unflatten(1, (hkv, -1))
 
 
 def _merge(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
@@ -108,27 +124,31 @@ def _merge(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
 
 
 class _RingAttention(torch.autograd.Function):
+    """Shapes inside: q, O [B Hkv, G, T/cp, Dh] (G = H / Hkv: query head i reads kv head i // G), L
+    [B Hkv, G, T/cp], the K/V chunk in hand [2, B Hkv, T/cp, Dh]."""
+
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring) -> Tensor:
         acc = torch.promote_types(q.dtype, torch.float32)
-        hkv, tl = k.shape[1], q.shape[2]
-        qg = _grouped(q, hkv)
-        out = torch.zeros(qg.shape, dtype=acc, device=q.device)  # O [B, Hkv, G, T/cp, Dh]
-        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # L [B, Hkv, G, T/cp]
-        kv = torch.stack([k, v]).unsqueeze(3)  # [2, B, Hkv, 1, T/cp, Dh]: the chunk in hand
+        b, h, tl, dh = q.shape
+        qg = q.reshape(b * k.shape[1], -1, tl, dh)
+        out = torch.zeros(qg.shape, dtype=acc, device=q.device)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).flatten(1, 2)
         for step in range(ring.cp):
             if step < ring.cp - 1:  # the next chunk arrives while this one is attended
                 arriving = torch.empty_like(kv)
                 hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
-            for qs, ks, diagonal in ring.pairs((ring.rank - step) % ring.cp, tl):
-                s = _scores(qg[..., qs, :], kv[0][..., ks, :], diagonal, acc)
+            for qs, ks, diagonal in ring.pairs((ring.rank - step) % ring.cp, tl, b * h):
+                s = _scores(_block(qg, qs), kv[0, :, ks], diagonal, acc)  # [B Hkv, G rows, keys]
                 part_lse = torch.logsumexp(s, dim=-1)
-                part = torch.exp(s - part_lse.unsqueeze(-1)).to(q.dtype) @ kv[1][..., ks, :]
-                _merge(out[..., qs, :], lse[..., qs], part, part_lse)
+                part = _mm(s.sub_(part_lse.unsqueeze(-1)).exp_().to(q.dtype), kv[1, :, ks])  # softmax(s) @ v
+                rows = (*qg.shape[:2], -1)
+                _merge(out[:, :, qs], lse[:, :, qs], part.view(*rows, dh), part_lse.view(rows))
             if step < ring.cp - 1:
                 hop.wait()
                 kv = arriving
-        out = out.to(q.dtype).flatten(1, 2)  # [B, H, T/cp, Dh]
+        out = out.to(q.dtype).view(q.shape)
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -137,11 +157,11 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
-        acc, hkv, tl = lse.dtype, k.shape[1], q.shape[2]
-        qg, dog = _grouped(q, hkv), _grouped(grad.contiguous(), hkv)
-        delta = (dog.to(acc) * _grouped(out, hkv).to(acc)).sum(-1)  # rowsum(dO * O) [B, Hkv, G, T/cp]
+        acc, (b, h, tl, dh) = lse.dtype, q.shape
+        qg, dog = q.reshape(lse.shape + (dh,)), grad.reshape(lse.shape + (dh,))
+        delta = (dog.to(acc) * out.view(dog.shape).to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
         dq = torch.zeros(qg.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v]).unsqueeze(3)
+        kv = torch.stack([k, v]).flatten(1, 2)
         arriving = hop = carried = returning = None  # the next K/V and its hop; the dK/dV accumulator, its hop
         for step in range(ring.cp):
             if step > 0:
@@ -151,14 +171,16 @@ class _RingAttention(torch.autograd.Function):
                 arriving = torch.empty_like(kv)
                 hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # dK, dV of the chunk in hand
-            for qs, ks, diagonal in ring.pairs((ring.rank - step) % ring.cp, tl):
-                kb, vb, dout = kv[0][..., ks, :], kv[1][..., ks, :], dog[..., qs, :]
-                p = torch.exp(_scores(qg[..., qs, :], kb, diagonal, acc) - lse[..., qs].unsqueeze(-1))
-                dkv[1][..., ks, :] += (p.to(q.dtype).transpose(-1, -2) @ dout).sum(2, keepdim=True)
-                ds = (p * ((dout @ vb.transpose(-1, -2)).to(acc) - delta[..., qs].unsqueeze(-1))).to(q.dtype)
-                ds = ds * q.shape[-1] ** -0.5
-                dq[..., qs, :] += ds @ kb
-                dkv[0][..., ks, :] += (ds.transpose(-1, -2) @ qg[..., qs, :]).sum(2, keepdim=True)
+            for qs, ks, diagonal in ring.pairs((ring.rank - step) % ring.cp, tl, b * h):
+                kb, vb, qb, dout = kv[0, :, ks], kv[1, :, ks], _block(qg, qs), _block(dog, qs)
+                p = _scores(qb, kb, diagonal, acc).sub_(_block(lse.unsqueeze(-1), qs)).exp_()  # P [B Hkv, G rows, keys]
+                dkv[1, :, ks] += _mm(p.to(q.dtype).transpose(-1, -2), dout)  # summed over the G heads
+                # dS = P * (dO V^T - rowsum(dO * O)), then through the scale into dQ and dK
+                ds = _mm(dout, vb.transpose(-1, -2)).to(acc).sub_(_block(delta, qs))
+                ds = ds.mul_(p).mul_(dh ** -0.5).to(q.dtype)
+                del p
+                dq[:, :, qs] += _mm(ds, kb).view(*qg.shape[:2], -1, dh)
+                dkv[0, :, ks] += _mm(ds.transpose(-1, -2), qb)
             if step == 0:
                 own = dkv  # the owner adds its own step's share when the accumulator returns
                 continue
@@ -170,5 +192,5 @@ class _RingAttention(torch.autograd.Function):
         if returning is not None:  # after cp - 1 hops, this rank's own chunk's dK/dV from every other rank
             returning.wait()
             own += carried
-        dk, dv = own.squeeze(3).to(q.dtype)
-        return dq.to(q.dtype).flatten(1, 2), dk, dv, None
+        dk, dv = own.to(q.dtype).view(2, *k.shape)
+        return dq.to(q.dtype).view(q.shape), dk, dv, None

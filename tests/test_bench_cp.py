@@ -1,7 +1,9 @@
 """``python -m tests.benchmarks.bench_cp --smoke --cp 4`` runs: the debug Llama with 2 blocks at
-T 1024, one process against cp 4 with the balanced and the contiguous split, one timed step each
-(27 s here at load 3, a minute at load 9: spawning 4 ranks dominates). The K/V bytes meshpar.comm
-counted on the cp dim equal the analytic figure; the balanced split gives every rank the same
+T 1024, one process against cp 4 with the balanced and the contiguous split, each with K/V
+all-gathered and passed around the ring, one timed step each (35 s here: spawning 4 ranks
+dominates). The K/V bytes meshpar.comm counted on the cp dim equal the analytic figure, the
+ring's 1.5 times the all-gather's (forward the same, backward K/V again and dK/dV); the
+balanced split gives every rank the same
 attention work, contiguous slices about 2cp - 1 times more to the last rank than to the first; and
 issue 18's acceptance, peak activation per rank at cp 4 at most 0.3 x one process's, holds at
 this size.
@@ -41,14 +43,14 @@ def test_bench_cp_smoke(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tests.benchmarks.bench_cp", "--smoke", "--cp", "4",
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {(r["cp"], r["split"]): r for r in json.loads(out.read_text())["rows"]}
-    one, balanced, contiguous = rows[1, "-"], rows[4, "balanced"], rows[4, "contiguous"]
-    assert one["bytes"] == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    rows = {(r["cp"], r["split"], r["attention"]): r for r in json.loads(out.read_text())["rows"]}
+    one, balanced, contiguous = rows[1, "-", "-"], rows[4, "balanced", "allgather"], rows[4, "contiguous", "allgather"]
+    assert one["bytes"] == {"all_gather": 0, "reduce_scatter": 0, "send_recv": 0, "all_reduce": 0}
     # per layer K and V, each [B 1, Hkv 4, T 1024, Dh 32] fp32, a rank receiving 3/4: forward all-gather,
     # backward reduce-scatter; the gradients (2 blocks: 2,622,720 parameters) all-reduced once
     kv = 2 * 2 * 1 * 4 * 1024 * 32 * 4 * 3 // 4
     for row in (balanced, contiguous):
-        assert row["calls"] == {"all_gather": 2 * 2, "reduce_scatter": 2 * 2, "all_reduce": 1}
+        assert row["calls"] == {"all_gather": 2 * 2, "reduce_scatter": 2 * 2, "send_recv": 0, "all_reduce": 1}
         assert row["bytes"]["all_gather"] == row["bytes"]["reduce_scatter"] == kv
         assert row["bytes"]["all_reduce"] == 2 * 2_622_720 * 4 * 3 / 4
         assert row["bytes_equal"]  # on every rank, against bench_cp's own analytic figure
@@ -59,3 +61,11 @@ def test_bench_cp_smoke(tmp_path):
     # 1/cp of one process's activations and the gathered K/V (0.276 in the full benchmark, T 2048 to 8192)
     assert (balanced["activation_bytes"] - balanced["mask_bytes"]) / one["activation_bytes"] <= 0.3
     assert 0 < balanced["activation_bytes"] < balanced["peak_bytes"]
+    # the ring: per layer 3 hops of one K/V chunk [B 1, Hkv 4, T/cp 256, Dh 32] fp32 forward, 6 backward:
+    # 1.5 x the all-gather and reduce-scatter together
+    for split in ("balanced", "contiguous"):
+        ring = rows[4, split, "ring"]
+        assert ring["calls"] == {"all_gather": 0, "reduce_scatter": 0, "send_recv": 2 * 9, "all_reduce": 1}
+        assert ring["bytes"]["send_recv"] == 2 * 9 * 2 * 4 * 256 * 32 * 4 == 3 * kv and ring["bytes_equal"]
+        assert ring["mask_bytes"] == ring["kv_kept_bytes"] == 0
+        assert ring["activation_vs_1"] <= 0.3, ring  # the same goal: it holds two K/V chunks, not the gathered T

@@ -119,8 +119,10 @@ LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
     "pp2-cp2-tp2": (["--parallel.dp_shard=1", "--parallel.pp=2", "--parallel.tp=2"], 8),
     # each chunk's attention is itself checkpointed on CPU: [Note: the causal mask off the fused kernels]
     "cp2-dp_shard2-selective-ac": (['--parallel.activation_checkpoint="selective"'], 4),
-    # K/V passed around the ring instead of gathered: [Note: ring attention] (tests/test_ring_attention.py)
-    "cp2-dp_shard2-ring": (['--parallel.cp_attention="ring"'], 4),
+    # K/V passed around the ring instead of gathered ([Note: ring attention], tests/test_ring_attention.py),
+    # under selective checkpointing, which recomputes the ring's forward whole (its hops included)
+    "cp2-dp_shard2-ring-selective-ac": (['--parallel.cp_attention="ring"',
+                                         '--parallel.activation_checkpoint="selective"'], 4),
 }
 RESUMED = {"cp2-dp_shard2"}  # its step-2 checkpoint also resumes on one rank and on cp 4
 
@@ -137,7 +139,7 @@ STEPS = ["--train.steps=3", "--train.seq_len=256", "--train.eval_every=3", "--da
 
 # the parity reruns on other kernel paths (.ci/run) take the recipe's own layout and the ring only: the
 # same float64 arithmetic as the others, and each rerun of all of them would add minutes
-PARITY_LAYOUTS = {"cp2-dp_shard2", "cp2-dp_shard2-ring"}
+PARITY_LAYOUTS = {"cp2-dp_shard2", "cp2-dp_shard2-ring-selective-ac"}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.parity) if name in PARITY_LAYOUTS else name

@@ -89,7 +89,8 @@ from tests.distributed import run_distributed
 MiB = 2**20
 BATCH = 1  # sequences per step (each cp rank holds T / cp tokens of it)
 ITEMSIZE = 4  # fp32
-OPS = ("all_gather", "reduce_scatter", "all_reduce")  # on the cp dim: K/V, their gradients, the gradients
+OPS = ("all_gather", "reduce_scatter", "send_recv", "all_reduce")  # on cp: K/V, their gradients, ring hops, gradients
+ATTENTIONS = ("allgather", "ring")  # parallel.cp_attention
 SPLITS = {True: "balanced", False: "contiguous", None: "-"}
 
 
@@ -102,14 +103,15 @@ def model_args(seq_len: int, n_layers: int = 4) -> ModelArgs:
 class _Run:
     """One layout's model, AdamW and this rank's tokens; ``step()`` is one training step."""
 
-    def __init__(self, args: ModelArgs, seq_len: int, mesh: DeviceMesh | None, balanced: bool | None) -> None:
+    def __init__(self, args: ModelArgs, seq_len: int, mesh: DeviceMesh | None, balanced: bool | None,
+                 attention: str = "allgather") -> None:
         torch.manual_seed(0)
         self.model, self.mesh = Transformer(args), mesh
         self.model.init_weights()  # the same values on every rank and in every layout
         tokens = torch.randint(0, args.vocab_size, (BATCH, seq_len + 1), generator=torch.Generator().manual_seed(1))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if mesh is not None:
-            apply_context_parallel(self.model, mesh, balanced=balanced)
+            apply_context_parallel(self.model, mesh, balanced=balanced, attention=attention)
             inputs, targets = (shard_sequence(x, mesh, balanced=balanced) for x in (inputs, targets))
         self.inputs, self.targets = inputs.contiguous(), targets.contiguous()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
@@ -157,14 +159,20 @@ def _causal_bias_outside_modes() -> Iterator[None]:
         cp_module.causal_lower_right = original
 
 
-def measure_rank(args: ModelArgs, seq_len: int, warmup: int, steps: int) -> list[dict]:
-    """On one gloo rank: one process's run, or at cp = world size the balanced then the contiguous
-    split's, each with its step times and the probed step's memory and collectives."""
+def layouts(cp: int, attentions: tuple[str, ...]) -> list[tuple[str, bool | None]]:
+    """(attention, split) of each run at ``cp``: one process's alone, else each attention's balanced
+    and contiguous splits."""
+    return [("-", None)] if cp == 1 else [(a, balanced) for a in attentions for balanced in (True, False)]
+
+
+def measure_rank(args: ModelArgs, seq_len: int, warmup: int, steps: int, attentions: tuple[str, ...]) -> list[dict]:
+    """On one gloo rank: one process's run, or at cp = world size each of ``layouts``, each with its
+    step times and the probed step's memory and collectives."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)) if world > 1 else None
     records = []
-    for balanced in (True, False) if mesh is not None else (None,):
-        run = _Run(args, seq_len, mesh, balanced)
+    for attention, balanced in layouts(world, attentions):
+        run = _Run(args, seq_len, mesh, balanced, attention)
         for i in range(warmup + steps):
             (run.timed_step if i >= warmup else run.step)()
         records.append(run.probe())
@@ -175,13 +183,22 @@ def measure_rank(args: ModelArgs, seq_len: int, warmup: int, steps: int) -> list
 
 # --- analytic figures and the attention probe (in this process) ------------------------------------
 
-def analytic_bytes(args: ModelArgs, seq_len: int, cp: int, params: int) -> dict[str, Fraction]:
-    """Per step and rank, as [Note: bytes counted] counts them (see the module docstring)."""
+def analytic_bytes(args: ModelArgs, seq_len: int, cp: int, params: int, attention: str = "allgather") -> dict[str,
+                                                                                                            Fraction]:
+    """Per step and rank, as [Note: bytes counted] counts them (see the module docstring); the ring
+    sends, per layer, (cp - 1) hops of one K/V chunk, 2 x B x Hkv x T/cp x Dh elements, in forward,
+    and in backward (cp - 1) of K/V again and (cp - 1) of dK/dV ([Note: ring attention])."""
+    out = dict.fromkeys(OPS, Fraction(0))
     if cp == 1:
-        return dict.fromkeys(OPS, Fraction(0))
+        return out
     kv = args.n_layers * 2 * BATCH * args.n_kv_heads * seq_len * args.resolved_head_dim * ITEMSIZE
     share = Fraction(cp - 1, cp)
-    return {"all_gather": kv * share, "reduce_scatter": kv * share, "all_reduce": 2 * params * ITEMSIZE * share}
+    if attention == "ring":
+        out["send_recv"] = 3 * kv * share  # (cp - 1) hops of kv / cp, three times
+    else:
+        out["all_gather"] = out["reduce_scatter"] = kv * share
+    out["all_reduce"] = 2 * params * ITEMSIZE * share
+    return out
 
 
 class _Rank:
@@ -208,11 +225,15 @@ def causal_pairs(seq_len: int, cp: int, rank: int, balanced: bool) -> int:
     return sum(n * (keys - n) + n * (n + 1) // 2 for _, n, keys in query_chunks(seq_len, cp, rank, balanced))
 
 
-def kept_bytes(args: ModelArgs, seq_len: int, cp: int, rank: int, balanced: bool) -> dict[str, int]:
+def kept_bytes(args: ModelArgs, seq_len: int, cp: int, rank: int, balanced: bool,
+               attention: str = "allgather") -> dict[str, int]:
     """What rank ``rank`` keeps for backward that one process's activations / cp do not hold: the
     gathered K and V in sequence order (per layer 2 x [B, Hkv, T, Dh]), and the masks: a chunk with
     more keys than queries reaches the CPU kernel as a materialized lower-right causal mask, which
-    SDPA turns into a float [n, keys] and saves for backward ([Note: masks on CPU])."""
+    SDPA turns into a float [n, keys] and saves for backward ([Note: masks on CPU]). The ring keeps
+    neither: its own K/V chunk and the log-sum-exp ([Note: ring attention])."""
+    if attention == "ring":
+        return {"kv": 0, "masks": 0}
     kv = 2 * BATCH * args.n_kv_heads * seq_len * args.resolved_head_dim * ITEMSIZE
     masks = sum(n * keys * ITEMSIZE for _, n, keys in query_chunks(seq_len, cp, rank, balanced) if keys > n)
     return {"kv": args.n_layers * kv, "masks": args.n_layers * masks}
@@ -238,12 +259,12 @@ def attention_seconds(args: ModelArgs, seq_len: int, cp: int, rank: int, balance
 
 # --- one length ------------------------------------------------------------------------------------
 
-def summarize(args: ModelArgs, seq_len: int, cp: int, balanced: bool | None, records: list[dict],
+def summarize(args: ModelArgs, seq_len: int, cp: int, attention: str, balanced: bool | None, records: list[dict],
               params: int) -> dict:
     """One layout's row from every rank's record."""
     step_s = statistics.median(max(ts) for ts in zip(*(r["times"] for r in records), strict=True))
-    analytic = analytic_bytes(args, seq_len, cp, params)
-    row = {"seq_len": seq_len, "cp": cp, "split": SPLITS[balanced], "step_s": step_s,
+    analytic = analytic_bytes(args, seq_len, cp, params, attention)
+    row = {"seq_len": seq_len, "cp": cp, "split": SPLITS[balanced], "attention": attention, "step_s": step_s,
            "step_s_per_step": [max(ts) for ts in zip(*(r["times"] for r in records), strict=True)],
            "peak_bytes": max(r["peak"] for r in records),
            "activation_bytes": max(r["peak"] - r["start"] for r in records),
@@ -255,26 +276,27 @@ def summarize(args: ModelArgs, seq_len: int, cp: int, balanced: bool | None, rec
            "bytes_equal": all(r["bytes"][op] == float(analytic[op]) for r in records for op in OPS)}
     if cp > 1:
         pairs = [causal_pairs(seq_len, cp, r, balanced) for r in range(cp)]
-        kept = [kept_bytes(args, seq_len, cp, r, balanced) for r in range(cp)]
+        kept = [kept_bytes(args, seq_len, cp, r, balanced, attention) for r in range(cp)]
         row.update(pairs_per_rank=pairs, pairs_imbalance=max(pairs) / min(pairs),
                    kv_kept_bytes=kept[0]["kv"], mask_bytes=max(k["masks"] for k in kept))
     return row
 
 
 def measure_length(args: ModelArgs, seq_len: int, degrees: list[int], warmup: int, steps: int,
-                   attention_reps: int) -> list[dict]:
+                   attention_reps: int, attentions: tuple[str, ...] = ATTENTIONS) -> list[dict]:
     with torch.device("meta"):
         params = sum(p.numel() for p in Transformer(args).parameters())
     rows = []
     for cp in [1, *degrees]:
-        per_rank = run_distributed(measure_rank, cp, args, seq_len, warmup, steps, timeout=1800)
-        for i, balanced in enumerate((True, False) if cp > 1 else (None,)):
-            rows.append(summarize(args, seq_len, cp, balanced, [records[i] for records in per_rank], params))
+        per_rank = run_distributed(measure_rank, cp, args, seq_len, warmup, steps, attentions, timeout=1800)
+        for i, (attention, balanced) in enumerate(layouts(cp, attentions)):
+            rows.append(summarize(args, seq_len, cp, attention, balanced, [records[i] for records in per_rank],
+                                  params))
     one = rows[0]
     for row in rows:
         row["step_vs_1"] = row["step_s"] / one["step_s"]
         row["activation_vs_1"] = row["activation_bytes"] / one["activation_bytes"]
-        if row["cp"] > 1 and attention_reps:
+        if row["cp"] > 1 and attention_reps and row["attention"] == "allgather":
             balanced = row["split"] == "balanced"
             seconds = [attention_seconds(args, seq_len, row["cp"], r, balanced, attention_reps)
                        for r in range(row["cp"])]
@@ -284,14 +306,24 @@ def measure_length(args: ModelArgs, seq_len: int, degrees: list[int], warmup: in
 
 # --- output ----------------------------------------------------------------------------------------
 
+KV_OPS = ("all_gather", "reduce_scatter", "send_recv")  # K/V and their gradients on cp, either attention
+
+
+def _label(r: dict) -> str:
+    return f"{r['seq_len']:>6} {r['cp']:>3} {r['attention']:<9} {r['split']:<10}"
+
+
+HEAD = f"{'T':>6} {'cp':>3} {'attention':<9} {'split':<10}"
+
+
 def memory_table(rows: list[dict]) -> list[str]:
     """Step time and memory per layout; K/V kept and masks are ``kept_bytes``'s analytic figures."""
-    lines = [f"{'T':>6} {'cp':>3} {'split':<10} {'step s':>7} {'vs 1':>5} {'peak MiB':>9} {'act MiB':>8} {'vs 1':>6}"
+    lines = [f"{HEAD} {'step s':>7} {'vs 1':>5} {'peak MiB':>9} {'act MiB':>8} {'vs 1':>6}"
              f"  {'K/V kept':>8} {'masks':>6} {'(act - masks) vs 1':>18}"]
     for r in rows:
         one = next(o for o in rows if o["seq_len"] == r["seq_len"] and o["cp"] == 1)["activation_bytes"]
         kv, masks = r.get("kv_kept_bytes", 0), r.get("mask_bytes", 0)
-        lines.append(f"{r['seq_len']:>6} {r['cp']:>3} {r['split']:<10} {r['step_s']:>7.2f} {r['step_vs_1']:>5.2f} "
+        lines.append(f"{_label(r)} {r['step_s']:>7.2f} {r['step_vs_1']:>5.2f} "
                      f"{r['peak_bytes'] / MiB:>9.1f} {r['activation_bytes'] / MiB:>8.1f} {r['activation_vs_1']:>6.3f}"
                      f"  {kv / MiB:>8.1f} {masks / MiB:>6.1f} {(r['activation_bytes'] - masks) / one:>18.3f}")
     return lines
@@ -299,27 +331,47 @@ def memory_table(rows: list[dict]) -> list[str]:
 
 def traffic_table(rows: list[dict]) -> list[str]:
     """Bytes on the cp dim against the analytic figures, and attention work per rank."""
-    lines = [f"{'T':>6} {'cp':>3} {'split':<10} {'AG calls':>8} {'AG MiB':>7} {'RS calls':>8} {'RS MiB':>7} "
-             f"{'analytic':>8} {'AR MiB':>7} {'analytic':>8} {'bytes':>6}  {'pairs max/min':>13} "
-             f"{'attn ms per rank':>17} {'max/min':>7}"]
+    lines = [f"{HEAD} {'AG/RS/P2P calls':>15} {'K/V MiB':>8} {'analytic':>8} {'AR MiB':>7} {'analytic':>8} "
+             f"{'bytes':>6}  {'pairs max/min':>13} {'attn ms per rank':>17} {'max/min':>7}"]
     for r in rows:
         if r["cp"] == 1:
             continue
         got, want, calls = r["bytes"], r["analytic_bytes"], r["calls"]
         attention = r.get("attention_s_per_rank")
         attention_ms = "-" if attention is None else "/".join(f"{1e3 * s:.0f}" for s in attention)
-        lines.append(f"{r['seq_len']:>6} {r['cp']:>3} {r['split']:<10} {calls['all_gather']:>8} "
-                     f"{got['all_gather'] / MiB:>7.2f} {calls['reduce_scatter']:>8} "
-                     f"{got['reduce_scatter'] / MiB:>7.2f} {want['all_gather'] / MiB:>8.2f} "
+        lines.append(f"{_label(r)} {'/'.join(str(calls[op]) for op in KV_OPS):>15} "
+                     f"{sum(got[op] for op in KV_OPS) / MiB:>8.2f} {sum(want[op] for op in KV_OPS) / MiB:>8.2f} "
                      f"{got['all_reduce'] / MiB:>7.2f} {want['all_reduce'] / MiB:>8.2f} "
                      f"{'equal' if r['bytes_equal'] else 'DIFFER':>6}  {r['pairs_imbalance']:>13.3f} "
                      f"{attention_ms:>17} {r.get('attention_imbalance', float('nan')):>7.2f}")
     return lines
 
 
+def ring_vs_allgather(rows: list[dict]) -> list[dict]:
+    """Per (T, cp, split) measured with both attentions: the ring's step time, peak activation per
+    rank and K/V bytes per step over the all-gather's."""
+    pairs = {}
+    for r in rows:
+        if r["cp"] > 1:
+            pairs.setdefault((r["seq_len"], r["cp"], r["split"]), {})[r["attention"]] = r
+    return [{"seq_len": t, "cp": cp, "split": split,
+             "step": both["ring"]["step_s"] / both["allgather"]["step_s"],
+             "activation": both["ring"]["activation_bytes"] / both["allgather"]["activation_bytes"],
+             "kv_bytes": sum(both["ring"]["bytes"][op] for op in KV_OPS)
+             / sum(both["allgather"]["bytes"][op] for op in KV_OPS)}
+            for (t, cp, split), both in pairs.items() if set(both) == set(ATTENTIONS)]
+
+
+def ratio_table(ratios: list[dict]) -> list[str]:
+    lines = [f"{'T':>6} {'cp':>3} {'split':<10} {'step':>6} {'activation':>10} {'K/V bytes':>9}"]
+    lines += [f"{r['seq_len']:>6} {r['cp']:>3} {r['split']:<10} {r['step']:>6.2f} {r['activation']:>10.3f} "
+              f"{r['kv_bytes']:>9.2f}" for r in ratios]
+    return lines
+
+
 def acceptance(rows: list[dict]) -> list[str]:
     """Issue 18: peak activation per rank at cp 4 at most 0.3 x one process's, per length."""
-    return [f"  T {r['seq_len']}, cp 4 {r['split']}: {r['activation_vs_1']:.3f} (goal <= 0.3)  "
+    return [f"  T {r['seq_len']}, cp 4 {r['attention']} {r['split']}: {r['activation_vs_1']:.3f} (goal <= 0.3)  "
             f"{'met' if r['activation_vs_1'] <= 0.3 else 'NOT MET'}" for r in rows if r["cp"] == 4]
 
 
@@ -330,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=4, help="transformer blocks")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2, help="timed steps")
+    ap.add_argument("--attention", default="allgather,ring", help="cp attentions, comma-separated")
     ap.add_argument("--attention-reps", type=int, default=2, help="attention probe repeats; 0 skips it")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--smoke", action="store_true", help="2 blocks, T 1024, 1 timed step (for a test)")
@@ -339,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     lengths = [int(x) for x in opts.lengths.split(",")]
     degrees = [int(x) for x in opts.cp.split(",")]
+    attentions = tuple(opts.attention.split(","))
     args = model_args(max(lengths), opts.layers)
     print(f"llama debug, {args.n_layers} blocks: dim {args.dim}, {args.n_heads} heads / {args.n_kv_heads} kv heads "
           f"x {args.resolved_head_dim}, ffn {args.ffn_dim}, vocab {args.vocab_size}; fp32, {BATCH} sequence per "
@@ -346,18 +400,24 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     for seq_len in lengths:
         start = time.perf_counter()
-        rows += measure_length(args, seq_len, degrees, opts.warmup, opts.steps, opts.attention_reps)
+        rows += measure_length(args, seq_len, degrees, opts.warmup, opts.steps, opts.attention_reps, attentions)
         print(f"[T {seq_len}: {time.perf_counter() - start:.0f} s]", flush=True)
     print("\nstep time and memory per rank (act: peak minus the bytes live at the step's start; K/V kept, "
           "masks: analytic, [Note: masks on CPU])")
     print("\n".join(memory_table(rows)))
-    print("\nper step and rank: K/V all-gather (AG) and gradient reduce-scatter (RS) on cp, analytic for each; "
-          "gradient all-reduce (AR); attention: causal pairs per rank, one layer's measured attention per rank")
+    print("\nper step and rank: K/V and their gradients on cp (all-gather AG and reduce-scatter RS, or the "
+          "ring's hops P2P) against the analytic figure; gradient all-reduce (AR); attention: causal pairs per "
+          "rank, one layer's measured all-gather attention per rank")
     print("\n".join(traffic_table(rows)))
+    ratios = ring_vs_allgather(rows)
+    if ratios:
+        print("\nring / all-gather: step time, peak activation per rank, K/V bytes per step")
+        print("\n".join(ratio_table(ratios)))
     print("peak activation per rank at cp 4 / one process:\n" + "\n".join(acceptance(rows)))
     if opts.json:
         opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps({"args": dataclasses.asdict(args), "rows": rows}, indent=1, default=str))
+        opts.json.write_text(json.dumps({"args": dataclasses.asdict(args), "rows": rows, "ring_vs_allgather": ratios},
+                                        indent=1, default=str))
     if not all(r["bytes_equal"] for r in rows):
         raise SystemExit("cp bytes differ from the analytic figure")
 
