@@ -29,7 +29,7 @@ Every rank writes into ``<dir>/.step_<N>.partial/``. DCP's last step runs on the
 (``wait``, when async) returns on any rank, ``step_<N>`` exists. An error on any rank or in
 any of these (a full disk, a folder gone read-only) fails the save on every rank with a
 CheckpointError naming the step, and rank 0 removes the ``.partial`` folder; a crash or kill
-leaves it, and no loader looks at it (the next run removes it). ``latest()`` takes the newest
+leaves it, and no loader looks at it (the next run removes it). ``latest()`` (folders.py) takes the newest
 folder that has both ``meshpar.json`` and ``.metadata``. Older checkpoints are removed only
 after the rename ([Note: what checkpoint.keep deletes]), so the last good checkpoint is never
 at risk.
@@ -53,7 +53,9 @@ resumed from ``load_from = <dir>/step_4`` resumes from it again when restarted, 
 Checkpoints above N (an earlier, longer run's, in the same ``dir``) are neither deleted nor
 counted: this run did not write them and has nothing newer to replace them with.
 
-The files themselves (per-chunk CRCs, fused projections as chunks): meshpar/checkpoint/format.py.
+The files themselves (per-chunk CRCs, fused projections as chunks): meshpar/checkpoint/format.py;
+finding checkpoints on disk: meshpar/checkpoint/folders.py; a run's tensors by global name:
+meshpar/checkpoint/state.py.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -80,9 +81,9 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
 )
-from torch.distributed.tensor import DTensor
 
 from meshpar.checkpoint.atomic import fsync_dir, write_atomic
+from meshpar.checkpoint.folders import MARKER, is_complete, latest, list_checkpoints, read_info
 from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it here
     CheckpointError,
     SafeReader,
@@ -92,92 +93,11 @@ from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it 
     _StridedPieces,
     _Writer,
 )
+from meshpar.checkpoint.state import _rng_state, optimizer_state, param_names
 from meshpar.recipe import CheckpointConfig, RecipeError
 
 FORMAT = 1
-MARKER = "meshpar.json"  # written last: its presence means complete
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a tokenizer as Hugging Face folders hold it
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-# --- finding checkpoints -------------------------------------------------------------------------------
-def is_complete(path: Path) -> bool:
-    return (path / MARKER).is_file() and (path / ".metadata").is_file()
-
-
-def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path, bool]]:
-    """``(step, folder, complete)`` for every ``step_<N>`` folder under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and child.is_dir():
-            found.append((int(m.group(1)), child, is_complete(child)))
-    return sorted(found)
-
-
-def latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None."""
-    complete = [path for _, path, ok in list_checkpoints(root) if ok]
-    return complete[-1] if complete else None
-
-
-def read_info(path: str | os.PathLike) -> dict[str, Any]:
-    """``meshpar.json`` of a checkpoint folder."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path}: no such folder")
-    if not is_complete(path):
-        missing = [name for name in (MARKER, ".metadata") if not (path / name).is_file()]
-        raise CheckpointError(f"checkpoint {path} is incomplete (no {' or '.join(missing)}): its save did not "
-                              f"finish; load an earlier step_<N> folder")
-    return json.loads((path / MARKER).read_text())
-
-
-# --- state of a run, by global name ---------------------------------------------------------------------
-def param_names(modules: Iterable[nn.Module]) -> dict[int, str]:
-    """id(parameter) -> its global name (the first, for tied parameters)."""
-    names: dict[int, str] = {}
-    for module in modules:
-        for name, p in module.named_parameters():
-            names.setdefault(id(p), name)
-    return names
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str], *,
-                    create: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-    """The optimizer's per-parameter tensors keyed by parameter name: the objects themselves, so
-    DCP loads into them in place. ``create`` first makes AdamW's state (zeros) where a parameter
-    has none yet, with the dtypes and devices ``torch.optim.AdamW`` itself would use."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if not state and create:
-                if not isinstance(optimizer, torch.optim.AdamW) or group.get("amsgrad"):
-                    raise CheckpointError(f"loading optimizer state into {type(optimizer).__name__} is not "
-                                          f"supported; set checkpoint.exclude = [\"optimizer\"]")
-                on_device = group.get("fused") or group.get("capturable")
-                state["step"] = (torch.zeros((), dtype=torch.float32, device=_local(p).device) if on_device
-                                 else torch.tensor(0.0, dtype=torch.float32))
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if state:
-                out[names[id(p)]] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _rng_state() -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
 # --- the checkpointer a training run uses ---------------------------------------------------------------
