@@ -53,7 +53,7 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
     dp_mesh = mesh.fsdp  # dp_shard (x cp), replicas outermost
     reshard = cfg.reshard_after_forward and layout.pp == 1
     # microbatches without sync sum their gradients in the compute dtype (None, without mixed
-    # precision: the parameters' own): [Note: accumulating in reduce_dtype] (meshpar/fsdp/param_group.py)
+    # precision: the parameters' own): [Note: accumulating in reduce_dtype] (meshpar/fsdp/reduce.py)
     block_mp = mixed_precision(cfg, root=False)
     extras = dict(shard_threshold=cfg.shard_threshold, accumulate_dtype=block_mp.param_dtype)
     for block in model.layers.values():

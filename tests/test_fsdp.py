@@ -784,7 +784,7 @@ def _case_hooks_survive_new_unsharded(ctx: Ctx) -> None:
     mixed precision, each unshard). Every new one must get the gradient hook that starts its
     group's reduction during backward: a group left for the end of backward on one rank only
     issues its collectives in another order than its peers, and gloo hangs or aborts
-    ([Note: hook the object, not its id] in meshpar/fsdp/param_group.py). So: no group may
+    ([Note: hook the object, not its id] in meshpar/fsdp/reduce.py). So: no group may
     reach the end of backward with gradients still to reduce, over dtype flips and over
     mixed-precision steps with replicated parameters, and the run must actually have reused
     an address for a new unsharded parameter (else it proved nothing)."""

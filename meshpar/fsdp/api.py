@@ -166,7 +166,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     elements stay replicated, their gradients all-reduced. ``accumulate_dtype`` (meshpar's
     addition): the dtype unsharded gradients are summed in across microbatches without
     gradient sync (None: ``reduce_dtype``, as in PyTorch's engine; [Note: accumulating in
-    reduce_dtype] in param_group.py).
+    reduce_dtype] in reduce.py).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):

@@ -54,8 +54,9 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from meshpar._torch import queue_backward_callback
-from meshpar.fsdp.param_group import ParamGroup, ReduceQueue
+from meshpar.fsdp.param_group import ParamGroup
 from meshpar.fsdp.policies import MixedPrecisionPolicy
+from meshpar.fsdp.reduce import ReduceQueue
 from meshpar.fsdp.streams import CudaStreams, streams_for
 from meshpar.fsdp.tree import cast_floats, iter_tensors
 

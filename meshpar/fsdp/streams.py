@@ -49,8 +49,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from meshpar import comm
+
+
+def _wait(work: comm.Work, event: torch.cuda.Event | None) -> None:
+    """Finish a collective: its work handle, and on CUDA the compute stream waits on its event."""
+    work.wait()
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
 
 
 class CudaStreams:

@@ -1,0 +1,258 @@
+"""Gradient reduction of a parameter group: one reduce-scatter of one flat buffer.
+
+Post-accumulate-grad hooks count a unit's gradients; the last one starts the reduction: a
+reduce-scatter in ``reduce_dtype`` (plus one all-reduce over the replicate dim when hybrid),
+divided by the data-parallel size, handed to the sharded parameters when awaited. Parameters
+below ``shard_threshold`` share one all-reduce over the whole data-parallel mesh. Without
+gradient sync the unsharded gradients are summed across microbatches instead. The units of one
+root share a ``ReduceQueue`` that bounds the reductions in flight.
+
+Mixed into ``ParamGroup`` (param_group.py), whose ``__init__`` sets the attributes used here;
+the flat layout is described there.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+from torch.autograd.profiler import record_function
+
+from meshpar import comm
+from meshpar.comm import gradient_buffers
+from meshpar.fsdp.sharded_param import ShardedParam
+from meshpar.fsdp.streams import _wait
+
+if TYPE_CHECKING:
+    from meshpar.fsdp.param_group import ParamGroup
+
+# [Note: one reduction in flight]
+# A unit's reduce-scatter holds up to two buffers of the unit's full gradient size until it
+# is awaited (the flat input and, on gloo, the all-to-all's receive buffer). Awaiting each
+# unit's reduction only at the end of backward kept every unit's buffers alive at once:
+# debug Llama at 4 ranks peaked at 56.3 MiB against 48.8 MiB for PyTorch's engine. So the
+# units of one root share a ReduceQueue, and a unit starting its reduction first finishes
+# the one before it (which ran under this unit's backward compute), as PyTorch's engine
+# does: at most one reduction's buffers beside the current one's. Measured (debug Llama,
+# 4 gloo ranks, bench_fsdp): peak 56.3 -> 52.1 MiB; step time unchanged within noise
+# (0.79 x PyTorch's engine after, 0.70 before, run beside two other jobs). Resharding before
+# the reduction starts (the unsharded parameters are not needed for it) and gathering in
+# place (the input is this rank's slot of the output) took it to 50.8 MiB (PyTorch: 48.8);
+# buffering N - 1 rows, not N ([Note: reduce-scatter on gloo]), to 49.6; completing our own
+# unshard before prefetching ([Note: prefetch after our own unshard]) to 48.8.
+
+
+class ReduceQueue:
+    """The reductions in flight across the units of one root, oldest first. A unit may keep
+    ``max_in_flight`` of them (``FSDPModule.set_reduce_scatter_max_input_buffers``; 1 by default,
+    see [Note: one reduction in flight])."""
+
+    def __init__(self) -> None:
+        self.pending: deque[ParamGroup] = deque()
+
+    def admit(self, group: ParamGroup) -> None:
+        """Make room for ``group``'s reduction: finish the oldest ones beyond its limit."""
+        while len(self.pending) >= group.max_in_flight:
+            self.pending.popleft().wait_for_reduce()
+        self.pending.append(group)
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+
+# [Note: accumulating in reduce_dtype]
+# Without gradient sync a unit keeps each parameter's unsharded gradient until the microbatch that
+# reduces, summed across microbatches. PyTorch's engine sums in reduce_dtype, which with bf16
+# compute and fp32 reduction doubles those gradients' memory: every unit's full gradient in fp32,
+# held for the whole step. meshpar does the same by default (it is the API's documented
+# behaviour), and its own trainer passes ``accumulate_dtype`` = the compute dtype, as before.
+# ``meshpar plan``, gradients at the peak (GiB per rank) and the peak, compute dtype vs fp32:
+#
+#     recipe        gradients      peak             (usable 74.51)
+#     gpt2_xl       2.90 / 5.80    52.11 / 55.01
+#     llama3_8b    14.96 / 29.92   65.34 / 80.30    (fp32 does not fit)
+#
+# The rounding the compute dtype adds is one bf16 rounding per microbatch and element, beside the
+# bf16 rounding of every gradient itself; ``grad_reduce = "microbatch"`` reduce-scatters each
+# microbatch instead and keeps only sharded fp32 gradients.
+
+
+class GroupReduce:
+    """A parameter group's gradient side: hooks, ``post_backward``, the reduction and its wait,
+    ``finish_backward``."""
+
+    def _hook_grad(self, p: ShardedParam) -> None:
+        """Count accumulated gradients; the last one of the group starts its reduction.
+
+        [Note: hook the object, not its id]
+        A new unsharded parameter is made whenever the old one cannot serve (``model.to(dtype)``,
+        a replicated parameter cast for mixed precision). Remembering hooked parameters by
+        ``id()`` once skipped hooking such a new one whenever CPython gave it the address of a
+        dead, hooked one: that rank then reduced the group at the end of backward instead of
+        from the hook, the ranks issued their collectives in different orders, and gloo failed
+        with "Received data size doesn't match expected size" (one rank in 2, a few dtype flips
+        in; tests/test_fsdp.py::test_hooks_survive_new_unsharded). A weak reference to the
+        hooked parameter itself cannot be confused with a newcomer.
+        """
+        if not p.requires_grad or (p.hooked is not None and p.hooked() is p.unsharded):
+            return
+        p.hooked = weakref.ref(p.unsharded)
+        # the hook holds its group weakly: the parameter's hook dict -> this closure -> the group -> the
+        # parameter is a cycle through a tensor, which Python's collector cannot see into while C++ also
+        # holds the tensor, so a strong reference kept every model alive after its last use (one fp32
+        # copy of the parameters per model built; bench_gpu's later cases found 4.6 GiB per 1B model)
+        group = weakref.ref(self)
+
+        def on_grad(_: torch.Tensor, key: int = id(p)) -> None:
+            self = group()
+            if self is None:
+                return
+            self._grads_ready.add(key)
+            if len(self._grads_ready) == sum(q.requires_grad for q in self.all_params):
+                self.post_backward()
+
+        p.unsharded.register_post_accumulate_grad_hook(on_grad)
+
+    def reduce_dtype(self) -> torch.dtype:
+        # the parameters' own dtype unless reduce_dtype / param_dtype say otherwise (a unit whose
+        # parameters are all below shard_threshold has only replicated ones: those set it too, else
+        # a float64 unit would reduce in float32)
+        trainable = [p for p in self.all_params if p.requires_grad] or self.all_params
+        return self.mp.reduce_dtype or self.mp.param_dtype or (trainable[0].orig_dtype if trainable
+                                                                else torch.float32)
+
+    def post_backward(self) -> None:
+        """After this unit's backward: reduce (or keep, without sync) its gradients; reshard."""
+        self._grads_ready.clear()
+        with record_function("meshpar::fsdp.post_backward"):
+            if self.reshard_after_backward:  # first: the gradients outlive the parameters, and the
+                self.reshard()  # reduction's buffers then take the unsharded parameters' place
+            if self.requires_gradient_sync:
+                self.wait_for_reduce()  # at most one reduction in flight per group
+                if self.reduce_queue is not None:  # and across groups: [Note: one reduction in flight]
+                    self.reduce_queue.admit(self)
+                self._start_reduce()
+            else:  # no sync: sum the unsharded gradients, in reduce_dtype ([Note: accumulating in reduce_dtype])
+                dtype = self.accumulate_dtype or self.reduce_dtype()
+                for p in self.all_params:
+                    grad = p.take_unsharded_grad()
+                    if grad is not None:
+                        with gradient_buffers():
+                            p.accumulated_grad = grad if grad.dtype == dtype else grad.to(dtype)
+
+    def _divide_factor(self) -> float:
+        if self.divide_factor is not None:
+            return self.divide_factor
+        return self.world * self.mesh_info.replicate_size
+
+    def _start_reduce(self) -> None:
+        grads = {id(p): p.take_unsharded_grad() for p in self.all_params if p.requires_grad}
+        if self.reduce_unused:  # PyTorch: zeros for trainable parameters that got no gradient
+            for p in self.all_params:
+                if id(p) in grads and grads[id(p)] is None:
+                    grads[id(p)] = torch.zeros(p.shape, dtype=self.reduce_dtype(), device=p.compute_device)
+        reduce_dtype = self.reduce_dtype()
+        # the parameters reduce-scattered: trainable ones, a zero row for those without a gradient on this
+        # rank (the collective's size must not depend on what one rank used); only those with a gradient
+        # get one back
+        trainable = [p for p in self.params if id(p) in grads]
+        if self.single:  # [Note: one data-parallel rank]: the gradient is already the reduced one
+            factor = self._divide_factor()
+            for p in trainable:
+                grad = grads[id(p)]
+                if grad is not None:
+                    grad = grad.to(reduce_dtype)
+                    if factor != 1:
+                        grad = grad.div_(factor)
+                    self._call_hook(grad)
+                    p.add_sharded_grad(grad)
+        elif trainable and (any(grads[id(p)] is not None for p in trainable) or self._partial is not None):
+            group = self.reduce_group or self.mesh_info.shard_group
+            with record_function("meshpar::fsdp.reduce_copy_in"):
+                buffer = comm.ReduceScatterInput(sum(p.padded_numel for p in trainable), group, dtype=reduce_dtype,
+                                                 device=trainable[0].compute_device, custom=self.custom_reduce_scatter)
+                offset = 0
+                for p in trainable:
+                    grad = grads[id(p)]
+                    if grad is None:
+                        buffer.zero_rows(offset, p.padded_numel)
+                    else:
+                        buffer.copy_rows(offset, p.rows_of(grad.to(reduce_dtype), self.world))
+                    offset += p.padded_numel
+            dim = self.mesh_info.shard_dim_name
+            if self.streams is None:
+                work, event, keep = comm.reduce_scatter_rows(buffer, group, async_op=True, dim=dim), None, None
+            else:  # stream-ordered; the buffers live until the compute stream waited: [Note: CUDA streams in FSDP]
+                with self.streams.reduce_scatter_after_compute():
+                    work = comm.reduce_scatter_rows(buffer, group, async_op=False, dim=dim)
+                    event, keep = self.streams.reduce_scatter.record_event(), buffer
+            with_grad = [p for p in trainable if grads[id(p)] is not None]
+            self._reduce = (work, buffer.output, trainable, with_grad, event, keep)
+        replicated = [(p, grads[id(p)]) for p in self.replicated if grads.get(id(p)) is not None]
+        if replicated:  # one all-reduce over the whole dp mesh for all small parameters
+            flat = torch.cat([g.reshape(-1).to(reduce_dtype) for _, g in replicated])
+            for dim in filter(lambda d: d is not None, (self.mesh_info.replicate_dim, self.mesh_info.shard_dim)):
+                comm.all_reduce(flat, self.mesh_info.mesh.get_group(dim), dim=self.mesh_info.dim_name(dim))
+            flat.div_(self._divide_factor())
+            for (p, _), piece in zip(replicated, flat.split([g.numel() for _, g in replicated]), strict=True):
+                p.add_sharded_grad(piece.view(p.shape))
+
+    def _call_hook(self, output: torch.Tensor) -> None:
+        """``FSDPModule.set_all_reduce_hook``: the user's hook on the reduced output, in place."""
+        if self.all_reduce_hook is None:
+            return
+        hook, stream = self.all_reduce_hook
+        with record_function("meshpar::fsdp.all_reduce_hook"):
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    hook(output)
+                torch.cuda.current_stream().wait_stream(stream)
+            else:
+                hook(output)
+
+    def wait_for_reduce(self) -> None:
+        """Finish the reduction in flight, if any, and hand the sharded gradients to the parameters."""
+        if self._reduce is None:
+            return
+        work, recv, params, with_grad, event, _ = self._reduce
+        self._reduce = None  # the input is freed here, after the compute stream waited on it
+        with record_function("meshpar::fsdp.reduce_scatter_wait"):
+            _wait(work, event)
+        if self.mesh_info.replicate_dim is not None:
+            if self._partial is not None:  # an earlier microbatch's reduce-scatter without the all-reduce
+                if self._partial_params != params:
+                    raise RuntimeError("the trainable parameters of an FSDP unit changed between microbatches "
+                                       "reduced with set_requires_all_reduce(False); keep requires_grad fixed "
+                                       "within one accumulation")
+                recv.add_(self._partial)
+                with_grad = self._partial_with_grad | {id(p) for p in with_grad}
+                with_grad = [p for p in params if id(p) in with_grad]
+                self._partial = self._partial_params = None
+            if not self.requires_all_reduce:  # keep the shard's sum for the microbatch that all-reduces
+                self._partial, self._partial_params = recv, params
+                self._partial_with_grad = {id(p) for p in with_grad}
+                return
+            with record_function("meshpar::fsdp.all_reduce_replicas"):
+                comm.all_reduce(recv, self.mesh_info.replicate_group,
+                                dim=self.mesh_info.dim_name(self.mesh_info.replicate_dim))
+        recv.div_(self._divide_factor())
+        self._call_hook(recv)
+        offset, assign = 0, {id(p) for p in with_grad}
+        for p in params:
+            if id(p) in assign:
+                p.add_sharded_grad(p.local_of(recv[offset:offset + p.padded_numel]))
+            offset += p.padded_numel
+
+    def finish_backward(self) -> None:
+        """End of a backward, or ``FSDPModule.reduce_grads``: reduce what no hook reduced (unused
+        parameters, gradients accumulated without sync or written outside the hooks), wait, reshard."""
+        if self._grads_ready or any(p.accumulated_grad is not None or (p.unsharded is not None
+                                                                      and p.unsharded.grad is not None)
+                                    for p in self.all_params):
+            self.post_backward()
+        self.wait_for_reduce()
+        self._grads_ready.clear()
+        if self.reshard_after_backward:
+            self.reshard()

@@ -1,0 +1,149 @@
+"""Unshard and reshard of a parameter group: one all-gather of one flat buffer.
+
+Copy-in: every parameter's local rows, padded and cast to ``param_dtype``, into this rank's slot
+of the flat buffer; the all-gather (async, or stream-ordered on CUDA); copy-out: each
+parameter's rows from every rank into its unsharded buffer. Replicated parameters, and every
+parameter on one data-parallel rank, are cast or viewed from their local tensor instead.
+Reshard swaps the sharded parameters back in and frees the unsharded storage.
+
+Mixed into ``ParamGroup`` (param_group.py), whose ``__init__`` sets the attributes used here;
+the flat layout is described there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+from torch.distributed.tensor import DTensor
+
+from meshpar import comm
+from meshpar.comm import comm_buffers
+from meshpar.fsdp.sharded_param import ParamState
+from meshpar.fsdp.streams import _wait
+
+# [Note: a local unsharded parameter keeps its identity too]
+# A parameter whose whole value is local (replicated below shard_threshold, or every one on one
+# rank) is a view of its shard when it computes in the shard's dtype on the shard's device.
+# Otherwise (cast for mixed precision, or copied from a CPU-offloaded shard) it is written into
+# its own storage in place and freed at reshard, exactly as a gathered one ([Note: the unsharded
+# parameter keeps its identity] in sharded_param.py). It used to be a new tensor per unshard, so
+# a unit that resharded after forward unsharded a second parameter object in backward: autograd
+# accumulated the gradient into the forward's, the hook read the new one's, and the gradient was
+# lost. Every replicated parameter of a bf16 block went untrained that way (a debug Llama with
+# shard_threshold above every size: 18 of 21 parameters got no gradient), and on a GPU every
+# CPU-offloaded parameter of a one-rank run (tests/test_cuda.py's offload test, off by 0.8% at
+# step 2). tests/test_fsdp.py's local_cast_and_offload case pins it on CPU.
+
+
+class GroupUnshard:
+    """A parameter group's all-gather side: ``unshard``, ``wait_for_gather``, ``reshard``."""
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start the all-gather (``async_op``) or complete the unshard."""
+        if self.state is ParamState.UNSHARDED:
+            return
+        if self._gather is None and self.params and not self.single:
+            custom = None
+            if self._post_forward_shards is not None:  # backward after an int reshard_after_forward
+                group, world, dim = self.post_forward
+                rank, pieces = dist.get_rank(group), self._post_forward_shards
+                n, dtype = sum(t.numel() for t in pieces), pieces[0].dtype
+                fill = lambda send: torch.cat(pieces, out=send)
+            else:
+                group, world, dim = self.mesh_info.shard_group, self.world, self.mesh_info.shard_dim_name
+                dtype, segments = self._layout
+                rank, n, custom = self.mesh_info.shard_rank, sum(segments), self.custom_all_gather
+                fill = lambda send: self._copy_in(send, segments)
+            # in place: this rank's input is its own slot of the output, so no separate send buffer
+            # (one shard fewer at the peak; PyTorch's engine does the same)
+            streams = self.streams
+            with streams.copy_in_after_compute() if streams else contextlib.nullcontext():
+                with comm_buffers():
+                    if custom is not None:
+                        recv = custom.allocate((world * n,), dtype=dtype, device=self.params[0].compute_device)
+                    else:
+                        recv = torch.empty(world * n, dtype=dtype, device=self.params[0].compute_device)
+                send = recv[rank * n:(rank + 1) * n]
+                fill(send)
+            if streams is None:
+                work, event = comm.all_gather(recv, send, group, async_op=True, dim=dim, custom=custom), None
+            else:  # stream-ordered: [Note: CUDA streams in FSDP]
+                with streams.all_gather_after_copy_in():
+                    work = comm.all_gather(recv, send, group, async_op=False, dim=dim, custom=custom)
+                    event = streams.all_gather.record_event()
+            self._gather = (work, recv, world, event)
+        if not async_op:
+            self._finish_unshard()
+
+    def _copy_in(self, send: torch.Tensor, segments: list[int]) -> None:
+        """This rank's chunks of every parameter, cast to param_dtype, into the flat ``send``."""
+        with record_function("meshpar::fsdp.copy_in"):
+            offset = 0
+            for p, seg in zip(self.params, segments, strict=True):
+                n = p.local_shape.numel()  # elements past n are padding
+                dst = send[offset:offset + seg]
+                if send.dtype == torch.uint8:
+                    dst = dst.view(self.compute_dtype(p))
+                dst[:n].copy_(p.local.reshape(-1), non_blocking=True)
+                offset += seg
+
+    def _finish_unshard(self) -> None:
+        if self._gather is not None:
+            work, recv, world, event = self._gather
+            self._gather = None
+            post_forward = self._post_forward_shards is not None
+            self._post_forward_shards = None
+            with record_function("meshpar::fsdp.all_gather_wait"):
+                _wait(work, event)
+            with record_function("meshpar::fsdp.copy_out"), torch.no_grad():
+                # recv[world, sum_i size_i]; parameter i's padded chunks, in order, are its column block
+                segments = [p.padded_numel for p in self.params] if post_forward else self._layout[1]
+                sizes = [seg * self.world // world for seg in segments]
+                pieces = recv.view(world, -1).split(sizes, dim=1)
+                for p, piece in zip(self.params, pieces, strict=True):
+                    if recv.dtype == torch.uint8:
+                        piece = piece.view(self.compute_dtype(p))[:, :p.padded_numel]
+                    p.write_unsharded(piece, world)
+        # the local tensor is the whole parameter: replicated ones, and all on one rank ([Note: one
+        # data-parallel rank]); [Note: a local unsharded parameter keeps its identity too]
+        with record_function("meshpar::fsdp.cast"), torch.no_grad():
+            for p in self.replicated + (self.params if self.single else []):
+                dtype = self.compute_dtype(p)
+                if p.local.device != p.compute_device or p.local.dtype != dtype:
+                    p.write_unsharded_from_local(dtype)  # cast, or copied from CPU (offload), in place
+                    continue
+                current = p.unsharded.to_local() if isinstance(p.unsharded, DTensor) else p.unsharded
+                if current is None or current.data_ptr() != p.local.data_ptr() or current.shape != p.local.shape:
+                    p.unsharded, p.unsharded_padded = p.as_unsharded_param(p.local), None  # a view of the shard
+        for p in self.all_params:
+            p.to_unsharded()
+            self._hook_grad(p)
+        self.state = ParamState.UNSHARDED
+
+    def wait_for_gather(self) -> None:
+        """Finish an all-gather in flight (``UnshardHandle.wait``): the unsharded parameters are then
+        registered on the module."""
+        if self._gather is not None:
+            self._finish_unshard()
+
+    def reshard(self, after_forward: bool = False) -> None:
+        """Swap the sharded parameters back in and free the unsharded storage. ``after_forward``
+        with an int ``reshard_after_forward`` first keeps this rank's 1/k of each parameter, so
+        backward all-gathers within the k-rank group (see ``post_forward``)."""
+        if self._gather is not None:  # a prefetch nobody used: finish it so the buffers are consistent
+            work, _, _, event = self._gather
+            _wait(work, event)  # on CUDA its buffer may then be reused: [Note: CUDA streams in FSDP]
+            self._gather = None
+        if self.state is ParamState.SHARDED:
+            return
+        if after_forward and self.post_forward is not None and self.params and not self.single:
+            group, k, _ = self.post_forward
+            rank = dist.get_rank(group)
+            self._post_forward_shards = [p.post_forward_piece(k, rank) for p in self.params]
+        for p in self.all_params:
+            p.to_sharded()
+            p.free_unsharded()  # a view of the shard has no storage of its own: nothing to free
+        self.state = ParamState.SHARDED
