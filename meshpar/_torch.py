@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 # StridedShard(dim, split_factor): dim cut into split_factor chunks, each sharded over the mesh dim,
 # a rank's pieces concatenated. PyTorch's own fully_shard places a parameter that tensor parallelism
 # already shards on dim 0 this way, and GPT-2's fused q|k|v projection needs it ([Note: fused
-# projections] in meshpar/tensor_parallel.py). Public alternative: none (it is not a Shard subclass
+# projections] in meshpar/tp_styles.py). Public alternative: none (it is not a Shard subclass
 # in every release, so isinstance checks name it explicitly).
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 
@@ -308,7 +308,7 @@ _PIPELINE_LABELS = "pipeline transfers labelled in traces (meshpar/pipeline/sche
 # tests/test_torch_compat.py resolves each one.
 REQUIRED: dict[str, str] = {
     "torch.distributed.tensor.placement_types._StridedShard":
-        "FSDP over tensor parallel, GPT-2's fused q|k|v (tensor_parallel.py, fsdp/sharded_param.py, checkpoints, "
+        "FSDP over tensor parallel, GPT-2's fused q|k|v (tp_styles.py, fsdp/sharded_param.py, checkpoints, "
         "init, clipping, conversion)",
     "torch.utils._pytree.tree_leaves": "tensor-parallel trace labels (profiling/labels.py)",
     "torch.distributed.device_mesh.DeviceMesh._flatten": "the flattened dp mesh (mesh.py)",

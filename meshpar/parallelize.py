@@ -25,7 +25,8 @@ from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
 from meshpar.mesh import Mesh
 from meshpar.pipeline import SCHEDULES, split
 from meshpar.recipe import ParallelConfig, RecipeError
-from meshpar.tensor_parallel import TPPlan, apply_tp, check_fsdp_over_tp
+from meshpar.tensor_parallel import TPPlan, apply_tp
+from meshpar.tp_checks import check_fsdp_over_tp
 
 
 def mixed_precision(cfg: ParallelConfig, *, root: bool) -> MixedPrecisionPolicy:

@@ -22,7 +22,7 @@ from meshpar.parallelize import check_mixed_precision
 from meshpar.pipeline import SCHEDULES, check_microbatches, stage_layers
 from meshpar.profiling.capture import check as check_profile
 from meshpar.recipe import Recipe, RecipeError
-from meshpar.tensor_parallel import check_seq_len
+from meshpar.tp_checks import check_seq_len
 
 
 def _check_batch(recipe: Recipe, layout: meshlib.Layout) -> int:

@@ -13,11 +13,11 @@ A plan (``TPPlan``) is two tables of PyTorch ``ParallelStyle``s (torch.distribut
 applied to every block in ``model.layers``; each family declares its plan as data
 (``models/<family>/parallelize.py``) and meshpar.parallelize applies it. Entries naming a module the model lacks are
 skipped (a pipeline stage has no embedding, or no norm and output). This module adds the
-machinery the tables need beyond PyTorch's styles: ``VocabParallelEmbedding``,
-``FusedColwiseParallel`` (GPT-2's fused q/k/v projection), ``ReplicateParallel``
-(replicated parameters over sharded activations),
-tied-weight preservation, stage boundaries, the divisibility checks, and the gradient
-reduction for replicated parameters.
+machinery applying the tables needs beyond PyTorch's: tied-weight preservation, stage
+boundaries, and the gradient reduction for replicated parameters. The styles meshpar adds
+(``VocabParallelEmbedding``, ``FusedColwiseParallel`` for GPT-2's fused q/k/v projection,
+``ReplicateParallel`` for replicated parameters over sharded activations) are tp_styles.py;
+the divisibility checks, run before launch, tp_checks.py.
 
 Limits: 1-D ``tp`` mesh; the residual stream between blocks is sharded on the sequence
 (``Shard(1)``), so the sequence length must be divisible by the tp degree
@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -47,9 +45,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshpar import comm
-from meshpar._torch import StridedShard, module_parameters
-from meshpar.errors import RecipeError
-from meshpar.profiling.labels import hook_ids, label_new_hooks, run_labelled
+from meshpar._torch import module_parameters
+from meshpar.profiling.labels import hook_ids, label_new_hooks
 
 # [Note: the residual stream is a DTensor]
 # Between blocks the hidden states h[B, T, D] are a DTensor placed Shard(1) on tp: each rank
@@ -104,134 +101,6 @@ class TPPlan:
             return self
         root = {**self.root, self.output: vocab_parallel_output(enabled)}
         return dataclasses.replace(self, root=root, loss_parallel=enabled)
-
-
-def _distribute_params(module: nn.Module, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None) -> None:
-    """Make each of ``module``'s own parameters a DTensor placed ``placement`` on the 1-D ``mesh``."""
-    for name, param in list(module.named_parameters(recurse=False)):
-        dtensor = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
-        module.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
-
-
-class ReplicateParallel(ParallelStyle):
-    """Parameters replicated over tp (a DTensor ``Replicate``), input converted from
-    ``input_layout`` to ``desired_input_layout`` (first positional input only).
-
-    For modules that compute on sharded activations with whole weights: Qwen3's per-head
-    q/k norms (``Shard(1)`` on the heads of q[B, H/tp, T, Dh]), GPT-2's position embedding
-    (positions sharded on the sequence). The weight's gradient is then a partial sum over tp
-    ranks (``Partial``); see ``reduce_partial_grads``.
-    """
-
-    def __init__(self, *, input_layout: Placement, desired_input_layout: Placement | None = None,
-                 use_local_output: bool = False) -> None:
-        super().__init__()
-        self.input_layout = input_layout
-        self.desired_input_layout = desired_input_layout or input_layout
-        self.use_local_output = use_local_output
-
-    def _replicate(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        _distribute_params(module, mesh, Replicate(), self.src_data_rank)
-
-    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        x, *rest = inputs
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
-        if x.placements != (self.desired_input_layout,):
-            x = x.redistribute(placements=(self.desired_input_layout,))
-        return (x, *rest)
-
-    def _prepare_output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh):
-        return output.to_local() if self.use_local_output else output
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._replicate, self._prepare_input, self._prepare_output)
-
-
-# [Note: fused projections]
-# GPT-2's c_attn is one Linear whose output rows are laid out [q | k | v], each H heads of
-# Dh. A plain column-wise shard (Shard(0) of the weight) would give rank 0 all of q and half
-# of k. Rank r must instead hold heads r*H/tp .. (r+1)*H/tp of each third: its local weight
-# is [q_r | k_r | v_r] (3*D/tp rows), and the model's rearrange "(three h d)" then yields
-# its own H/tp heads of q, k and v. As a DTensor this is StridedShard(0, split_factor=3):
-# split the rows into 3 chunks, shard each chunk over tp, concatenate a rank's pieces. The
-# global view (full_tensor(), checkpoints, meshpar.models.init) is the unsharded weight itself,
-# so layouts stay interchangeable. DTensor's linear propagates the placement to the output
-# (StridedShard(-1, 3)), whose local tensor is exactly [q_r | k_r | v_r] per token.
-
-
-class FusedColwiseParallel(ParallelStyle):
-    """Column-wise parallel for an ``nn.Linear`` whose output concatenates ``n_fused`` equal
-    projections (see [Note: fused projections]). Input: a replicated (whole-sequence) tensor;
-    output: the local tensor [..., n_fused * out / (n_fused * tp)], each projection's shard in turn.
-    """
-
-    def __init__(self, n_fused: int) -> None:
-        super().__init__()
-        self.placement = StridedShard(0, split_factor=n_fused)
-
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        if not isinstance(module, nn.Linear):
-            raise NotImplementedError(f"FusedColwiseParallel shards nn.Linear, not {type(module).__name__}")
-        _distribute_params(module, mesh, self.placement, self.src_data_rank)  # weight[out, in], bias[out]
-
-    @staticmethod
-    def _prepare_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        x = inputs[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
-        return (x.redistribute(placements=(Replicate(),)), *inputs[1:])
-
-    @staticmethod
-    def _prepare_output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-        return output.to_local()  # [..., q_r | k_r | v_r]
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._partition, self._prepare_input, self._prepare_output)
-
-
-# [Note: vocab-parallel embedding]
-# PyTorch's RowwiseParallel on an nn.Embedding shards the table on the vocabulary, but
-# DTensor's embedding backward (torch 2.13) all-gathers the output gradient and returns a
-# Replicate weight gradient: the whole [V, D] table's gradient on every rank (2 GiB in fp32
-# for Llama 3 8B), sliced back only by the optimizer or FSDP. VocabParallelEmbedding
-# computes on the local shard as Megatron-LM does: tokens outside this rank's rows
-# [start, start + V/tp) are looked up as row 0 and their outputs zeroed, the partial sums
-# are reduce-scattered (or all-reduced) to ``output_layout``, and the gradient flows back
-# through ``to_local()`` into a Shard(0) gradient [V/tp, D].
-
-
-class VocabParallelEmbedding(ParallelStyle):
-    """``nn.Embedding`` sharded on the vocabulary (weight Shard(0)); tokens replicated; the
-    output a DTensor placed ``output_layout`` (see [Note: vocab-parallel embedding])."""
-
-    def __init__(self, *, output_layout: Placement) -> None:
-        super().__init__()
-        self.output_layout = output_layout
-
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        _distribute_params(module, mesh, Shard(0), self.src_data_rank)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
-            raise NotImplementedError("VocabParallelEmbedding shards a plain nn.Embedding (no padding_idx, max_norm)")
-        distribute_module(module, device_mesh, self._partition)
-        output_layout = self.output_layout
-
-        def forward(tokens: torch.Tensor) -> DTensor:  # replaces the instance's forward
-            weight = module.weight  # under FSDP, the unsharded TP DTensor of this step
-            local = weight.to_local()  # [V/tp, D]
-            start = device_mesh.get_local_rank() * -(-weight.shape[0] // device_mesh.size())  # torch.chunk rows
-            tokens = tokens.to_local() if isinstance(tokens, DTensor) else tokens  # [B, T], same on every rank
-            outside = (tokens < start) | (tokens >= start + local.shape[0])
-            rows = (tokens - start).masked_fill(outside, 0)
-            out = F.embedding(rows, local).masked_fill(outside.unsqueeze(-1), 0.0)  # partial [B, T, D]
-            out = DTensor.from_local(out, device_mesh, (Partial(),), run_check=False)
-            # Shard(1): reduce-scatter -> [B, T/tp, D]
-            return run_labelled("tp.output", "embedding", lambda o: o.redistribute(placements=(output_layout,)), out)
-
-        module.forward = forward
-        return module
 
 
 # --- applying a plan -----------------------------------------------------------------------
@@ -370,40 +239,3 @@ def reduce_partial_grads(module: nn.Module) -> None:
         for (param, grad), reduced in zip(pairs, flat.split([g.numel() for g in locals_]), strict=True):
             param.grad = DTensor.from_local(reduced.view_as(grad.to_local()), mesh, param.placements,
                                             run_check=False, shape=grad.shape, stride=grad.stride())
-
-
-# --- checks, before any process starts ------------------------------------------------------
-
-def check_tp_degree(tp: int, sizes: Mapping[str, int], fixes: Mapping[str, str] | None = None) -> None:
-    """Raise RecipeError (key ``parallel.tp``) unless ``tp`` divides every size in ``sizes``
-    (name -> length of a dimension the plan shards), listing the degrees that would work.
-    ``fixes`` adds a remedy for a dimension by name (e.g. padding the vocabulary)."""
-    if tp < 1:
-        raise RecipeError(f"parallel.tp = {tp}: the degree must be >= 1", key="parallel.tp")
-    bad = [name for name, size in sizes.items() if size % tp]
-    if not bad:
-        return
-    common = math.gcd(*sizes.values())
-    working = [d for d in range(1, common + 1) if common % d == 0]
-    name = bad[0]
-    fix = f"; {fixes[name]}" if fixes and name in fixes else ""
-    raise RecipeError(f"parallel.tp = {tp}: {name} ({sizes[name]}) is not divisible by {tp}; tp degrees that "
-                      f"divide every sharded dimension: {', '.join(map(str, working))}{fix}", key="parallel.tp")
-
-
-def check_fsdp_over_tp(plan: TPPlan, tp: int, dp_shard: int) -> None:
-    """Raise RecipeError (key ``parallel.dp_shard``) when ``plan`` cannot be FSDP-sharded over its
-    tp shard yet (``plan.no_fsdp``) and the layout asks for both."""
-    if plan.no_fsdp and tp > 1 and dp_shard > 1:
-        raise RecipeError(f"parallel.tp = {tp} with parallel.dp_shard = {dp_shard}: {plan.no_fsdp}; use "
-                          f"dp_replicate instead of dp_shard (and set dp_shard = 1), or tp = 1",
-                          key="parallel.dp_shard")
-
-
-def check_seq_len(seq_len: int, tp: int) -> None:
-    """Sequence parallelism splits every sequence across the tp ranks: ``seq_len`` must divide."""
-    if tp > 1 and seq_len % tp:
-        fits = seq_len - seq_len % tp
-        raise RecipeError(f"parallel.tp = {tp}: train.seq_len ({seq_len}) is not divisible by {tp} (sequence "
-                          f"parallelism splits each sequence over the tp ranks); use a multiple of {tp}, "
-                          f"e.g. {fits or tp}", key="parallel.tp")

@@ -34,7 +34,8 @@ from meshpar.models.gpt2.parallelize import check_gpt2_tp, gpt2_tp_plan
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.parallelize import check_llama_tp, llama_tp_plan
 from meshpar.recipe import RecipeError
-from meshpar.tensor_parallel import apply_tp, check_seq_len, loss_parallel_context, reduce_partial_grads
+from meshpar.tensor_parallel import apply_tp, loss_parallel_context, reduce_partial_grads
+from meshpar.tp_checks import check_seq_len
 from tests.distributed import CaseSet
 from tests.parity import must_fail
 

@@ -63,7 +63,7 @@ class CheckpointError(RuntimeError):
 # --- fused projections ([Note: strided shards as chunks]) ----------------------------------------------
 # [Note: strided shards as chunks]
 # A fused projection sharded for tensor parallelism (GPT-2's q|k|v ``c_attn``,
-# meshpar.tensor_parallel.FusedColwiseParallel) is a DTensor with ``StridedShard(0,
+# meshpar.tp_styles.FusedColwiseParallel) is a DTensor with ``StridedShard(0,
 # split_factor=3)``: rank r holds [q_r; k_r; v_r], three separate row blocks of the global
 # tensor. DCP describes every DTensor shard as one block (torch 2.13), so it would record
 # overlapping chunks and refuse the save. In the checkpoint's state dict such a tensor is a

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from meshpar.models.gpt2 import convert as gpt2_convert
 from meshpar.models.llama import convert as llama_convert
 from meshpar.models.moe import convert as moe_convert
-from meshpar.tensor_parallel import FusedColwiseParallel, VocabParallelEmbedding
+from meshpar.tp_styles import FusedColwiseParallel, VocabParallelEmbedding
 
 ADAPTERS = {"llama": llama_convert, "qwen2": llama_convert, "qwen3": llama_convert, "gpt2": gpt2_convert,
             **moe_convert.ADAPTERS}

@@ -6,7 +6,7 @@ vocabulary-parallel embedding and output. Two things differ:
 
 - ``attn.c_attn`` is one fused projection laid out [q | k | v]; ``FusedColwiseParallel(3)``
   gives rank r heads r*H/tp .. (r+1)*H/tp of each of q, k and v (see [Note: fused
-  projections] in meshpar/tensor_parallel.py), and its global view is the unsharded weight.
+  projections] in meshpar/tp_styles.py), and its global view is the unsharded weight.
 - learned positions ``wpe`` and the tie of ``lm_head`` to ``wte``, see the notes below.
 
 Limits: n_heads and vocab_size must be divisible by tp (the published GPT-2 vocabulary,
@@ -24,15 +24,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from meshpar.models.gpt2.model import GPT2Args
-from meshpar.tensor_parallel import (
-    FusedColwiseParallel,
-    ReplicateParallel,
-    TPPlan,
-    VocabParallelEmbedding,
-    check_fsdp_over_tp,
-    check_tp_degree,
-    vocab_parallel_output,
-)
+from meshpar.tensor_parallel import TPPlan, vocab_parallel_output
+from meshpar.tp_checks import check_fsdp_over_tp, check_tp_degree
+from meshpar.tp_styles import FusedColwiseParallel, ReplicateParallel, VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from meshpar.mesh import Layout

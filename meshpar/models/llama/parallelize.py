@@ -27,13 +27,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from meshpar.models.llama.args import ModelArgs
-from meshpar.tensor_parallel import (
-    ReplicateParallel,
-    TPPlan,
-    VocabParallelEmbedding,
-    check_tp_degree,
-    vocab_parallel_output,
-)
+from meshpar.tensor_parallel import TPPlan, vocab_parallel_output
+from meshpar.tp_checks import check_tp_degree
+from meshpar.tp_styles import ReplicateParallel, VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from meshpar.mesh import Layout
