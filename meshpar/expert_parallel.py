@@ -31,7 +31,7 @@ In a trace the row exchanges sit inside ``meshpar::moe.dispatch[<layer>]`` and
 
 Gradients: an expert's weight gradient sums the contributions of every rank's token slots, so
 data-parallel averaging divides it by all the data-parallel ranks, not only those it is replicated
-over. In a recipe (``parallel.ep``) ep borrows its ranks from ``dp_shard`` (``Mesh.experts``) and
+over. In a recipe (``parallel.ep``) ep borrows its ranks from ``dp_shard`` (``Mesh.ep``) and
 meshpar/parallelize.py FSDP-shards the experts over the ranks ep leaves with that divide factor;
 tests/test_expert_parallel.py also drives it by hand, without FSDP.
 

@@ -35,7 +35,7 @@ class Layout:
     dp_shard: int
     cp: int
     tp: int
-    ep: int = 1  # not a mesh dim of its own: it splits dp_shard (``Mesh.experts``)
+    ep: int = 1  # not a mesh dim of its own: it splits dp_shard (``Mesh.ep``)
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -101,15 +101,11 @@ class Mesh:
         return self.dp if name == "dp" else self.world[name]
 
     @functools.cached_property
-    def experts(self) -> tuple[DeviceMesh, DeviceMesh]:
-        """(``ep``, ``dp_shard_mod_ep``): ``dp_shard`` split into the expert-parallel ranks (inner,
-        neighbouring ranks) and the ranks left over, over which FSDP shards the experts; sub-meshes
-        of the same root as every dim, so an expert's DTensor spans both. With replicas the second
-        is ``dp_replicate x dp_shard_mod_ep`` (hybrid sharding, as every other parameter's)."""
-        split = self._split
-        if self.layout.dp_replicate > 1:  # hybrid: the experts' FSDP mesh keeps the replicas outermost
-            return split["ep"], split["dp_replicate", "dp_shard_mod_ep"]
-        return split["ep"], split["dp_shard_mod_ep"]
+    def ep(self) -> DeviceMesh:
+        """The expert-parallel ranks: the inner, neighbouring part of ``dp_shard`` (split into
+        ``dp_shard_mod_ep x ep``), a sub-mesh of the same root as every dim, so an expert's DTensor
+        spans it and the experts' FSDP mesh (``sparse``)."""
+        return self._split["ep"]
 
     @functools.cached_property
     def fsdp(self) -> DeviceMesh:

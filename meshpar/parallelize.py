@@ -113,7 +113,7 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
     if hasattr(model, "moe_layers") and (layout.tp > 1 or layout.cp > 1):
         route_over_sequence(model, mesh["tp"] if layout.tp > 1 else None, mesh["cp"] if layout.cp > 1 else None)
     if layout.ep > 1:
-        apply_expert_parallel(model, mesh.experts[0])
+        apply_expert_parallel(model, mesh.ep)
     apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every)
     if cfg.compile:
         apply_compile(model)

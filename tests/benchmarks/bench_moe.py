@@ -107,7 +107,7 @@ def measure_rank(overrides: list[str], warmup: int, steps: int) -> dict:
     run.loader.generator.manual_seed(dist.get_rank())  # each rank its own tokens, so routing differs by rank
     moes = [moe for stage in run.model.stages for moe in stage.moe_layers()]
     itemsize = getattr(torch, p.param_dtype).itemsize  # the rows travel in the compute dtype
-    ep_mesh = mesh.experts[0] if layout.ep > 1 else None
+    ep_mesh = mesh.ep if layout.ep > 1 else None
     out: dict = {"times": [], "calls": [], "bytes": [], "expected": []}
     for i in range(warmup + steps):
         dist.barrier()  # every rank starts together; the step's time is the slowest rank's
