@@ -37,15 +37,17 @@ overlap of each hop with a chunk's attention. Both are built, and the gather is 
 - at the sizes this is for, with the planner's H100 links (450 GB/s in a node, 50 GB/s across),
   the gather is under 1% of a block's compute inside a node and 3-8% across nodes (Llama 3 8B and
   70B at T = 131072); the ring hides all but one hop per block of it ([Note: the ring's overlap]
-  in meshpar/planner/cost.py), so the planner prices the ring a few percent faster across nodes;
+  in meshpar/planner/cost.py), so the planner prices the ring 2.7% (8B) and 6% (70B) faster across
+  nodes when nothing of the attention is kept either way, but 23% and 15% slower with the selective
+  checkpointing their recipes use, which keeps the gather's fused attention output and recomputes
+  the ring's attention forward;
 - but the ring's attention is explicit matmuls per chunk pair, where the gather calls one fused
   kernel per query chunk: on the CPU (tests/benchmarks/bench_cp.py, debug Llama, T 2048-8192) the
   ring's step with the balanced split took 0.94-2.6x the gather's, slower at 5 of 6 sizes, and on
-  a GPU the flash kernel's advantage is expected to exceed the few percent the ring hides; under
-  selective checkpointing the ring also recomputes its attention forward. Its peak activation per
-  rank is at most the gather's (0.94x at cp 4: no gathered K/V, no masks), which is what to choose
-  it for: a sequence whose gathered K/V does not fit, or multi-head attention without GQA (K/V as
-  large as the queries) across slow links.
+  a GPU the flash kernel's advantage is expected to exceed the few percent the ring hides. Its
+  peak activation per rank is at most the gather's (0.94x at cp 4: no gathered K/V, no masks),
+  which is what to choose it for: a sequence whose gathered K/V does not fit, or multi-head
+  attention without GQA (K/V as large as the queries) across slow links.
 
 [Note: attention per query chunk]
 The gathered K and V are put back in sequence order, and each chunk of local queries attends to

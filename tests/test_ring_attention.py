@@ -1,8 +1,8 @@
 """Ring attention (meshpar/ring_attention.py) against one process and against the all-gather.
 
 At cp 2 and cp 4, with the balanced and the contiguous split, float64: the ring alone (q, k, v
-of 8 query heads over 2 kv heads, chunks cut into score blocks of 5 queries so that partial
-blocks and diagonals meet) gives one process's causal attention output and q, k, v gradients at
+of 8 query heads over 2 kv heads, chunks cut into score blocks of a few queries so that
+partial blocks and diagonals meet) gives one process's causal attention output and q, k, v gradients at
 this rank's tokens; the debug Llama with ``attention="ring"`` gives one process's logits and
 every parameter's gradient, and the all-gather path's. One planted bug (the online-softmax merge
 without its rescaling of what was merged before) must fail the comparison. ``meshpar train``
@@ -21,6 +21,7 @@ from meshpar.context_parallel import apply_context_parallel, sequence_indices
 from tests.distributed import CaseSet
 from tests.parity import TOL, must_fail
 from tests.test_context_parallel import T, reference_model, run_cp
+from tests.test_plan import RECIPES, _run, planlib
 
 H, HKV, DH, SEQ = 8, 2, 16, 48  # the ring alone: 48 tokens cut into 2cp chunks of 12 (cp 2) or 6 (cp 4)
 
@@ -63,9 +64,11 @@ def _ring_alone(mesh, balanced: bool) -> dict:
 
 
 def _case_ring(mesh) -> dict:
-    ringlib.BLOCK = 5  # score blocks of 5 queries: chunks of 6, 12 and 24 end in a partial block
+    # score blocks of 480 / (2 x 8 heads x m keys) queries: 5 per chunk of m = 6 (cp 4, balanced: a partial
+    # block follows), 2 of 12, 1 of 24; diagonals starting inside a chunk
+    budget, ringlib.SCORE_ELEMENTS = ringlib.SCORE_ELEMENTS, 480
     alone = {balanced: _ring_alone(mesh, balanced) for balanced in (True, False)}
-    ringlib.BLOCK = 512
+    ringlib.SCORE_ELEMENTS = budget
     ref, tokens, logits = reference_model()
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     out = {}
@@ -107,3 +110,24 @@ def test_ring_attention_matches_one_process_and_the_all_gather(world):
 def test_cp_attention_is_checked():
     with pytest.raises(ValueError, match="parallel.cp_attention"):
         apply_context_parallel(torch.nn.Module(), None, attention="rings")
+
+
+def test_plan_prices_the_ring():
+    """``meshpar plan`` of recipes/llama_debug_cp.toml (cp 2, H100 links) with selective checkpointing,
+    the ring against the all-gather ([Note: the ring's overlap] in meshpar/planner/cost.py): K/V on cp
+    in four passes of cp - 1 hops (forward, its recomputation, backward's K/V and dK/dV) where the
+    gather makes three, all hidden but each block's last dK/dV hop per microbatch, and one more
+    attention forward per block computed (selective checkpointing keeps nothing of the ring's)."""
+    recipe = str(RECIPES / "llama_debug_cp.toml")
+    argv = ["--hardware=h100_sxm", '--parallel.activation_checkpoint="selective"']
+    gather, ring = (_run(recipe, *argv, f'--parallel.cp_attention="{a}"')[3] for a in ("allgather", "ring"))
+    cp_gather, cp_ring = (next(c for c in p.time.comm if c.dim == "cp") for p in (gather, ring))
+    assert cp_ring.bytes_per_step == pytest.approx(4 / 3 * cp_gather.bytes_per_step, rel=1e-12)
+    a, t, layout = ring.args, ring.recipe.train, ring.layout
+    hop = 2 * t.micro_batch * a.n_kv_heads * t.seq_len // layout.cp * a.resolved_head_dim * 4  # fp32
+    last = a.n_layers * ring.accum * hop / (cp_ring.gbps * 1e9)  # each block's last dK/dV hop, per microbatch
+    assert cp_gather.hidden_s == 0 and cp_ring.seconds - cp_ring.hidden_s == pytest.approx(last, rel=1e-9)
+    tokens = t.global_batch * t.seq_len / (layout.dp * layout.cp)
+    recomputed = a.n_layers * 12 * a.n_heads * a.resolved_head_dim * t.seq_len / 3 * tokens
+    flops = planlib.load_hardware("h100_sxm")[0].peak_flops(torch.float32) * ring.time.efficiency
+    assert ring.time.compute_s - gather.time.compute_s == pytest.approx(recomputed / flops, rel=1e-9)

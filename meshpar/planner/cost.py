@@ -17,7 +17,9 @@
   split] in meshpar/context_parallel.py: 2cp x (T/2cp)^2 of T^2/2 (query, key) pairs on every
   rank), whatever convention counts the whole (``flops_per_token``'s, without the causal
   halving, as calibrated). Its K/V all-gathers (and their reduce-scatters in backward) sit on
-  the critical path of every block: the attention waits for them.
+  the critical path of every block: the attention waits for them. Under ``parallel.cp_attention
+  = "ring"`` the cp bytes are the ring's hops, each beside one step's attention:
+  [Note: the ring's overlap].
 - ``efficiency`` stands for everything a step's compute does besides ideal matmuls;
   ``default_efficiency`` gives it from [Note: the efficiency constants]. The published
   figure it was first calibrated on: torchtitan's Llama 3.1 8B with FSDP on 8 H100s (its
@@ -57,6 +59,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -111,6 +114,7 @@ class DimComm:
     bytes_per_step: float  # on the wire from the busiest rank
     seconds: float
     overlapped: bool  # hidden behind compute (data parallel) or on the critical path (tp, pp)
+    hidden_s: float = 0.0  # of a critical dim's seconds, what runs beside compute (cp's ring hops)
 
 
 @dataclass(frozen=True)
@@ -168,16 +172,19 @@ def _link(dim: str, layout: Layout, gpus_per_node: int, profile: HardwareProfile
     return "inter-node", profile.inter_node_gbps
 
 
-def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: int, seq_len: int) -> tuple[float,
-                                                                                                          float]:
-    """(model FLOPs, executed FLOPs) per token of one pipeline stage: [Note: the time model]."""
+def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: int, seq_len: int, *,
+                           ring: bool = False) -> tuple[float, float]:
+    """(model FLOPs, executed FLOPs) per token of one pipeline stage: [Note: the time model]. ``ring``:
+    cp's attention is the ring, whose forward selective checkpointing recomputes ([Note: the ring's
+    overlap])."""
     vocab_matmul = args.vocab_size * args.dim
     per_block_weights = (args.matmul_params() - vocab_matmul) / args.n_layers
     per_block_attention = (args.flops_per_token(seq_len) - 6.0 * args.matmul_params()) / args.n_layers
     per_block = 6.0 * per_block_weights + per_block_attention
     model = len(layers) * per_block + (6.0 * vocab_matmul if last else 0.0)
-    recomputed = sum(1 for i in layers if i % ac_every == 0) if ac == "full" else 0
-    return model, model + recomputed * per_block / 3  # a forward is a third of forward + backward
+    checkpointed = sum(1 for i in layers if i % ac_every == 0)
+    recomputed = {"full": per_block, "selective": per_block_attention if ring else 0.0}.get(ac, 0.0)
+    return model, model + checkpointed * recomputed / 3  # a forward is a third of forward + backward
 
 
 def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
@@ -211,6 +218,57 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
     return comms
 
 
+# [Note: the ring's overlap]
+# Ring attention ([Note: ring attention] in meshpar/ring_attention.py) posts each hop of one K/V chunk,
+# h = 2 x mb x Hkv/tp x T/cp x Dh x itemsize bytes, before the attention of the chunk in hand, so a hop
+# costs only what it takes beyond that step's attention: a forward step is 1/cp of a block's attention
+# forward (a = the forward's share of ``flops_per_token``'s attention term, on the rank's T/cp tokens,
+# over tp), the same on every rank and step under the balanced split; a backward step does twice that
+# work beside two hops (K/V, and the dK/dV accumulator a step behind). The last dK/dV hop of each
+# block's backward, back to the chunk's owner, has no compute left beside it. With H hops counted on cp
+# in the simulated step (every forward run, recomputation included) over n = blocks x microbatches:
+#     exposed = (H - n) x max(0, h/bw - a) + n x h/bw
+# Selective checkpointing keeps nothing of the ring's forward (meshpar/ring_attention.py), so a
+# checkpointed block recomputes its attention forward too: a third of the attention term more
+# compute per block (``_stage_flops_per_token(ring=True)``), where the gather's fused attention
+# output is kept. The model prices the ring's attention FLOPs at the gather's rate; its explicit
+# matmuls are slower than the flash kernel on a GPU (not modeled).
+# The arithmetic at 131072 tokens, bf16, micro_batch 1, efficiency 0.344 of 989 TFLOP/s, links 450 GB/s
+# in a node and 50 GB/s across, per block and microbatch (G: the gather's critical path under selective
+# checkpointing, 3 (cp - 1) h/bw; R: the ring's exposed time; C: the block's forward and backward):
+#     model, layout          hop h    step a    in a node: G / R      across nodes: G / R     C
+#     8B, cp 4 x tp 4         34 MB   12.9 ms   0.67 / 0.075 ms       6.0 / 0.67 ms          187 ms
+#     8B, cp 8 x tp 1         67 MB   12.9 ms   3.1 / 0.15 ms         28 / 1.3 ms            373 ms
+#     70B, cp 16 x tp 8      4.2 MB   0.81 ms   0.42 / 0.009 ms       3.8 / 0.084 ms          54 ms
+#     70B, cp 2 x tp 4        67 MB    103 ms   0.45 / 0.15 ms        4.0 / 1.3 ms           867 ms
+# A hop is far shorter than a step's attention (h/bw << a) in every case, so the ring hides all but
+# its last dK/dV hop. For the recipes (8B: cp 4 x tp 4, a cp group across two nodes; 70B: cp 16 x
+# tp 8, across 16), from their planned all-gather steps (8B 25.57 s with 0.77 s of cp on the critical
+# path, 70B 19.51 s with 1.21 s): the ring's exposed hops are 0.09 s and 0.03 s, but with selective
+# checkpointing its recomputed attention forward adds 6.6 s and 4.1 s: steps of ~31.5 s and ~22.5 s,
+# the gather's step 19% and 13% shorter. Where nothing of the attention is kept either way (checkpointing
+# none or full) the ring saves the gather's cp time less its last hops: 0.68 s (2.7%) and 1.18 s (6%)
+# across nodes, under 1% inside a node (G / 9). So by the planner's arithmetic the gather is better
+# for Llama 3 8B and 70B at 128k with selective checkpointing on either link, and the ring by a few
+# percent across nodes without it, before its slower kernel. ``allgather`` stays the default.
+# (``meshpar plan`` with the ring at 131072 tokens does not finish in minutes: its simulation runs
+# every score block on fake tensors, ~10^5 blocks per step.)
+def _ring_hidden(comm: DimComm, recipe: Recipe, layout: Layout, args, blocks: int, accum: int,
+                 flops: float) -> float:
+    """[Note: the ring's overlap]: of the cp dim's ``comm.seconds``, what hides behind the attention
+    (``flops``: the compute rate, FLOP/s)."""
+    t = recipe.train
+    itemsize = torch.tensor([], dtype=getattr(torch, recipe.parallel.param_dtype)).element_size()
+    local = t.micro_batch * (t.seq_len // layout.cp)  # a microbatch's tokens on the rank
+    hop = 2 * local * args.n_kv_heads // layout.tp * args.resolved_head_dim * itemsize
+    hop_s = hop / (comm.gbps * 1e9)
+    attention = (args.flops_per_token(t.seq_len) - 6.0 * args.matmul_params()) / args.n_layers  # a block's, per token
+    step_s = attention / 3 * local / layout.tp / flops / layout.cp  # one ring step of its forward
+    hops, last = comm.bytes_per_step / hop, blocks * accum
+    exposed = max(0.0, hops - last) * max(0.0, hop_s - step_s) + min(hops, last) * hop_s
+    return max(0.0, comm.seconds - exposed)
+
+
 def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ranks, accum: int, *,
               gpus_per_node: int | None, efficiency: float | None, links: LinkDefaults) -> StepTime:
     """The step of the slowest pipeline stage; ``ranks`` are the planner's RankPlans (one per stage).
@@ -221,15 +279,20 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
     gpn = gpus_per_node or profile.devices_per_node or links.gpus_per_node
     peak = profile.peak_flops(getattr(torch, p.param_dtype))
     tokens = t.global_batch * t.seq_len / (layout.dp * layout.cp)  # tokens per step on one rank (all its tp ranks)
+    ring = p.cp_attention == "ring" and layout.cp > 1
     stages = []  # (compute s, critical comm s, DimComms) per stage; the step is set by the largest sum
     for r in ranks:
         _, executed = _stage_flops_per_token(args, r.layers, r.stage == layout.pp - 1, p.activation_checkpoint,
-                                             p.ac_every, t.seq_len)
+                                             p.ac_every, t.seq_len, ring=ring)
         compute = executed * tokens / layout.tp / (peak * efficiency)
         comms = _stage_comms(r, recipe, layout, args, accum, gpn, profile)
+        if ring:
+            comms = [dataclasses.replace(c, hidden_s=_ring_hidden(c, recipe, layout, args, len(r.layers), accum,
+                                                                  peak * efficiency)) if c.dim == "cp" else c
+                     for c in comms]
         # the optimizer step: every local fp32 parameter, memory-bound ([Note: the efficiency constants])
         optimizer = r.param_bytes / 4 * OPTIMIZER_BYTES_PER_PARAM / (profile.memory_bandwidth_gbps * 1e9)
-        stages.append((compute, sum(c.seconds for c in comms if not c.overlapped), comms, r, optimizer))
+        stages.append((compute, sum(c.seconds - c.hidden_s for c in comms if not c.overlapped), comms, r, optimizer))
     compute, critical, comms, slowest, optimizer = max(stages, key=lambda x: x[0] + x[1] + x[4])
     overlappable = sum(c.seconds for c in comms if c.overlapped)
     slots = accum + layout.pp - 1
