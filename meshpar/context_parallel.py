@@ -42,8 +42,8 @@ overlap of each hop with a chunk's attention. Both are built, and the gather is 
   checkpointing their recipes use, which keeps the gather's fused attention output and recomputes
   the ring's attention forward;
 - but the ring's attention is explicit matmuls per chunk pair, where the gather calls one fused
-  kernel per query chunk: on the CPU (tests/benchmarks/bench_cp.py, debug Llama, T 2048-8192) the
-  ring's step with the balanced split took 0.94-2.6x the gather's, slower at 5 of 6 sizes, and on
+  kernel per query chunk: on the CPU (tests/benchmarks/bench_cp.py, debug Llama, T 2048-8192, cp 2
+  and 4) the ring's step with the balanced split took 0.99-1.20x the gather's, slower at 5 of 6, and on
   a GPU the flash kernel's advantage is expected to exceed the few percent the ring hides. Its
   peak activation per rank is at most the gather's (0.94x at cp 4: no gathered K/V, no masks),
   which is what to choose it for: a sequence whose gathered K/V does not fit, or multi-head

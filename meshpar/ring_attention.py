@@ -32,16 +32,17 @@ hops, where the owner adds its own step's. Per layer and microbatch a rank sends
 2 x B x Hkv x T/cp x Dh elements: (cp - 1) hops forward, 2 (cp - 1) backward (K/V and dK/dV),
 the all-gather's volume forward and twice it backward ([Note: all-gather of K and V]).
 
-Memory: a rank holds two K/V chunks at a time (the one it attends to and the one arriving),
-not the gathered T; it saves q, its own k and v, the output and L, the same as one attention;
-scores exist per block of queries against one key chunk (at most ``SCORE_ELEMENTS`` of them, two
-such tensors at a time in backward), during that block's computation only. The attention itself
-is explicit matmuls (no fused kernel returns a partial log-sum-exp through torch's public API):
-on a GPU, slower than the flash kernel the all-gather path calls. Selective activation
-checkpointing keeps none of it (``_mm``): a block's recomputation runs the ring's forward again,
-hops included, one more attention forward per block than the all-gather, whose fused
-attention's output selective checkpointing keeps (the planner counts it: [Note: the ring's
-overlap] in meshpar/planner/cost.py).
+Memory: a rank holds two K/V chunks at a time (the one it attends to and the one arriving; in
+backward also three dK/dV chunks: in hand, arriving, leaving), not the gathered T; it saves q,
+its own k and v, the output and L, the same as one attention; scores exist per block of queries
+against one key chunk (at most ``SCORE_ELEMENTS`` of them, two such tensors at a time in
+backward), during that block's computation only. The attention itself is explicit matmuls (no
+fused kernel returns a partial log-sum-exp through torch's public API): on a GPU, expected slower
+than the flash kernel the all-gather path calls (not measured). Selective checkpointing keeps none of it
+(``_mm``): a block's recomputation runs the ring's forward again, hops included, one more
+attention forward per block than the all-gather, whose fused attention's output selective
+checkpointing keeps (the planner counts it: [Note: the ring's overlap] in
+meshpar/planner/cost.py).
 """
 
 from __future__ import annotations
