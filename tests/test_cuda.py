@@ -4,6 +4,9 @@ Skipped without an NVIDIA GPU; on a machine with one (sized for about 2 minutes)
 
     .venv/bin/python -m pytest tests/test_cuda.py -q -rs
 
+Context parallelism's attention per query chunk on the fused kernels, every virtual rank's rows
+against one causal attention (in-process: the collectives are the CPU suite's).
+
 Two spawned one-rank jobs (tests/distributed.py's ``CaseSet``), each with a deadline:
 
 - ``RUNS``: ``meshpar train`` on cuda, the SMALL debug Llama of tests/helpers.py: bf16 compute
@@ -379,3 +382,57 @@ def test_memory_snapshots_and_the_out_of_memory_observer_on_cuda(data_cache):
     assert "oom" in snapshots["rank0.oom_memory_snapshot.pickle"]["actions"]
     assert out["memory records"] == ["rank0.steps3-4.memory.json"]
     torch.testing.assert_close(*out["losses"], rtol=1e-5, atol=0)
+
+
+# --- context parallelism's fused attention ([Note: attention per query chunk]) ---------------------
+
+class _VirtualRank:
+    """A cp mesh's size and local rank, for ``context_parallel._Layout`` in one process."""
+
+    def __init__(self, cp: int, rank: int) -> None:
+        self.cp, self.rank = cp, rank
+
+    def size(self) -> int:
+        return self.cp
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_chunks_on_the_fused_kernel_equal_causal_attention(cp, dtype):
+    """What each cp rank computes after gathering K and V: its query chunks over the keys up to each
+    chunk's end with ``causal_lower_right``, which on CUDA the flash / memory-efficient kernels apply
+    without building the mask (the only cp code that differs on a GPU; the CPU suite checks the
+    collectives). Every virtual rank's rows, forward and backward, against one causal attention in
+    float64 on the CPU. Tolerance: the kernels' dtype rounding over 512 keys (fp32 ~1e-5, bf16 2^-8)."""
+    from meshpar import context_parallel as cplib
+
+    b, h, hkv, t, d = 2, 8, 4, 512, 64
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, t, d, generator=gen, dtype=torch.float64) for n in (h, hkv, hkv))
+    grad = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True, enable_gqa=True)
+    ref.backward(grad)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    assert cplib._fused(q.cuda())
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for rank in range(cp):
+        layout = cplib._Layout(_VirtualRank(cp, rank), balanced=True)
+        idx = cplib.sequence_indices(t, cp, rank)
+        ql = q[:, :, idx].to("cuda", dtype).requires_grad_()
+        kc, vc = (x.to("cuda", dtype).requires_grad_() for x in (k, v))
+        outs = [cplib._chunk_attention(ql[:, :, first:first + n], kc[:, :, :keys], vc[:, :, :keys])
+                for first, n, keys in layout.query_chunks(t // cp)]
+        out = torch.cat(outs, dim=2)
+        out.backward(grad[:, :, idx].to("cuda", dtype))
+        scale = ref.abs().max().item()
+        assert (out.double().cpu() - ref[:, :, idx]).abs().max().item() <= tol * scale, rank
+        gq = ref_in[0].grad[:, :, idx]
+        assert (ql.grad.double().cpu() - gq).abs().max().item() <= tol * gq.abs().max().item(), rank
+        dk += kc.grad.double().cpu()
+        dv += vc.grad.double().cpu()
+    for got, want in ((dk, ref_in[1].grad), (dv, ref_in[2].grad)):  # every rank's share, summed (the reduce-scatter)
+        assert (got - want).abs().max().item() <= tol * want.abs().max().item()
