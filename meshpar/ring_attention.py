@@ -54,6 +54,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshpar import comm
 
 SCORE_ELEMENTS = 2**22  # scores per block, B x H x queries x keys (16 MiB in fp32): a block's queries are set by it
+# The planner (meshpar/planner/simulate.py) runs one block per (query chunk, key chunk) pair: on fake
+# tensors the values do not matter, a block's scores are transient (the peak holds one block at a
+# time) and the hops do not depend on the blocks, so memory and bytes are the same; at 131072 tokens
+# every block would be ~10^5 fake matmuls per layer (a 2-layer Llama 3 8B plan ran past 8 minutes).
+_one_block_per_pair = False
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, *, balanced: bool) -> Tensor:
@@ -86,7 +91,10 @@ class _Ring:
                 if ki > qi:
                     continue
                 block = max(1, SCORE_ELEMENTS // (heads * m))
-                for a in range(0, n, block):
+                starts = range(0, n, block)
+                if _one_block_per_pair:  # the planner's simulation: the pair's largest block
+                    starts = [max(starts, key=lambda a: min(block, n - a) * (a + min(block, n - a) if ki == qi else m))]
+                for a in starts:
                     rows = min(block, n - a)
                     keys = a + rows if ki == qi else m
                     yield slice(q0 + a, q0 + a + rows), slice(k0, k0 + keys), (a if ki == qi else None)

@@ -131,3 +131,22 @@ def test_plan_prices_the_ring():
     recomputed = a.n_layers * 12 * a.n_heads * a.resolved_head_dim * t.seq_len / 3 * tokens
     flops = planlib.load_hardware("h100_sxm")[0].peak_flops(torch.float32) * ring.time.efficiency
     assert ring.time.compute_s - gather.time.compute_s == pytest.approx(recomputed / flops, rel=1e-9)
+
+
+def test_the_planner_runs_one_score_block_per_chunk_pair(monkeypatch):
+    """The planner's simulation takes each (query chunk, key chunk) pair's largest score block only
+    (``ring_attention._one_block_per_pair``; a 131072-token plan would otherwise run ~10^5 fake
+    matmuls per layer): the same pairs, the same largest block, so the same peak and hops."""
+    ring = object.__new__(ringlib._Ring)
+    ring.cp, ring.rank, ring.balanced = 4, 1, True
+    monkeypatch.setattr(ringlib, "SCORE_ELEMENTS", 4 * 64 * 10)  # blocks of 10 queries over a chunk of 64 keys
+    every = {src: list(ring.pairs(src, 128, heads=4)) for src in range(4)}
+    monkeypatch.setattr(ringlib, "_one_block_per_pair", True)
+    for src, blocks in every.items():
+        one = list(ring.pairs(src, 128, heads=4))
+        assert len(blocks) > len(one) == {0: 2, 1: 3, 2: 2, 3: 2}[src]  # 2 full pairs per other rank; 3 its own
+
+        def size(b):
+            return (b[0].stop - b[0].start) * (b[1].stop - b[1].start)
+
+        assert max(map(size, blocks)) == max(map(size, one))

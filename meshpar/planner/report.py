@@ -103,6 +103,8 @@ def time_table(plan: Plan) -> str:
              f"{plan.profile.memory_bandwidth_gbps:g} GB/s"]
     for c in t.comm:
         how = "overlapped with compute" if c.overlapped else "on the critical path"
+        if c.hidden_s and not c.overlapped:  # cp's ring: its hops run beside each ring step's attention
+            how = f"{c.seconds - c.hidden_s:.3f} s of it on the critical path, the rest beside the attention"
         lines.append(f"  {c.dim:<{w}} {c.seconds:8.3f} s   {c.bytes_per_step / 1e9:9.2f} GB per step over {c.degree} "
                      f"ranks, {c.link} {c.gbps:g} GB/s, {how}")
     if plan.layout.pp > 1:

@@ -63,6 +63,7 @@ from torch.distributed.tensor import DTensor
 
 from meshpar import comm
 from meshpar import context_parallel as cplib
+from meshpar import ring_attention as ringlib
 from meshpar._torch import FakeTensorMode
 from meshpar._torch import dtensor_sharding_prop as sharding_prop
 from meshpar.comm import comm_buffers
@@ -230,19 +231,23 @@ def _patched(nccl: bool) -> Iterator[None]:
     output and the log-sum-exp; off the GPU it would materialize a [n, keys] boolean mask
     (70B at 131072 tokens over cp 8: 1 GiB per chunk). The simulation calls the attention
     unmasked instead: the CPU's flash kernel, which saves the same tensors as the GPU's
-    causal one (FLOPs are cost.py's arithmetic, not the simulation's).
+    causal one (FLOPs are cost.py's arithmetic, not the simulation's). The ring attention runs
+    one score block per chunk pair (``ring_attention._one_block_per_pair``: the same peak and hops).
     """
-    original = comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused
+    original = (comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused,
+                ringlib._one_block_per_pair)
     if nccl:
         comm.ReduceScatterInput = _NcclReduceScatterInput
     sharding_prop.detect_fake_mode = lambda *args: None
     cplib.causal_lower_right, cplib._fused = _unmasked, lambda q: True  # the GPU's path: no mask, no recompute
+    ringlib._one_block_per_pair = True
     try:
         with warnings.catch_warnings():  # MemTracker on ops that return None among their outputs
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             yield
     finally:
-        comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused = original
+        (comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused,
+         ringlib._one_block_per_pair) = original
 
 
 def _steady_prefetch(stage: torch.nn.Module) -> None:
