@@ -2,13 +2,15 @@
 # Issue 19's GPU checks in one call on a lent GPU machine (the device tool runs it from the repo
 # root with $OUT set; elsewhere results go to runs/gpu):
 #
-#     bash scripts/gpu_checks.sh [tests|streams|bench|all]...
+#     bash scripts/gpu_checks.sh [tests|streams|bench|moe|all]...
 #
 # 1. tests/test_cuda.py (the CUDA-marked tests; on a machine without a GPU they skip);
 # 2. tests/benchmarks/bench_gpu_streams.py (the collective path forced on one GPU: streams on
 #    and off against no collectives; memory growth; one traced step's NCCL overlap);
 # 3. tests/benchmarks/bench_gpu.py (tokens/s and MFU, meshpar beside plain PyTorch, and the
-#    profile summary of one step).
+#    profile summary of one step);
+# 4. tests/benchmarks/bench_grouped_mm.py (issue 17: the experts' grouped kernel against the loop
+#    in bf16, at one ep-8 rank's share of Qwen3-30B-A3B and 235B-A22B layers).
 # Each part has its own time limit and writes its log under $OUT, so one that fails or runs out
 # of time leaves the others' results. The machine's python3 is its own PyTorch (not this
 # repository's .venv), so the package is used from the source tree.
@@ -39,5 +41,9 @@ if want bench; then
     timeout "${BENCH2_S:-120}" python3 -m tests.benchmarks.bench_gpu --json "$out/bench_gpu2.json" $BENCH2_ARGS 2>&1 \
       | grep -v "^USDT" | tee "$out/bench_gpu2.log"
   fi
+fi
+if want moe; then
+  timeout "${MOE_S:-120}" python3 -m tests.benchmarks.bench_grouped_mm --device cuda --dtypes bfloat16 \
+    --cases "debug,qwen3_30b_a3b/ep8,qwen3_235b_a22b/ep8" --json "$out/grouped_mm.json" 2>&1 | tee "$out/grouped_mm.log"
 fi
 echo "gpu_checks: done"
