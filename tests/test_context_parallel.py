@@ -116,7 +116,9 @@ LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
     "cp2-tp2": (["--parallel.dp_shard=1", "--parallel.tp=2"], 4),  # cp outside tp
     "pp2-cp2": (["--parallel.dp_shard=1", "--parallel.pp=2"], 4),
     "replicate2-cp2": (["--parallel.dp_shard=1", "--parallel.dp_replicate=2"], 4),
-    "pp2-cp2-tp2": (["--parallel.dp_shard=1", "--parallel.pp=2", "--parallel.tp=2"], 8),
+    # 3D, with the ring: its K/V chunks are a tp rank's heads, passed over that rank's cp group, per stage
+    "pp2-cp2-tp2-ring": (["--parallel.dp_shard=1", "--parallel.pp=2", "--parallel.tp=2",
+                          '--parallel.cp_attention="ring"'], 8),
     # each chunk's attention is itself checkpointed on CPU: [Note: the causal mask off the fused kernels]
     "cp2-dp_shard2-selective-ac": (['--parallel.activation_checkpoint="selective"'], 4),
     # K/V passed around the ring instead of gathered ([Note: ring attention], tests/test_ring_attention.py),
