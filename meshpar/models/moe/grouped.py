@@ -38,6 +38,8 @@ def grouped_mm_supported(x: Tensor, w: Tensor) -> bool:
         return False
     if any(type(t) not in (Tensor, torch.nn.Parameter) for t in (x, w)):
         return False  # fake tensors, DTensors and other subclasses
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # dynamo traces on fake tensors, and the kernel's meta function takes bf16 only
     aligned = all(s * x.element_size() % 16 == 0 for s in (x.shape[-1], w.shape[-1]))
     if x.device.type == "cuda":
         return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
