@@ -78,7 +78,15 @@ def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | No
         return checkpoint(once_then_recompute, *args, use_reentrant=False, preserve_rng_state=False, **extra,
                           **kwargs)
 
+    run.side_outputs = any(hasattr(m, name) for m in block.modules() for name in _SIDE_OUTPUTS)
     return run
+
+
+def sets_side_outputs_under_checkpoint(block: nn.Module) -> bool:
+    """Whether ``block`` is checkpointed and its forward sets module attributes (an MoE layer's
+    ``aux_loss``): a side effect dynamo refuses inside checkpoint, so compiling it would graph-break
+    ([Note: a recompute's side outputs])."""
+    return getattr(block.__dict__.get("forward"), "side_outputs", False)
 
 
 # [Note: a recompute's side outputs]
@@ -88,7 +96,9 @@ def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | No
 # and nothing consumes that second graph: held by the module, it kept every recomputed layer's
 # input and probabilities alive until the step dropped it after the whole backward (planned for
 # Qwen3-235B-A22B at 4096 tokens: most of a 110 GiB peak). The wrapper drops them as soon as the
-# recompute returns; the forward's own (first call) stay for the loss.
+# recompute returns; the forward's own (first call) stay for the loss. Under torch.compile the setting
+# of aux_loss inside checkpoint is a side effect dynamo refuses: such a block would graph-break and
+# run eagerly without this wrapper, so apply_compile leaves it uncompiled instead (parallelize.py).
 _SIDE_OUTPUTS = ("aux_loss",)
 
 

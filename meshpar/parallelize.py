@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshpar.activation_checkpoint import apply_activation_checkpointing
+from meshpar.activation_checkpoint import apply_activation_checkpointing, sets_side_outputs_under_checkpoint
 from meshpar.context_parallel import apply_context_parallel
 from meshpar.expert_parallel import apply_expert_parallel, route_over_sequence
 from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
@@ -39,9 +39,14 @@ def mixed_precision(cfg: ParallelConfig, *, root: bool) -> MixedPrecisionPolicy:
 
 def apply_compile(model: nn.Module) -> None:
     """Compile each block's forward (inductor). The forward is replaced on the instance, so
-    names are unchanged and FSDP's hooks, which wrap ``__call__``, stay outside the graph."""
+    names are unchanged and FSDP's hooks, which wrap ``__call__``, stay outside the graph.
+    A checkpointed block that sets module attributes (a mixture-of-experts layer's ``aux_loss``)
+    stays eager: dynamo refuses that side effect inside checkpoint, so it would graph-break and
+    run eagerly anyway, without the wrapper that lets go of its recompute ([Note: a recompute's
+    side outputs] in meshpar/activation_checkpoint.py)."""
     for block in model.layers.values():
-        block.forward = torch.compile(block.forward)
+        if not sets_side_outputs_under_checkpoint(block):
+            block.forward = torch.compile(block.forward)
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:

@@ -87,3 +87,29 @@ def test_compiled_moe_blocks_in_fp32_match_eager():
     assert abs(losses[0] - losses[1]) <= 1e-5 * losses[0]
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_checkpointed_moe_blocks_stay_eager_and_let_go_of_their_recompute():
+    """A checkpointed MoE block sets aux_loss inside checkpoint: dynamo refuses the side effect, so
+    compiled it graph-broke and ran eagerly past the wrapper that drops its recompute's aux_loss
+    ([Note: a recompute's side outputs]); apply_compile leaves such blocks eager, dense ones compiled."""
+    import dataclasses
+
+    from meshpar.activation_checkpoint import sets_side_outputs_under_checkpoint
+    from meshpar.models import get_family
+
+    family = get_family("qwen3_moe")
+    args = dataclasses.replace(family.sizes["debug"], n_layers=3, mlp_only_layers=(1,), max_seq_len=32)
+    torch.manual_seed(0)
+    model = family.model_cls(args)
+    model.init_weights()
+    apply_activation_checkpointing(model, "full")
+    assert [sets_side_outputs_under_checkpoint(b) for b in model.layers.values()] == [True, False, True]
+    before = [b.forward for b in model.layers.values()]
+    apply_compile(model)
+    assert [b.forward is f for b, f in zip(model.layers.values(), before, strict=True)] == [True, False, True]
+    held = []
+    model.tok_embeddings.weight.register_hook(lambda g: held.extend(m.aux_loss is not None for m in model.moe_layers()))
+    tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    (F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss).backward()
+    assert held == [False, False]
