@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from meshpar import recipe as recipelib
+from meshpar.models import get_family
 from meshpar.models.gpt2 import GPT2, GPT2_SIZES
 from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, Transformer
 from meshpar.train import train
@@ -62,8 +63,26 @@ def merged_state(results: list[tuple[object, dict[str, torch.Tensor]]]) -> dict[
 
 def build_model(family: str, size: str = "debug", seed: int = 0, **overrides) -> nn.Module:
     """``family``'s ``size`` model (args ``overrides`` replaced) on CPU, initialized from ``seed``."""
-    cls, sizes = FAMILIES[family]
+    if family in FAMILIES:
+        cls, sizes = FAMILIES[family]
+    else:  # the mixture-of-experts families, from the registry (not in FAMILIES' parametrizations)
+        registered = get_family(family)
+        cls, sizes = registered.model_cls, registered.sizes
     model = cls(dataclasses.replace(sizes[size], **overrides))
     torch.manual_seed(seed)
     model.init_weights()
     return model
+
+
+class CpRank:
+    """The two methods ``context_parallel._Layout`` asks of a cp mesh, for rank ``rank`` of ``size``:
+    a cp rank's layout computed in one process."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank

@@ -8,7 +8,6 @@ stops early once every tensor backward needs exists, and nothing saves w2's outp
 elementwise work (SiLU).
 """
 
-import dataclasses
 from collections import Counter
 
 import pytest
@@ -19,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from meshpar.activation_checkpoint import apply_activation_checkpointing
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.profiling.memory import AllocationTracker, Category
+from tests.helpers import build_model
 
 ARGS = LLAMA_SIZES["debug"].__class__(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128,
                                       max_seq_len=32)
@@ -83,13 +83,7 @@ def test_bad_mode():
 # --- a recompute's side outputs ([Note: a recompute's side outputs]) -----------------------------
 
 def _moe_model(mode: str):
-    from meshpar.models import get_family
-
-    family = get_family("qwen3_moe")
-    args = dataclasses.replace(family.sizes["debug"], n_layers=4, mlp_only_layers=(), max_seq_len=256)
-    torch.manual_seed(0)
-    model = family.model_cls(args)
-    model.init_weights()
+    model = build_model("qwen3_moe", n_layers=4, mlp_only_layers=(), max_seq_len=256)
     return apply_activation_checkpointing(model, mode)
 
 

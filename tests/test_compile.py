@@ -23,6 +23,7 @@ from meshpar.activation_checkpoint import apply_activation_checkpointing
 from meshpar.models.llama import Transformer
 from meshpar.models.llama.args import ModelArgs
 from meshpar.parallelize import apply_compile
+from tests.helpers import build_model
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=32)
 
@@ -67,15 +68,8 @@ def test_compiled_moe_blocks_in_fp32_match_eager():
     """torch 2.13's grouped_mm runs on CPU in fp32 eagerly, but its meta function, which dynamo traces
     with, takes bf16 only: compiled fp32 experts take the loop (meshpar/models/moe/grouped.py), where
     they failed to compile. Tolerance as the dense test's (see the module docstring)."""
-    import dataclasses
-
-    from meshpar.models import get_family
-
-    family = get_family("qwen3_moe")
-    args = dataclasses.replace(family.sizes["debug"], n_layers=2, mlp_only_layers=(), max_seq_len=32)
-    torch.manual_seed(0)
-    eager = family.model_cls(args)
-    eager.init_weights()
+    eager = build_model("qwen3_moe", n_layers=2, mlp_only_layers=(), max_seq_len=32)
+    args = eager.args
     compiled = copy.deepcopy(eager)
     apply_compile(compiled)
     tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -93,16 +87,10 @@ def test_checkpointed_moe_blocks_stay_eager_and_let_go_of_their_recompute():
     """A checkpointed MoE block sets aux_loss inside checkpoint: dynamo refuses the side effect, so
     compiled it graph-broke and ran eagerly past the wrapper that drops its recompute's aux_loss
     ([Note: a recompute's side outputs]); apply_compile leaves such blocks eager, dense ones compiled."""
-    import dataclasses
-
     from meshpar.activation_checkpoint import sets_side_outputs_under_checkpoint
-    from meshpar.models import get_family
 
-    family = get_family("qwen3_moe")
-    args = dataclasses.replace(family.sizes["debug"], n_layers=3, mlp_only_layers=(1,), max_seq_len=32)
-    torch.manual_seed(0)
-    model = family.model_cls(args)
-    model.init_weights()
+    model = build_model("qwen3_moe", n_layers=3, mlp_only_layers=(1,), max_seq_len=32)
+    args = model.args
     apply_activation_checkpointing(model, "full")
     assert [sets_side_outputs_under_checkpoint(b) for b in model.layers.values()] == [True, False, True]
     before = [b.forward for b in model.layers.values()]

@@ -52,7 +52,7 @@ from meshpar.runtime import init_process_group, rank_info
 from meshpar.step import cross_entropy
 from tests.distributed import CaseSet
 from tests.fsdp_models import gather_params, shard_units
-from tests.helpers import build_model, load_recipe, train_losses
+from tests.helpers import CpRank, build_model, load_recipe, train_losses
 from tests.parity import TOL, default_dtype
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -386,19 +386,6 @@ def test_memory_snapshots_and_the_out_of_memory_observer_on_cuda(data_cache):
 
 # --- context parallelism's fused attention ([Note: attention per query chunk]) ---------------------
 
-class _VirtualRank:
-    """A cp mesh's size and local rank, for ``context_parallel._Layout`` in one process."""
-
-    def __init__(self, cp: int, rank: int) -> None:
-        self.cp, self.rank = cp, rank
-
-    def size(self) -> int:
-        return self.cp
-
-    def get_local_rank(self) -> int:
-        return self.rank
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_chunks_on_the_fused_kernel_equal_causal_attention(cp, dtype):
@@ -420,7 +407,7 @@ def test_context_parallel_chunks_on_the_fused_kernel_equal_causal_attention(cp, 
     assert cplib._fused(q.cuda())
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(cp):
-        layout = cplib._Layout(_VirtualRank(cp, rank), balanced=True)
+        layout = cplib._Layout(CpRank(cp, rank), balanced=True)
         idx = cplib.sequence_indices(t, cp, rank)
         ql = q[:, :, idx].to("cuda", dtype).requires_grad_()
         kc, vc = (x.to("cuda", dtype).requires_grad_() for x in (k, v))

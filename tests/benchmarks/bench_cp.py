@@ -85,6 +85,7 @@ from meshpar.models.llama.args import ModelArgs
 from meshpar.replicate import all_reduce_gradients
 from tests.benchmarks.probes import PeakMemory
 from tests.distributed import run_distributed
+from tests.helpers import CpRank
 
 MiB = 2**20
 BATCH = 1  # sequences per step (each cp rank holds T / cp tokens of it)
@@ -201,22 +202,9 @@ def analytic_bytes(args: ModelArgs, seq_len: int, cp: int, params: int, attentio
     return out
 
 
-class _Rank:
-    """The two methods ``_Layout`` asks of a cp mesh, for rank ``rank`` of ``size``."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def get_local_rank(self) -> int:
-        return self._rank
-
-
 def query_chunks(seq_len: int, cp: int, rank: int, balanced: bool) -> list[tuple[int, int, int]]:
     """(first local query, queries, keys) per attention call rank ``rank`` makes: meshpar's layout."""
-    return _Layout(_Rank(cp, rank), balanced).query_chunks(seq_len // cp)
+    return _Layout(CpRank(cp, rank), balanced).query_chunks(seq_len // cp)
 
 
 def causal_pairs(seq_len: int, cp: int, rank: int, balanced: bool) -> int:
