@@ -56,13 +56,14 @@ def _selective_contexts():
 
 
 def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | None) -> Callable:
+    side_outputs = any(hasattr(m, name) for m in block.modules() for name in _SIDE_OUTPUTS)
+
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return forward(*args, **kwargs)
         extra = {"context_fn": context_fn} if context_fn is not None else {}
-        if torch.compiler.is_compiling():  # compiled, the recompute is the graph's: no module is set again,
-            # and the counter below would be a side effect dynamo refuses inside checkpoint (a graph break)
+        if not side_outputs:  # nothing to let go of; and compiled (apply_compile), no counter for dynamo
             return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
         calls = 0
 
@@ -78,7 +79,7 @@ def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | No
         return checkpoint(once_then_recompute, *args, use_reentrant=False, preserve_rng_state=False, **extra,
                           **kwargs)
 
-    run.side_outputs = any(hasattr(m, name) for m in block.modules() for name in _SIDE_OUTPUTS)
+    run.side_outputs = side_outputs
     return run
 
 
