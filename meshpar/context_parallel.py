@@ -66,9 +66,27 @@ Off CUDA each chunk's attention is therefore checkpointed: the mask lives only d
 and backward recomputes that one attention. Exact (the same kernels, the same order), at the cost
 of one more attention forward per chunk in backward on CPU.
 
+[Note: documents under context parallelism]
+Document-causal attention ([Note: document-causal attention] in meshpar/models/attention.py) needs
+each token's document, a prefix count of EOS tokens over the whole sequence, which a rank's slice
+does not show, and its [B, 1, T, T] mask, which at T = 131072 would be 32 GiB per sequence in bf16.
+So ``Transformer.document_tables`` is replaced too: each forward all-gathers the token ids over cp
+(B x T int64, 1 MiB per sequence at 131072: one collective per forward, not per layer), derives
+doc[B, T] and the positions of the whole sequence (``document_ids``), and returns doc in the mask's
+place with RoPE at this rank's tokens' positions in their documents. Attention builds its masks
+from doc, never [T, T]: the gather path per query chunk, ``causal & doc[q] == doc[k]`` as
+[B, 1, n, keys] bools inside that chunk's checkpointed attention on every device (the fused
+kernels cannot take a document mask unbuilt, and a kept mask would be T^2 / cp per layer), the
+ring per score block next to its diagonal mask ([Note: ring attention]; a block of queries may
+meet a key chunk with none of its document, whose rows merge nothing). The numbers are one
+process's (tests/test_context_parallel.py, tests/test_ring_attention.py). The cost is that of the
+dense kernels: every (query, key) pair causality allows is computed, the other documents' masked,
+where FlexAttention's block mask would skip them (not built).
+
 Limits: the gathered K/V are materialized per layer (70B at T = 131072 holds 2 x 8 x 131072 x 128
 bf16 = 0.5 GiB per layer during its attention, and twice that while reordered; the ring holds two
-chunks of T/cp); document-causal masks and torch.compile are refused with cp (not built).
+chunks of T/cp); torch.compile is refused with cp (not built); GPT-2 (learned positions) has no
+context parallelism.
 """
 
 from __future__ import annotations
@@ -83,6 +101,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from meshpar import comm
+from meshpar.models.attention import document_ids
 from meshpar.ring_attention import ring_attention
 
 ATTENTIONS = ("allgather", "ring")  # parallel.cp_attention: [Note: all-gather of K and V], [Note: ring attention]
@@ -147,11 +166,14 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool
     """Make ``model`` (a Llama-family transformer or stage, on meta or with values) run on this cp
     rank's slice of each sequence: RoPE at global positions, attention over ``mesh`` (1-D, ``cp``)
     with K and V gathered (``attention="allgather"``) or passed around a ring (``"ring"``,
-    meshpar/ring_attention.py). The inputs must be sliced alike (``shard_sequence``)."""
+    meshpar/ring_attention.py), document-causal when the model's ``document_eos`` is set
+    ([Note: documents under context parallelism]). The inputs must be sliced alike
+    (``shard_sequence``)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"cp attention {attention!r} is none of {ATTENTIONS} (parallel.cp_attention)")
     layout = _Layout(mesh, balanced)
     model.rope_tables = functools.partial(_rope_tables, model, layout)
+    model.document_tables = functools.partial(_document_tables, model, layout)
     attend = _attend if attention == "allgather" else _attend_ring
     for block in model.layers.values():
         block.attention.attend = functools.partial(attend, layout)
@@ -162,28 +184,57 @@ def _rope_tables(model: nn.Module, layout: _Layout, seq_len: int) -> tuple[Tenso
     return model.rope_cos[idx], model.rope_sin[idx]
 
 
+def _document_tables(model: nn.Module, layout: _Layout, tokens: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """[Note: documents under context parallelism]: the whole sequence's documents doc[B, T] (what
+    cp attention takes in the mask's place) and RoPE's cos, sin[B, 1, T/cp, Dh/2] at the positions
+    of this rank's tokens in their documents; ``dtype`` (the mask's) is not needed."""
+    doc, positions = document_ids(_whole_sequence(layout, tokens), model.args.document_eos)
+    positions = positions[:, layout.positions(tokens.shape[1]).to(tokens.device)]  # [B, T/cp]
+    return doc, model.rope_cos[positions].unsqueeze(1), model.rope_sin[positions].unsqueeze(1)
+
+
+def _whole_sequence(layout: _Layout, tokens: Tensor) -> Tensor:
+    """Every cp rank's token ids [B, T/cp], gathered, in sequence order: [B, T]."""
+    cp, local_len = layout.mesh.size(), tokens.shape[1]
+    tokens = tokens.contiguous()
+    gathered = tokens.new_empty((cp, *tokens.shape))  # [cp, B, T/cp]
+    comm.all_gather(gathered.view(-1), tokens.view(-1), layout.mesh.get_group(), dim="cp").wait()
+    # the global position of each gathered token, in rank order; its inverse puts them in sequence order
+    held = torch.cat([sequence_indices(local_len * cp, cp, r, balanced=layout.balanced) for r in range(cp)])
+    return gathered.movedim(0, 1).flatten(1)[:, held.argsort().to(tokens.device)]
+
+
+def _documents(mask: Tensor | None) -> Tensor | None:
+    """The doc[B, T] ids that ``_document_tables`` passed in the mask's place, or None (causal)."""
+    if mask is not None and (mask.is_floating_point() or mask.dim() != 2):
+        raise ValueError(f"context parallel attention takes None (causal) or the documents doc[B, T] of "
+                         f"Transformer.document_tables, not a mask of shape {tuple(mask.shape)} and dtype "
+                         f"{mask.dtype}: was the model's document_tables replaced by apply_context_parallel?")
+    return mask
+
+
 def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """[Note: all-gather of K and V]: q[B, H, T/cp, Dh] over k, v gathered to [B, Hkv, T, Dh]."""
-    _causal_only(mask)
+    """[Note: all-gather of K and V]: q[B, H, T/cp, Dh] over k, v gathered to [B, Hkv, T, Dh];
+    ``mask`` None (causal) or the documents doc[B, T] ([Note: documents under context parallelism])."""
+    doc = _documents(mask)
     cp, group = layout.mesh.size(), layout.mesh.get_group()
     k = _in_sequence_order(_GatherSequence.apply(k, group), cp, layout.balanced)
     v = _in_sequence_order(_GatherSequence.apply(v, group), cp, layout.balanced)
-    # [Note: the causal mask off the fused kernels]: recomputed in backward rather than kept
-    run = _chunk_attention if _fused(q) else functools.partial(checkpoint, _chunk_attention, use_reentrant=False)
-    out = [run(q[:, :, first:first + n], k[:, :, :keys], v[:, :, :keys]) for first, n, keys in
-           layout.query_chunks(q.shape[2])]
+    # [Note: the causal mask off the fused kernels]: recomputed in backward rather than kept; a
+    # document mask is built and recomputed on every device
+    plain = _fused(q) and doc is None
+    run = _chunk_attention if plain else functools.partial(checkpoint, _chunk_attention, use_reentrant=False)
+    positions = layout.positions(q.shape[2]).to(q.device)
+    out = []
+    for first, n, keys in layout.query_chunks(q.shape[2]):
+        docs = () if doc is None else (doc[:, positions[first:first + n]], doc[:, :keys])
+        out.append(run(q[:, :, first:first + n], k[:, :, :keys], v[:, :, :keys], *docs))
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 def _attend_ring(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """[Note: ring attention]: q[B, H, T/cp, Dh] over every rank's k, v[B, Hkv, T/cp, Dh] in turn."""
-    _causal_only(mask)
-    return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced)
-
-
-def _causal_only(mask: Tensor | None) -> None:
-    if mask is not None:
-        raise ValueError("context parallelism runs causal attention only (document masks are refused with cp)")
+    return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced, documents=_documents(mask))
 
 
 def _fused(q: Tensor) -> bool:
@@ -192,17 +243,21 @@ def _fused(q: Tensor) -> bool:
     return q.device.type == "cuda"
 
 
-def _chunk_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def _chunk_attention(q: Tensor, k: Tensor, v: Tensor, q_doc: Tensor | None = None,
+                     k_doc: Tensor | None = None) -> Tensor:
     """q[B, H, n, Dh] over the keys k, v[B, Hkv, keys, Dh] up to its chunk's end, causal at the bottom
     right: torch's ``causal_lower_right`` on CUDA (the flash kernel applies it unbuilt); elsewhere
     the same mask built here as bools, since torch would build it anyway, and a tensor subclass
     cannot be made under a dispatch mode (selective checkpointing, fake tensors, the allocation
-    tracker)."""
+    tracker). With documents (q_doc[B, n], k_doc[B, keys]) a query also sees only its own
+    document's keys: the mask [B, 1, n, keys], built here."""
     n, keys = q.shape[2], k.shape[2]
-    if _fused(q):
+    if _fused(q) and q_doc is None:
         mask = causal_lower_right(n, keys)
     else:
         mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - n)
+        if q_doc is not None:
+            mask = mask & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1)).unsqueeze(1)  # [B, 1, n, keys]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

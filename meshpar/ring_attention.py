@@ -61,10 +61,13 @@ SCORE_ELEMENTS = 2**22  # scores per block, B x H x queries x keys (16 MiB in fp
 _one_block_per_pair = False
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, *, balanced: bool) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, *, balanced: bool,
+                   documents: Tensor | None = None) -> Tensor:
     """Causal attention of this cp rank's q[B, H, T/cp, Dh] over the whole sequence's keys, its own
-    k, v[B, Hkv, T/cp, Dh] passed around ``mesh`` (1-D, ``cp``): [Note: ring attention]."""
-    return _RingAttention.apply(q, k, v, _Ring(mesh, balanced))
+    k, v[B, Hkv, T/cp, Dh] passed around ``mesh`` (1-D, ``cp``): [Note: ring attention]. With
+    ``documents`` (doc[B, T], the document of every token of the sequence) a query sees only its
+    own document's keys ([Note: documents under context parallelism] in meshpar/context_parallel.py)."""
+    return _RingAttention.apply(q, k, v, documents, _Ring(mesh, balanced))
 
 
 class _Ring:
@@ -73,6 +76,11 @@ class _Ring:
     def __init__(self, mesh: DeviceMesh, balanced: bool) -> None:
         self.group, self.cp, self.rank, self.balanced = mesh.get_group(), mesh.size(), mesh.get_local_rank(), balanced
         self.next, self.prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+
+    def positions(self, rank: int, local_len: int, device: torch.device) -> Tensor:
+        """The sequence positions of the tokens ``rank`` holds (meshpar.context_parallel.sequence_indices)."""
+        c = local_len // 2 if self.balanced else local_len
+        return torch.cat([torch.arange(i * c, i * c + n, device=device) for i, _, n in self.chunks(rank, local_len)])
 
     def chunks(self, rank: int, local_len: int) -> list[tuple[int, int, int]]:
         """(chunk index in the sequence, first local token, tokens) of each chunk ``rank`` holds."""
@@ -113,23 +121,37 @@ def _block(x: Tensor, qs: slice) -> Tensor:
     return x[:, :, qs].flatten(1, 2)
 
 
-def _scores(q: Tensor, k: Tensor, diagonal: int | None, acc: torch.dtype) -> Tensor:
+def _scores(q: Tensor, k: Tensor, diagonal: int | None, acc: torch.dtype, docs: tuple[Tensor, Tensor] | None) -> Tensor:
     """q[B Hkv, G n, Dh] / sqrt(Dh) @ k[B Hkv, m, Dh]^T -> [B Hkv, G n, m] in ``acc``; on the diagonal
-    block starting at query ``diagonal`` of its chunk, key j > query i + diagonal is -inf."""
+    block starting at query ``diagonal`` of its chunk, key j > query i + diagonal is -inf; with
+    ``docs`` (the documents of the block's queries [B, n] and keys [B, m]) so is every key of
+    another document."""
     s = _mm(q * q.shape[-1] ** -0.5, k.transpose(-1, -2)).to(acc)
+    m = s.shape[-1]
     if diagonal is not None:
-        m = s.shape[-1]
         n = k.shape[-2] - diagonal  # the block's queries: its keys end at its last query
         mask = ~torch.ones(n, m, dtype=torch.bool, device=s.device).tril(diagonal)
         s.view(s.shape[0], -1, n, m).masked_fill_(mask, float("-inf"))
+    if docs is not None:
+        q_doc, k_doc = docs
+        b, n = q_doc.shape
+        other = (q_doc.unsqueeze(2) != k_doc.unsqueeze(1)).view(b, 1, 1, n, m)  # over kv heads and their G
+        s.view(b, -1, s.shape[1] // n, n, m).masked_fill_(other, float("-inf"))
     return s
 
 
 def _merge(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
-    """Online softmax, in place: O, L over the keys so far and o, l over more keys -> O, L over all."""
+    """Online softmax, in place: O, L over the keys so far and o, l over more keys -> O, L over all.
+    A row that has seen no key yet (L = l = -inf: with documents) stays O = 0, L = -inf."""
     merged = torch.logaddexp(lse, part_lse)
-    out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(part * torch.exp(part_lse - merged).unsqueeze(-1))
+    shift = _finite(merged)
+    out.mul_(torch.exp(lse - shift).unsqueeze(-1)).add_(part * torch.exp(part_lse - shift).unsqueeze(-1))
     lse.copy_(merged)
+
+
+def _finite(lse: Tensor) -> Tensor:
+    """``lse`` with -inf (a row whose keys are all masked) as 0, so that exp(s - lse) is 0, not nan."""
+    return lse.masked_fill(lse == float("-inf"), 0)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -137,7 +159,7 @@ class _RingAttention(torch.autograd.Function):
     [B Hkv, G, T/cp], the K/V chunk in hand [2, B Hkv, T/cp, Dh]."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None, ring: _Ring) -> Tensor:
         acc = torch.promote_types(q.dtype, torch.float32)
         b, h, tl, dh = q.shape
         qg = q.reshape(b * k.shape[1], -1, tl, dh)
@@ -148,17 +170,20 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.cp - 1:  # the next chunk arrives while this one is attended
                 arriving = torch.empty_like(kv)
                 hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
-            for qs, ks, diagonal in ring.pairs((ring.rank - step) % ring.cp, tl, b * h):
-                s = _scores(_block(qg, qs), kv[0, :, ks], diagonal, acc)  # [B Hkv, G rows, keys]
+            src = (ring.rank - step) % ring.cp
+            docs = _Documents(doc, ring, src, tl)
+            for qs, ks, diagonal in ring.pairs(src, tl, b * h):
+                s = _scores(_block(qg, qs), kv[0, :, ks], diagonal, acc, docs(qs, ks))  # [B Hkv, G rows, keys]
                 part_lse = torch.logsumexp(s, dim=-1)
-                part = _mm(s.sub_(part_lse.unsqueeze(-1)).exp_().to(q.dtype), kv[1, :, ks])  # softmax(s) @ v
+                shift = part_lse if doc is None else _finite(part_lse)
+                part = _mm(s.sub_(shift.unsqueeze(-1)).exp_().to(q.dtype), kv[1, :, ks])  # softmax(s) @ v
                 rows = (*qg.shape[:2], -1)
                 _merge(out[:, :, qs], lse[:, :, qs], part.view(*rows, dh), part_lse.view(rows))
             if step < ring.cp - 1:
                 hop.wait()
                 kv = arriving
         out = out.to(q.dtype).view(q.shape)
-        ctx.ring = ring
+        ctx.ring, ctx.doc = ring, doc
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -180,9 +205,12 @@ class _RingAttention(torch.autograd.Function):
                 arriving = torch.empty_like(kv)
                 hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # dK, dV of the chunk in hand
-            for qs, ks, diagonal in ring.pairs((ring.rank - step) % ring.cp, tl, b * h):
+            src = (ring.rank - step) % ring.cp
+            docs = _Documents(ctx.doc, ring, src, tl)
+            for qs, ks, diagonal in ring.pairs(src, tl, b * h):
                 kb, vb, qb, dout = kv[0, :, ks], kv[1, :, ks], _block(qg, qs), _block(dog, qs)
-                p = _scores(qb, kb, diagonal, acc).sub_(_block(lse.unsqueeze(-1), qs)).exp_()  # P [B Hkv, G rows, keys]
+                # P [B Hkv, G rows, keys]; every row saw a key (itself), so L is finite and masked P is 0
+                p = _scores(qb, kb, diagonal, acc, docs(qs, ks)).sub_(_block(lse.unsqueeze(-1), qs)).exp_()
                 dkv[1, :, ks] += _mm(p.to(q.dtype).transpose(-1, -2), dout)  # summed over the G heads
                 # dS = P * (dO V^T - rowsum(dO * O)), then through the scale into dQ and dK
                 ds = _mm(dout, vb.transpose(-1, -2)).to(acc).sub_(_block(delta, qs))
@@ -202,4 +230,17 @@ class _RingAttention(torch.autograd.Function):
             returning.wait()
             own += carried
         dk, dv = own.to(q.dtype).view(2, *k.shape)
-        return dq.to(q.dtype).view(q.shape), dk, dv, None
+        return dq.to(q.dtype).view(q.shape), dk, dv, None, None
+
+
+class _Documents:
+    """The documents of a pair's queries and keys, this rank's against ``src``'s, or None (causal)."""
+
+    def __init__(self, doc: Tensor | None, ring: _Ring, src: int, local_len: int) -> None:
+        self.doc = doc
+        if doc is not None:
+            self.q_doc = doc[:, ring.positions(ring.rank, local_len, doc.device)]  # [B, T/cp]
+            self.k_doc = doc[:, ring.positions(src, local_len, doc.device)]
+
+    def __call__(self, qs: slice, ks: slice) -> tuple[Tensor, Tensor] | None:
+        return None if self.doc is None else (self.q_doc[:, qs], self.k_doc[:, ks])

@@ -12,6 +12,8 @@ scheduling), and it is what differs in attention work per rank.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 
 import pytest
 import torch
@@ -20,11 +22,14 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from meshpar import comm
-from meshpar.context_parallel import apply_context_parallel, sequence_indices, shard_sequence
+from meshpar.context_parallel import ATTENTIONS, apply_context_parallel, sequence_indices, shard_sequence
+from meshpar.data.prepared import builtin_text
+from meshpar.preflight import preflight
 from meshpar.train import train
 from tests.distributed import CaseSet, run_distributed
 from tests.helpers import build_model, load_recipe, merged_state, train_losses, train_on_rank
-from tests.parity import TOL, default_dtype, in_float64
+from tests.parity import TOL, default_dtype, in_float64, must_fail
+from tests.test_document_attention import EOS, packed_documents
 
 B, T = 2, 32
 
@@ -48,11 +53,16 @@ def _case_parity(mesh) -> dict:
     return out
 
 
-def reference_model(seed: int = 0):
+def reference_model(seed: int = 0, documents: bool = False):
     """The debug Llama (2 blocks, vocabulary 64), a batch [B, T + 1] of tokens, and its logits after
-    one process's forward and backward (its parameters hold their gradients)."""
-    ref = build_model("llama", "debug", n_layers=2, vocab_size=64, max_seq_len=T)
-    tokens = torch.randint(0, 64, (B, T + 1), generator=torch.Generator().manual_seed(seed))
+    one process's forward and backward (its parameters hold their gradients). With ``documents``
+    the tokens are packed documents (DOCUMENTS) and the model's attention is document-causal."""
+    ref = build_model("llama", "debug", n_layers=2, vocab_size=64, max_seq_len=T,
+                      document_eos=EOS if documents else -1)
+    if documents:
+        tokens, _ = packed_documents(64, DOCUMENTS, seed=seed)
+    else:
+        tokens = torch.randint(0, 64, (B, T + 1), generator=torch.Generator().manual_seed(seed))
     logits = ref(tokens[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     return ref, tokens, logits
@@ -75,7 +85,35 @@ def run_cp(ref, inputs, targets, mesh, balanced: bool, attention: str = "allgath
     return local.detach(), grads, dict(counted.calls)
 
 
-JOBS = CaseSet({"parity": (_case_parity, (2, 4))}, setup=_setup, timeout=240)
+# Packed documents ending with EOS (tests/test_document_attention.py): row 0's boundaries fall inside
+# chunks; row 1's first document ends at token 8, so the next starts on a chunk boundary (chunks of 8
+# at cp 2, 4 at cp 4, balanced), and its last one runs through every later chunk.
+DOCUMENTS = ((5, 9, 19), (8, 3, 22))
+
+
+def _case_documents(mesh) -> dict:
+    """[Note: documents under context parallelism]: each attention and split against one process's
+    document-causal model, and the same cp run with the documents dropped (plain causal)."""
+    ref, tokens, logits = reference_model(documents=True)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    causal = copy.deepcopy(ref)
+    causal.args = dataclasses.replace(causal.args, document_eos=-1)
+    out = {}
+    for attention in ATTENTIONS:
+        for balanced in (True, False):
+            idx = sequence_indices(T, mesh.size(), mesh.get_local_rank(), balanced=balanced)
+            local, grads, calls = run_cp(ref, inputs, targets, mesh, balanced, attention)
+            diff = {"logits": (local - logits[:, idx]).abs().max().item()}
+            diff.update({name: ((grads[name] - q.grad).abs().max() / q.grad.abs().max()).item()
+                         for name, q in ref.named_parameters()})
+            undocumented = run_cp(causal, inputs, targets, mesh, balanced, attention)[0]
+            out[attention, balanced] = {"diff": diff, "calls": calls,
+                                        "causal": (undocumented - logits[:, idx]).abs().max().item()}
+    return out
+
+
+JOBS = CaseSet({"parity": (_case_parity, (2, 4)), "documents": (_case_documents, (2, 4))},
+               setup=_setup, timeout=240)
 
 
 def test_sequence_indices_balance_the_causal_work():
@@ -104,10 +142,44 @@ def test_context_parallel_matches_one_process(world):
         assert r[balanced]["calls"] == {("all_gather", "cp"): 2 * 2, ("reduce_scatter", "cp"): 2 * 2}
 
 
+@pytest.mark.parity
+@pytest.mark.parametrize("world", [2, 4])
+def test_document_attention_under_cp_matches_one_process(world):
+    """Packed documents at cp 2 and 4, with the all-gather and the ring, balanced and contiguous:
+    every rank's logits and every parameter's gradient equal one process's document-causal model
+    to TOL; the same cp run with plain causal attention does not (tokens would see earlier
+    documents). Per layer the collectives of causal cp, and one gather of the token ids per
+    forward (the whole sequence's documents)."""
+    for rank, r in enumerate(JOBS.check("documents", world)):
+        for (attention, balanced), case in r.items():
+            worst = max(case["diff"].values())
+            assert worst <= TOL, (attention, balanced, rank, {k: v for k, v in case["diff"].items() if v > TOL})
+            must_fail(lambda case=case: _close([case["causal"]], [0.0], "causal"), "documents dropped under cp")
+            layers, hops = 2, world - 1
+            want = ({("all_gather", "cp"): 1 + 2 * layers, ("reduce_scatter", "cp"): 2 * layers}
+                    if attention == "allgather" else {("all_gather", "cp"): 1, ("send_recv", "cp"): 3 * layers * hops})
+            assert case["calls"] == want, (attention, case["calls"])
+
+
 def _close(got: list[float], want: list[float], what: str) -> None:
     assert len(got) == len(want) and got, (what, got, want)
     for g, w in zip(got, want, strict=True):
         assert abs(g - w) <= TOL * abs(w), (what, got, want)
+
+
+def _train_matches(recipe, world: int, reference) -> None:
+    """``recipe`` trained on ``world`` ranks in float64 against the one-rank ``reference``: losses,
+    gradient norms, validation losses and every parameter to TOL."""
+    results = run_distributed(in_float64, world, train_on_rank, recipe, timeout=300, init_process_group=False)
+    records = results[0][0]
+    _close(train_losses(records), train_losses(reference.records), "loss")
+    for key in ("grad_norm", "val_loss"):
+        _close([r[key] for r in records if key in r], [r[key] for r in reference.records if key in r], key)
+    state = merged_state(results)
+    assert state.keys() == reference.state_dict.keys()
+    for name, want in reference.state_dict.items():
+        assert want.dtype == torch.float64, name
+        torch.testing.assert_close(state[name], want, rtol=TOL, atol=TOL, msg=name)
 
 
 LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
@@ -155,16 +227,7 @@ def test_meshpar_train_with_cp_matches_one_rank(layout, reference, tmp_path, dat
     resume = layout in RESUMED
     recipe = load_recipe("llama_debug_cp.toml", tmp_path / "run", *STEPS, *overrides,
                          *(["--checkpoint.every=2"] if resume else []))
-    results = run_distributed(in_float64, world, train_on_rank, recipe, timeout=300, init_process_group=False)
-    records = results[0][0]
-    _close(train_losses(records), train_losses(reference.records), "loss")
-    for key in ("grad_norm", "val_loss"):
-        _close([r[key] for r in records if key in r], [r[key] for r in reference.records if key in r], key)
-    state = merged_state(results)
-    assert state.keys() == reference.state_dict.keys()
-    for name, want in reference.state_dict.items():
-        assert want.dtype == torch.float64, name
-        torch.testing.assert_close(state[name], want, rtol=TOL, atol=TOL, msg=name)
+    _train_matches(recipe, world, reference)
     if resume:  # cp changes no parameter placement but the FSDP mesh; the data position is global
         saved = f"--checkpoint.load_from={tmp_path / 'run' / 'checkpoints' / 'step_2'}"
         with default_dtype():
@@ -175,3 +238,46 @@ def test_meshpar_train_with_cp_matches_one_rank(layout, reference, tmp_path, dat
                           "--parallel.cp=4")
         records = run_distributed(in_float64, 4, train_on_rank, cp4, timeout=300, init_process_group=False)[0][0]
         _close(train_losses(records), train_losses(reference.records)[2:], "resumed on cp 4")
+
+
+# --- document-causal attention through meshpar train --------------------------------------------
+
+DOC_LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
+    "cp2-dp_shard2": ([], 4),
+    "cp2-tp2-ring": (["--parallel.dp_shard=1", "--parallel.tp=2", '--parallel.cp_attention="ring"'], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def paragraphs(tmp_path_factory, data_cache) -> list[str]:
+    """The built-in text cut into its paragraphs (~70 tokens each with BPE 512), one document each,
+    as a .jsonl corpus: every 256-token sequence packs several, and a document ends with EOS."""
+    path = tmp_path_factory.mktemp("documents") / "paragraphs.jsonl"
+    with path.open("w") as f:
+        for text in builtin_text().split("\n\n"):
+            if text.strip():
+                f.write(json.dumps({"text": text}) + "\n")
+    return [f"--data.path={path}", '--data.tokenizer="bpe"', "--data.vocab_size=512", "--model.vocab_size=512",
+            '--model.attention="document"']
+
+
+@pytest.fixture(scope="module")
+def documents_reference(tmp_path_factory, paragraphs):
+    recipe = load_recipe("llama_debug_cp.toml", tmp_path_factory.mktemp("doc-ref"), *STEPS, *paragraphs,
+                         "--parallel.dp_shard=1", "--parallel.cp=1")
+    eos = preflight(recipe, 1).corpus.eos_id
+    with default_dtype():
+        done = train(recipe, return_state=True)
+    return done, eos
+
+
+@pytest.mark.parametrize("layout", list(DOC_LAYOUTS))
+def test_meshpar_train_with_documents_under_cp_matches_one_rank(layout, documents_reference, paragraphs, tmp_path):
+    """``model.attention = "document"`` with cp 2 (the gather inside FSDP; the ring under tp 2) on a
+    corpus of short documents against the same recipe on one rank, float64, 3 steps at 256 tokens:
+    losses, gradient norms, validation loss and every parameter to TOL."""
+    reference, eos = documents_reference
+    assert eos is not None
+    overrides, world = DOC_LAYOUTS[layout]
+    recipe = load_recipe("llama_debug_cp.toml", tmp_path / "run", *STEPS, *paragraphs, *overrides)
+    _train_matches(recipe, world, reference)

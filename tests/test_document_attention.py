@@ -57,7 +57,7 @@ def _build(family: str, eos: int = EOS, device: str | None = None) -> nn.Module:
     return model
 
 
-def _packed(vocab_size: int, lengths=LENGTHS, seed: int = 1) -> tuple[Tensor, list[list[tuple[int, int]]]]:
+def packed_documents(vocab_size: int, lengths=LENGTHS, seed: int = 1) -> tuple[Tensor, list[list[tuple[int, int]]]]:
     """tokens[B, T] of random documents, each ending with EOS, and each row's (start, end) spans."""
     g = torch.Generator().manual_seed(seed)
     rows, spans = [], []
@@ -90,7 +90,7 @@ def _assert_per_document(packed: Tensor, alone: nn.Module, tokens: Tensor, spans
 @default_dtype()
 def test_packed_documents_match_each_document_alone(family):
     model, alone = _build(family), _build(family, eos=-1)
-    tokens, spans = _packed(model.args.vocab_size)
+    tokens, spans = packed_documents(model.args.vocab_size)
     with torch.no_grad():
         _assert_per_document(model(tokens), alone, tokens, spans)
         # plain causal attention on the packed sequence: later documents see earlier ones
@@ -119,7 +119,7 @@ def test_packed_gradients_match_sum_of_documents(family):
     its scale. Checkpointing the packed model's blocks (selective) changes nothing."""
     model, alone = _build(family), _build(family, eos=-1)
     apply_activation_checkpointing(model, "selective")
-    tokens, spans = _packed(model.args.vocab_size)
+    tokens, spans = packed_documents(model.args.vocab_size)
     targets = torch.randint(0, model.args.vocab_size, tokens.shape, generator=torch.Generator().manual_seed(3))
     loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), reduction="sum")
     loss.backward()
@@ -151,7 +151,7 @@ def test_mask_is_built_once_and_shared_by_every_layer():
     """[Note: document-causal attention]: a bool mask would be converted, and saved for
     backward, by every attention call; the model's additive mask is one tensor for all layers."""
     model = _build("llama")
-    tokens, _ = _packed(model.args.vocab_size)
+    tokens, _ = packed_documents(model.args.vocab_size)
     shape = (tokens.shape[0], 1, tokens.shape[1], tokens.shape[1])
     saved = []
 
@@ -206,7 +206,7 @@ def _case_tp(meshes: dict) -> dict:
         model.to_empty(device="cpu")
         torch.manual_seed(0)
         model.init_weights()
-        tokens, _ = _packed(ref.args.vocab_size)
+        tokens, _ = packed_documents(ref.args.vocab_size)
         loss = _step(model, tokens, loss_parallel=True)
         reduce_partial_grads(model)  # pure TP: replicated parameters' gradients are partial sums
         out[family] = _compare(model, ref, loss, _step(ref, tokens, loss_parallel=False))
@@ -226,7 +226,7 @@ def _case_fsdp(meshes: dict) -> dict:
         model.to_empty(device="cpu")
         torch.manual_seed(0)
         model.init_weights()
-        tokens, _ = _packed(ref.args.vocab_size)
+        tokens, _ = packed_documents(ref.args.vocab_size)
         loss = torch.tensor(_step(model, tokens[rank:rank + 1], loss_parallel=False))
         dist.all_reduce(loss)  # rows of equal length: the mean of the ranks' means is the batch mean
         out[family] = _compare(model, ref, loss.item() / 2, _step(ref, tokens, loss_parallel=False))

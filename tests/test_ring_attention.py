@@ -2,11 +2,12 @@
 
 At cp 2 and cp 4, with the balanced and the contiguous split, float64: the ring alone (q, k, v
 of 8 query heads over 2 kv heads, chunks cut into score blocks of a few queries so that
-partial blocks and diagonals meet) gives one process's causal attention output and q, k, v gradients at
-this rank's tokens; the debug Llama with ``attention="ring"`` gives one process's logits and
-every parameter's gradient, and the all-gather path's. One planted bug (the online-softmax merge
-without its rescaling of what was merged before) must fail the comparison. ``meshpar train``
-with ``parallel.cp_attention = "ring"`` is a layout of tests/test_context_parallel.py.
+partial blocks and diagonals meet) gives one process's causal attention output and q, k, v
+gradients at this rank's tokens, and with packed documents its document-causal ones; the debug
+Llama with ``attention="ring"`` gives one process's logits and every parameter's gradient, and
+the all-gather path's. One planted bug (the online-softmax merge without its rescaling of what
+was merged before) must fail the comparison. ``meshpar train`` with ``parallel.cp_attention =
+"ring"`` is a layout of tests/test_context_parallel.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from meshpar import ring_attention as ringlib
 from meshpar.context_parallel import apply_context_parallel, sequence_indices
+from meshpar.models.attention import document_ids, document_mask
 from tests.distributed import CaseSet
 from tests.parity import TOL, must_fail
 from tests.test_context_parallel import T, reference_model, run_cp
@@ -42,22 +44,33 @@ def _unrescaled_merge(out, lse, part, part_lse):
     lse.copy_(merged)
 
 
-def _ring_alone(mesh, balanced: bool) -> dict:
+# Documents for the ring alone: ends (EOS) at 2, 13, 30 in row 0 and 23, 24 in row 1, so blocks of
+# queries meet key chunks holding none of their document (rows that merge nothing) and a one-token one
+DOCUMENT_ENDS = ((2, 13, 30), (23, 24))
+
+
+def _ring_alone(mesh, balanced: bool, documents: bool = False) -> dict:
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(2, H, SEQ, DH, generator=g) for _ in range(2))
     k, v = (torch.randn(2, HKV, SEQ, DH, generator=g) for _ in range(2))
+    tokens = torch.ones(2, SEQ, dtype=torch.long)
+    for row, ends in enumerate(DOCUMENT_ENDS if documents else ()):
+        tokens[row, list(ends)] = 0
+    doc, _ = document_ids(tokens, eos=0)
+    mask = document_mask(tokens, eos=0)[0] if documents else None
     ref = [x.clone().requires_grad_() for x in (q, k, v)]
-    F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True).backward(dout)
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    F.scaled_dot_product_attention(*ref, attn_mask=mask, is_causal=mask is None, enable_gqa=True).backward(dout)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     idx = sequence_indices(SEQ, mesh.size(), mesh.get_local_rank(), balanced=balanced)
     local = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)]
-    out = ringlib.ring_attention(*local, mesh, balanced=balanced)
+    docs = doc if documents else None
+    out = ringlib.ring_attention(*local, mesh, balanced=balanced, documents=docs)
     out.backward(dout[:, :, idx])
     diff = {"out": _rel(out, want[:, :, idx])}
     diff.update({f"d{n}": _rel(x.grad, r.grad[:, :, idx]) for n, x, r in zip("qkv", local, ref, strict=True)})
     merge, ringlib._merge = ringlib._merge, _unrescaled_merge
     try:
-        bug = _rel(ringlib.ring_attention(*local, mesh, balanced=balanced), want[:, :, idx])
+        bug = _rel(ringlib.ring_attention(*local, mesh, balanced=balanced, documents=docs), want[:, :, idx])
     finally:
         ringlib._merge = merge
     return {"diff": diff, "bug": bug}
@@ -68,6 +81,7 @@ def _case_ring(mesh) -> dict:
     # block follows), 2 of 12, 1 of 24; diagonals starting inside a chunk
     budget, ringlib.SCORE_ELEMENTS = ringlib.SCORE_ELEMENTS, 480
     alone = {balanced: _ring_alone(mesh, balanced) for balanced in (True, False)}
+    documents = {balanced: _ring_alone(mesh, balanced, documents=True) for balanced in (True, False)}
     ringlib.SCORE_ELEMENTS = budget
     ref, tokens, logits = reference_model()
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -80,7 +94,8 @@ def _case_ring(mesh) -> dict:
         vs_one.update({name: _rel(ring_grads[name], p.grad) for name, p in ref.named_parameters()})
         vs_gather = {"logits": _rel(ring, gathered)}
         vs_gather.update({name: _rel(ring_grads[name], gathered_grads[name]) for name in ring_grads})
-        out[balanced] = {**alone[balanced], "vs_one": vs_one, "vs_gather": vs_gather, "calls": calls}
+        out[balanced] = {**alone[balanced], "vs_one": vs_one, "vs_gather": vs_gather, "calls": calls,
+                         "documents": documents[balanced]}
     return out
 
 
@@ -99,12 +114,14 @@ def test_ring_attention_matches_one_process_and_the_all_gather(world):
     for balanced in (True, False):
         for rank, case in enumerate(r[balanced] for r in ranks):
             _within(case["diff"], ("ring alone", balanced, rank))
+            _within(case["documents"]["diff"], ("ring alone with documents", balanced, rank))
             _within(case["vs_one"], ("debug Llama against one process", balanced, rank))
             _within(case["vs_gather"], ("debug Llama against the all-gather", balanced, rank))
             # per layer (2): forward cp - 1 hops of K/V; backward cp - 1 of K/V and cp - 1 of dK/dV
             assert case["calls"] == {("send_recv", "cp"): 2 * 3 * (world - 1)}, case["calls"]
-        bug = {"out": max(r[balanced]["bug"] for r in ranks)}
-        must_fail(lambda bug=bug: _within(bug, "unrescaled merge"), "the merge left unrescaled")
+        for docs in (False, True):
+            bug = {"out": max((r[balanced]["documents"] if docs else r[balanced])["bug"] for r in ranks)}
+            must_fail(lambda bug=bug: _within(bug, "unrescaled merge"), "the merge left unrescaled")
 
 
 def test_cp_attention_is_checked():

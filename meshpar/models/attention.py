@@ -50,7 +50,22 @@ from torch import Tensor
 # over the whole sequence. FSDP casts the floating-point mask with the other inputs (a no-op:
 # it is built in the compute dtype). Activation checkpointing and torch.compile see the mask as
 # one more block argument. Pipeline stages after the first receive hidden states, not token
-# ids: they refuse ``document_eos >= 0`` (document attention runs with pp = 1).
+# ids: they refuse ``document_eos >= 0`` (document attention runs with pp = 1). Context
+# parallelism replaces the Llama family's ``document_tables`` seam: no rank builds [T, T]
+# ([Note: documents under context parallelism] in meshpar/context_parallel.py).
+
+
+def document_ids(tokens: Tensor, eos: int) -> tuple[Tensor, Tensor]:
+    """Each packed token's document and its position in it: ``(doc[B, T], positions[B, T])``, both
+    int64 ([Note: document-causal attention]); a document ends with its ``eos``."""
+    if tokens.dim() != 2:
+        raise ValueError(f"document attention takes token ids [B, T], got shape {tuple(tokens.shape)}")
+    is_eos = (tokens == eos).long()
+    doc = is_eos.cumsum(1) - is_eos  # doc[B, T]: EOS tokens strictly before t
+    t = torch.arange(tokens.shape[1], device=tokens.device)
+    # a document starts at 0 and after each EOS: start[b, t] = the latest such index <= t
+    starts = torch.where(torch.cat([torch.ones_like(is_eos[:, :1]), is_eos[:, :-1]], 1).bool(), t, 0)
+    return doc, t - starts.cummax(1).values
 
 
 def document_mask(tokens: Tensor, eos: int, dtype: torch.dtype = torch.bool) -> tuple[Tensor, Tensor]:
@@ -61,14 +76,8 @@ def document_mask(tokens: Tensor, eos: int, dtype: torch.dtype = torch.bool) -> 
     floating dtype it is the additive bias (0 there, -inf elsewhere) that the models pass to
     ``scaled_dot_product_attention``. Positions are int64 and restart at 0 after each ``eos``.
     """
-    if tokens.dim() != 2:
-        raise ValueError(f"document_mask takes token ids [B, T], got shape {tuple(tokens.shape)}")
-    is_eos = (tokens == eos).long()
-    doc = is_eos.cumsum(1) - is_eos  # doc[B, T]: EOS tokens strictly before t
+    doc, positions = document_ids(tokens, eos)
     t = torch.arange(tokens.shape[1], device=tokens.device)
-    # a document starts at 0 and after each EOS: start[b, t] = the latest such index <= t
-    starts = torch.where(torch.cat([torch.ones_like(is_eos[:, :1]), is_eos[:, :-1]], 1).bool(), t, 0)
-    positions = t - starts.cummax(1).values  # positions[B, T]
     allowed = (doc.unsqueeze(2) == doc.unsqueeze(1)) & (t.unsqueeze(0) <= t.unsqueeze(1))  # [B, T_q, T_k]: j <= i
     allowed = allowed.unsqueeze(1)  # [B, 1, T, T]: the same for every head
     if dtype == torch.bool:

@@ -211,6 +211,15 @@ class Transformer(nn.Module):
         rank's slice of the sequence (meshpar/context_parallel.py)."""
         return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
 
+    def document_tables(self, tokens: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """Document-causal attention's inputs for this forward's tokens[B, T]: the additive mask
+        [B, 1, T, T] in ``dtype`` and RoPE's cos, sin[B, 1, T, Dh/2] at per-document positions
+        ([Note: document-causal attention]). Context parallelism replaces it on the instance with
+        the documents of the whole sequence, which a rank's slice alone does not show
+        (meshpar/context_parallel.py)."""
+        mask, positions = document_mask(tokens, self.args.document_eos, dtype=dtype)
+        return mask, self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
     def tie_weights(self) -> None:
         """Make output.weight the embedding's Parameter when tied and both are present."""
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
@@ -256,9 +265,8 @@ class Transformer(nn.Module):
                              "build the model with a larger max_seq_len")
         if eos < 0:
             (cos, sin), mask = self.rope_tables(seq_len), None  # cos, sin[T, Dh/2]
-        else:  # [Note: document-causal attention]: mask[B, 1, T, T] in h's dtype, positions[B, T]
-            mask, positions = document_mask(tokens, eos, dtype=h.dtype)
-            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # [B, 1, T, Dh/2]
+        else:  # [Note: document-causal attention]: mask[B, 1, T, T] in h's dtype, cos, sin[B, 1, T, Dh/2]
+            mask, cos, sin = self.document_tables(tokens, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         if self.norm is not None:
