@@ -101,7 +101,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from meshpar import comm
-from meshpar.models.attention import document_ids
+from meshpar.models.attention import document_ids, masked_attention
 from meshpar.ring_attention import ring_attention
 
 ATTENTIONS = ("allgather", "ring")  # parallel.cp_attention: [Note: all-gather of K and V], [Note: ring attention]
@@ -256,8 +256,9 @@ def _chunk_attention(q: Tensor, k: Tensor, v: Tensor, q_doc: Tensor | None = Non
         mask = causal_lower_right(n, keys)
     else:
         mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - n)
-        if q_doc is not None:
+        if q_doc is not None:  # [Note: masked grouped-query attention on CUDA]
             mask = mask & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1)).unsqueeze(1)  # [B, 1, n, keys]
+            return masked_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

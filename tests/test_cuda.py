@@ -423,3 +423,56 @@ def test_context_parallel_chunks_on_the_fused_kernel_equal_causal_attention(cp, 
         dv += vc.grad.double().cpu()
     for got, want in ((dk, ref_in[1].grad), (dv, ref_in[2].grad)):  # every rank's share, summed (the reduce-scatter)
         assert (got - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_document_chunks_on_cuda_equal_document_attention_and_avoid_the_math_kernel(dtype):
+    """Document-causal attention per cp query chunk on CUDA ([Note: documents under context
+    parallelism]; [Note: masked grouped-query attention on CUDA]): every virtual rank of cp 4 against
+    one document-masked attention in float64 on the CPU, forward and backward, and the masked GQA
+    call runs a fused kernel (memory-efficient or cuDNN), not the math fallback that keeps
+    [B, H, n, keys] scores. Tolerance as in the causal test above."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshpar import context_parallel as cplib
+    from meshpar.models.attention import document_ids, document_mask
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    b, h, hkv, t, d, cp = 2, 8, 4, 512, 64, 4
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, t, d, generator=gen, dtype=torch.float64) for n in (h, hkv, hkv))
+    grad = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64)
+    tokens = torch.ones(b, t, dtype=torch.long)
+    tokens[0, [40, 200, 255, 300]] = 0  # documents ending inside chunks, one at a chunk's end (64 x 4 - 1)
+    tokens[1, [63, 64]] = 0
+    doc, _ = document_ids(tokens, eos=0)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, attn_mask=document_mask(tokens, 0)[0],
+                                                           enable_gqa=True)
+    ref.backward(grad)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    doc = doc.cuda()
+    for rank in range(cp):
+        layout = cplib._Layout(CpRank(cp, rank), balanced=True)
+        idx = cplib.sequence_indices(t, cp, rank)
+        ql = q[:, :, idx].to("cuda", dtype).requires_grad_()
+        kc, vc = (x.to("cuda", dtype).requires_grad_() for x in (k, v))
+        positions = idx.cuda()
+        with Ops() as ops:
+            outs = [cplib._chunk_attention(ql[:, :, first:first + n], kc[:, :, :keys], vc[:, :, :keys],
+                                           doc[:, positions[first:first + n]], doc[:, :keys])
+                    for first, n, keys in layout.query_chunks(t // cp)]
+        assert any("efficient" in o or "cudnn" in o for o in ops.names), sorted(ops.names)
+        out = torch.cat(outs, dim=2)
+        out.backward(grad[:, :, idx].to("cuda", dtype))
+        assert (out.double().cpu() - ref[:, :, idx]).abs().max().item() <= tol * ref.abs().max().item(), rank
+        gq = ref_in[0].grad[:, :, idx]
+        assert (ql.grad.double().cpu() - gq).abs().max().item() <= tol * gq.abs().max().item(), rank

@@ -13,6 +13,7 @@ embedding can build it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 # [Note: document-causal attention]
@@ -53,6 +54,26 @@ from torch import Tensor
 # ids: they refuse ``document_eos >= 0`` (document attention runs with pp = 1). Context
 # parallelism replaces the Llama family's ``document_tables`` seam: no rank builds [T, T]
 # ([Note: documents under context parallelism] in meshpar/context_parallel.py).
+
+
+# [Note: masked grouped-query attention on CUDA]
+# scaled_dot_product_attention with an explicit mask and ``enable_gqa=True`` runs CPU's fused
+# kernel, but on CUDA it falls back to the math kernel (flash takes no mask, and the
+# memory-efficient kernel no GQA: reported against torch 2.x, e.g. ComfyUI#15135), which keeps
+# [B, H, T, keys] fp32 scores for backward: at T = 8192 and 32 heads, 8 GiB per layer. So on
+# CUDA a masked call repeats K and V to the query heads first (a transient [B, H, keys, Dh]
+# each, 1/T of that) and runs the memory-efficient kernel. CPU keeps ``enable_gqa``.
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Attention of q[B, H, n, Dh] over k, v[B, Hkv, keys, Dh] under ``mask`` (bool, True where
+    attended, or an additive bias; broadcast to [B, H, n, keys]): [Note: masked grouped-query
+    attention on CUDA]."""
+    if q.is_cuda and k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]  # query head i reads kv head i // group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 def document_ids(tokens: Tensor, eos: int) -> tuple[Tensor, Tensor]:

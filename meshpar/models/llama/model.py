@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from meshpar.models.attention import document_mask
+from meshpar.models.attention import document_mask, masked_attention
 from meshpar.models.init import ParamInit
 from meshpar.models.llama.args import ModelArgs, RopeScaling
 
@@ -106,8 +106,10 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """Causal (or ``mask``ed) attention of q[B, H, T, Dh] over k, v[B, Hkv, T, Dh]. Context
         parallelism replaces it on the instance (meshpar/context_parallel.py)."""
+        if mask is not None:  # [Note: masked grouped-query attention on CUDA]
+            return masked_attention(q, k, v, mask)
         # query head i reads kv head i // (H / Hkv), as repeat_interleave of k, v would give
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
