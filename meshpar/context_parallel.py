@@ -66,6 +66,16 @@ Off CUDA each chunk's attention is therefore checkpointed: the mask lives only d
 and backward recomputes that one attention. Exact (the same kernels, the same order), at the cost
 of one more attention forward per chunk in backward on CPU.
 
+[Note: compiling a block under cp]
+``parallel.compile`` compiles each block's forward (meshpar/parallelize.py ``apply_compile``). Its
+cp attention is wrapped in ``torch.compiler.disable``: collectives, an autograd Function and a
+checkpoint per chunk that dynamo would trace into and break at anyway (at comm's timing calls: 11
+graphs for the debug Llama's 2 blocks); disabled, each block is two graphs, up to the attention and
+after it, around one eager call. A checkpointed block cannot be split so: torch's checkpoint traces
+its region whole or not at all, and a break inside ran every such block uncompiled (0 graphs). There
+``apply_compile`` compiles the block's norms and feed-forward, and the checkpoint runs them (and
+recomputes them) as compiled functions. tests/test_compile.py checks both against eager.
+
 [Note: documents under context parallelism]
 Document-causal attention ([Note: document-causal attention] in meshpar/models/attention.py) needs
 each token's document, a prefix count of EOS tokens over the whole sequence, which a rank's slice
@@ -85,8 +95,8 @@ where FlexAttention's block mask would skip them (not built).
 
 Limits: the gathered K/V are materialized per layer (70B at T = 131072 holds 2 x 8 x 131072 x 128
 bf16 = 0.5 GiB per layer during its attention, and twice that while reordered; the ring holds two
-chunks of T/cp); torch.compile is refused with cp (not built); GPT-2 (learned positions) has no
-context parallelism.
+chunks of T/cp); under torch.compile attention stays eager ([Note: compiling a block under cp]);
+GPT-2 (learned positions) has no context parallelism.
 """
 
 from __future__ import annotations
@@ -176,7 +186,13 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool
     model.document_tables = functools.partial(_document_tables, model, layout)
     attend = _attend if attention == "allgather" else _attend_ring
     for block in model.layers.values():
-        block.attention.attend = functools.partial(attend, layout)
+        # [Note: compiling a block under cp]: torch.compile runs this eagerly, between two graphs
+        block.attention.attend = torch.compiler.disable(functools.partial(attend, layout))
+
+
+def attends_over_cp(block: nn.Module) -> bool:
+    """Whether ``block``'s attention was given a cp attention by ``apply_context_parallel``."""
+    return "attend" in vars(block.attention)
 
 
 def _rope_tables(model: nn.Module, layout: _Layout, seq_len: int) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from meshpar.activation_checkpoint import apply_activation_checkpointing, sets_side_outputs_under_checkpoint
-from meshpar.context_parallel import apply_context_parallel
+from meshpar.context_parallel import apply_context_parallel, attends_over_cp
 from meshpar.expert_parallel import apply_expert_parallel, route_over_sequence
 from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
 from meshpar.mesh import Mesh
@@ -43,9 +43,16 @@ def apply_compile(model: nn.Module) -> None:
     A checkpointed block that sets module attributes (a mixture-of-experts layer's ``aux_loss``)
     stays eager: dynamo refuses that side effect inside checkpoint, so it would graph-break and
     run eagerly anyway, without the wrapper that lets go of its recompute ([Note: a recompute's
-    side outputs] in meshpar/activation_checkpoint.py)."""
+    side outputs] in meshpar/activation_checkpoint.py). Under context parallelism attention runs
+    eagerly, and a checkpointed block compiles its norms and feed-forward instead ([Note:
+    compiling a block under cp] in meshpar/context_parallel.py)."""
     for block in model.layers.values():
-        if not sets_side_outputs_under_checkpoint(block):
+        if sets_side_outputs_under_checkpoint(block):
+            continue
+        if attends_over_cp(block) and "forward" in vars(block):  # checkpointed: [Note: compiling a block under cp]
+            for part in (block.attention_norm, block.feed_forward, block.ffn_norm):
+                part.forward = torch.compile(part.forward)
+        else:
             block.forward = torch.compile(block.forward)
 
 

@@ -114,9 +114,6 @@ def check_context_parallel(recipe: Recipe, layout, args) -> None:
                           f"equal chunks (each cp rank holds one from the front and its mirror from the back); "
                           f"use a multiple of {2 * cp}", key="parallel.cp")
     check_seq_len(t.seq_len // cp, tp)
-    if recipe.parallel.compile:
-        raise RecipeError(f"parallel.cp = {cp} with parallel.compile = true: the gathered attention is not "
-                          f"compiled yet; set compile = false or cp = 1", key="parallel.compile")
 
 
 def preflight(recipe: Recipe, world_size: int) -> Preflight:
