@@ -31,6 +31,7 @@ LAYOUTS = {
     "pp2xdp2xtp2": (8, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2", "--train.micro_batch=1"]),
     "dp2": (2, ["--parallel.dp_shard=2"]),
     "rep2xtp2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--parallel.tp=2"]),
+    "cp2xdp2": (4, ["--parallel.dp_shard=2", "--parallel.cp=2"]),
 }
 
 
@@ -110,19 +111,34 @@ def test_reshard_on_load(source, target, recipe, tmp_path, data_cache):
     _assert_same_state(loaded, saved)
 
 
-def test_rechunked_by_convert_loads_on_its_layout(tmp_path, data_cache):
-    """One rank's checkpoint re-chunked offline for dp_shard 2 x tp 2 (meshpar convert --to dcp
-    --layout) loads on that layout bit-identically, optimizer state included."""
-    from meshpar.convert import convert
+@pytest.mark.parametrize(("target", "layout"), [("dp2xtp2", {"dp_shard": 2, "tp": 2}),
+                                               ("cp2xdp2", {"dp_shard": 2, "cp": 2})])
+def test_rechunked_by_convert_loads_on_its_layout(target, layout, tmp_path, data_cache):
+    """One rank's checkpoint re-chunked offline for ``layout`` (meshpar convert --to dcp --layout)
+    loads on that layout bit-identically, optimizer state included. Under cp (FSDP over dp_shard x
+    cp) its chunks are also the ones a run at that layout saves, each in the same rank's file."""
+    from meshpar.convert import MetadataIndex, convert, open_checkpoint
 
     _, saved = _run("1 rank", tmp_path / "src", "--train.steps=2", "--checkpoint.every=2")
     convert(tmp_path / "src" / "checkpoints" / "step_2", tmp_path / "rechunked", "dcp",
-            layout={"dp_shard": 2, "tp": 2}, progress=False, model_only=False)
+            layout=layout, progress=False, model_only=False)
     assert sorted(p.name for p in (tmp_path / "rechunked").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
-    records, loaded = _run("dp2xtp2", tmp_path / "dst", "--train.steps=2",
+    records, loaded = _run(target, tmp_path / "dst", "--train.steps=2",
                            f"--checkpoint.load_from={tmp_path / 'rechunked'}")
     assert train_losses(records) == []
     _assert_same_state(loaded, saved)
+    if "cp" in layout:
+        _run(target, tmp_path / "native", "--train.steps=2", "--checkpoint.every=2")
+
+        def files(path):  # {(tensor, chunk offsets, sizes): the rank whose file __<rank>_<i>.distcp holds it}
+            ck = open_checkpoint(path)
+            where = ck.metadata.storage_data
+            return {(k, c.offsets, c.sizes): where[MetadataIndex(k, c.offsets)].relative_path.split("_")[2]
+                    for k in ck.tensors if k.startswith(("model.", "optim.")) and ck.tensors[k][0].numel() > 1
+                    for c in ck.chunks(k)}
+
+        native = files(tmp_path / "native" / "checkpoints" / "step_2")
+        assert len(native) > 100 and files(tmp_path / "rechunked") == native
 
 
 @pytest.mark.parity

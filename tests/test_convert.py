@@ -256,8 +256,8 @@ def test_errors_name_the_problem_and_the_fix(tmp_path):
     cv.convert(tmp_path / "ok", tmp_path / "hf", "hf", progress=False)
     with pytest.raises(cv.ConvertError, match="already exists"):
         cv.convert(tmp_path / "ok", tmp_path / "hf", "hf", progress=False)
-    with pytest.raises(cv.ConvertError, match="cp > 1 is not built"):
-        cv.convert(tmp_path / "ok", tmp_path / "o7", "dcp", layout={"cp": 2}, progress=False)
+    with pytest.raises(cv.ConvertError, match="layout: unknown dimension 'ep'"):
+        cv.convert(tmp_path / "ok", tmp_path / "o7", "dcp", layout={"ep": 2}, progress=False)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
     with pytest.raises(cv.ConvertError, match="model_type 'mistral' is not a family meshpar converts"):

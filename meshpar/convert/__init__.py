@@ -18,8 +18,7 @@ one meshpar tensor at a time ([Note: stacked experts], spec.py).
 
 Limits: DCP -> torch holds the whole output in memory (``torch.save`` writes one object);
 every other direction streams. Non-tensor entries (LR schedule, data position, RNG, step)
-are copied as DCP's serialized bytes and never unpickled. Layouts with ``cp > 1`` are
-refused, as in training.
+are copied as DCP's serialized bytes and never unpickled.
 
 The package, in reading order: ``stream.py`` (convert, verify, open_checkpoint), ``spec.py``
 (a family's names, shapes and TP placements), ``layout.py`` (which chunk each rank holds),

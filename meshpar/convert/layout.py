@@ -77,10 +77,12 @@ def boxes(idx: Sequence[Sequence[int]]) -> Iterator[tuple[tuple[int, ...], tuple
 # the least-loaded rank holding them. pp moves whole tensors only: they go to the files of the
 # stage of an even split, one stage per pp rank (meshpar.pipeline.stage_layers); virtual stages
 # or explicit boundaries change only which file, not the chunks. Other tensors (0-d optimizer
-# steps, RNG states) keep the source's chunks, or are written whole.
+# steps, RNG states) keep the source's chunks, or are written whole. Under context parallelism
+# FSDP shards over dp_shard x cp flattened, cp inner (meshpar.mesh.Mesh.fsdp): dp_shard x cp
+# pieces, piece s x cp + c on the rank at (dp_shard s, cp c).
 
 def parse_layout(layout: Mapping[str, int] | None) -> dict[str, int]:
-    """All five degrees (missing ones 1), checked: positive integers, known dims, cp = 1."""
+    """All five degrees (missing ones 1), checked: positive integers, known dims."""
     degrees = {d: 1 for d in DIMS}
     for key, value in (layout or {}).items():
         if key not in degrees:
@@ -88,13 +90,12 @@ def parse_layout(layout: Mapping[str, int] | None) -> dict[str, int]:
         if not isinstance(value, int) or value < 1:
             raise ConvertError(f"layout: {key} = {value!r}; give a positive integer degree (no -1 offline)")
         degrees[key] = value
-    if degrees["cp"] != 1:
-        raise ConvertError("layout: cp > 1 is not built in meshpar; set cp = 1")
     return degrees
 
 
-def _rank(layout: Mapping[str, int], pp: int, rep: int, shard: int, tp: int) -> int:
-    return ((pp * layout["dp_replicate"] + rep) * layout["dp_shard"] + shard) * layout["cp"] * layout["tp"] + tp
+def _rank(layout: Mapping[str, int], pp: int, rep: int, shard: int, cp: int, tp: int) -> int:
+    """The global rank at these coordinates: meshpar.mesh's dims, outermost first."""
+    return (((pp * layout["dp_replicate"] + rep) * layout["dp_shard"] + shard) * layout["cp"] + cp) * layout["tp"] + tp
 
 
 def layout_chunks(shape: Sequence[int], layout: Mapping[str, int], tp_placement: Placement,
@@ -104,11 +105,13 @@ def layout_chunks(shape: Sequence[int], layout: Mapping[str, int], tp_placement:
         tp_placement = Replicate()
     placements = (tp_placement, Shard(0)) if shape else (Replicate(), Replicate())
     out: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    fsdp = layout["dp_shard"] * layout["cp"]  # meshpar.mesh.Mesh.fsdp: dp_shard flattened with cp, cp inner
     for t in range(layout["tp"]):
-        for d in range(layout["dp_shard"]):
-            idx = index_lists(shape, (layout["tp"], layout["dp_shard"]), (t, d), placements)
+        for d in range(fsdp):
+            idx = index_lists(shape, (layout["tp"], fsdp), (t, d), placements)
             for off, size, _ in boxes(idx):
                 if math.prod(size):  # torch.chunk leaves trailing ranks empty on short dims
-                    ranks = [_rank(layout, stage, r, d, t) for r in range(layout["dp_replicate"])]
+                    shard, cp = divmod(d, layout["cp"])
+                    ranks = [_rank(layout, stage, r, shard, cp, t) for r in range(layout["dp_replicate"])]
                     out.setdefault((off, size), []).extend(ranks)
     return out
