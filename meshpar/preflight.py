@@ -57,11 +57,15 @@ def _attention(recipe: Recipe, layout: meshlib.Layout, args: Any, corpus: Corpus
                           f"{corpus.name} has none (the byte tokenizer and token files mark no documents); use "
                           f"data.tokenizer = 'bpe' or a Hugging Face tokenizer, or model.attention = 'causal'",
                           "model.attention")
-    if layout.pp > 1:
+    return dataclasses.replace(args, document_eos=corpus.eos_id)
+
+
+def check_document_attention(recipe: Recipe, layout: meshlib.Layout) -> None:
+    """``model.attention = "document"`` against the layout (what needs no data)."""
+    if recipe.model.attention == "document" and layout.pp > 1:
         raise RecipeError("model.attention = 'document' with parallel.pp > 1 is not built yet: the stages after "
                           "the first do not see the token ids the mask comes from; use parallel.pp = 1 or "
                           "model.attention = 'causal'", "model.attention")
-    return dataclasses.replace(args, document_eos=corpus.eos_id)
 
 
 def check_model(recipe: Recipe) -> tuple[Family, Any]:
@@ -84,9 +88,10 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
     accum = _check_batch(recipe, layout)
     family.check_layout(args, layout)
     if layout.cp > 1:
-        check_context_parallel(recipe, layout, args)
+        check_context_parallel(recipe, layout)
     else:
         check_seq_len(t.seq_len, layout.tp)
+    check_document_attention(recipe, layout)
     check_mixed_precision(recipe.parallel, layout)
     check_profile(recipe.profile, world_size)
     if layout.pp > 1:
@@ -105,7 +110,7 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
     return layout, accum, family, args
 
 
-def check_context_parallel(recipe: Recipe, layout, args) -> None:
+def check_context_parallel(recipe: Recipe, layout) -> None:
     """cp > 1: the sequence cuts into 2cp chunks ([Note: balanced sequence split]) and each rank's
     T/cp tokens split again over tp; what context parallelism does not run yet is refused."""
     t, cp, tp = recipe.train, layout.cp, layout.tp

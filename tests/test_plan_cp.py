@@ -103,3 +103,36 @@ def test_search_tries_cp_for_long_sequences_only():
     assert seen == {1, 2, 4, 8, 16}
     assert {int(dict(x.split("=") for x in c.overrides)["--parallel.cp"])
             for c in candidates([*base, "--train.seq_len=8192"], 32, H100, 8, None)} == {1}
+
+
+def test_plan_counts_document_masks_once_without_cp_and_never_whole_with_it():
+    """``model.attention = "document"`` is planned, not ignored. At cp 1 a forward leaves alive, more
+    than causal attention (fp32, exactly): the [B, 1, T, T] mask, once for every layer; per layer,
+    K and V repeated to the query heads for the masked kernel ([Note: masked grouped-query
+    attention on CUDA]) in place of their grouped selves; and RoPE's cos, sin per row [B, 1, T,
+    Dh/2] in place of views of the tables. Under cp 2 no rank holds a [T, T] mask ([Note: documents
+    under context parallelism]): each chunk's is built inside its checkpointed attention, so a
+    forward leaves less alive than causal cp's, whose fused attention keeps its output."""
+    recipe = str(RECIPES / "llama_debug_cp.toml")
+    argv = ["--train.seq_len=512", "--parallel.dp_shard=1"]
+
+    def planned(*extra):
+        code, out, err, plan, _ = _run(recipe, *argv, *extra)
+        assert code == 0, err
+        return plan
+
+    causal = planned("--parallel.cp=1", "--world=1")
+    document = planned("--parallel.cp=1", "--world=1", '--model.attention="document"')
+    a, t = causal.args, causal.recipe.train
+    b, seq, dh = t.micro_batch, t.seq_len, a.dim // a.n_heads
+    mask, rope = b * seq * seq * 4, 2 * b * seq * dh // 2 * 4
+    repeated = a.n_layers * 2 * b * (a.n_heads - a.n_kv_heads) * seq * dh * 4
+    alive = [p.ranks[0].measured.activation_bytes for p in (causal, document)]
+    assert alive[1] - alive[0] == mask + repeated + rope
+    causal_cp, document_cp = (planned("--parallel.cp=2", "--world=2", *extra).ranks[0].measured.activation_bytes
+                              for extra in ([], ['--model.attention="document"']))
+    assert document_cp < causal_cp
+    # as meshpar train does, before any rank starts: later pipeline stages never see the token ids
+    code, _, err, _, _ = _run(recipe, *argv, "--parallel.pp=2", "--parallel.cp=1", "--world=2",
+                              '--model.attention="document"')
+    assert code == 2 and "model.attention = 'document' with parallel.pp > 1" in err, err

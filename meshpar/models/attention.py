@@ -69,11 +69,17 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """Attention of q[B, H, n, Dh] over k, v[B, Hkv, keys, Dh] under ``mask`` (bool, True where
     attended, or an additive bias; broadcast to [B, H, n, keys]): [Note: masked grouped-query
     attention on CUDA]."""
-    if q.is_cuda and k.shape[1] != q.shape[1]:
+    if _expands_kv(q) and k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]  # query head i reads kv head i // group
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _expands_kv(q: Tensor) -> bool:
+    """Whether a masked GQA call repeats K/V first: on CUDA. The planner, simulating a GPU step on
+    CPU fake tensors, replaces it with True (meshpar/planner/simulate.py)."""
+    return q.is_cuda
 
 
 def document_ids(tokens: Tensor, eos: int) -> tuple[Tensor, Tensor]:

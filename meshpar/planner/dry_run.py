@@ -160,6 +160,8 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
     layout, accum = check(recipe, world_size)
     family = get_family(recipe.model.family)
     args = family.model_args(recipe.model)
+    if recipe.model.attention == "document":  # its masks' memory; any EOS id will do: fake tokens hold no values
+        args = dataclasses.replace(args, document_eos=0)
     p = recipe.parallel
     layers = stage_layers(args.n_layers, layout.pp, p.pp_boundaries)
     nccl = profile.device == "cuda"

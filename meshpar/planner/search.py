@@ -139,7 +139,7 @@ def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_no
                                 family.check_layout(args, resolve(cand.parallel, gpus))
                                 check_mixed_precision(cand.parallel, resolve(cand.parallel, gpus))
                                 if cp > 1:
-                                    check_context_parallel(cand, resolve(cand.parallel, gpus), args)
+                                    check_context_parallel(cand, resolve(cand.parallel, gpus))
                                 if pp > 1:
                                     check_microbatches("1f1b", n, pp, local_batch=t.global_batch // dp)
                             except RecipeError:

@@ -69,6 +69,7 @@ from meshpar._torch import dtensor_sharding_prop as sharding_prop
 from meshpar.comm import comm_buffers
 from meshpar.fsdp import FSDPModule
 from meshpar.mesh import DIMS, Mesh
+from meshpar.models import attention as attnlib
 from meshpar.pipeline import Stage
 from meshpar.planner.moe import balanced_routing
 from meshpar.profiling.memory import AllocationTracker
@@ -233,21 +234,25 @@ def _patched(nccl: bool) -> Iterator[None]:
     unmasked instead: the CPU's flash kernel, which saves the same tensors as the GPU's
     causal one (FLOPs are cost.py's arithmetic, not the simulation's). The ring attention runs
     one score block per chunk pair (``ring_attention._one_block_per_pair``: the same peak and hops).
+    Document-causal attention (``model.attention = "document"``) builds its masks as on a GPU and
+    repeats K/V to the query heads before a masked call ([Note: masked grouped-query attention on
+    CUDA] in meshpar/models/attention.py); its FLOPs are planned as causal attention's.
     """
     original = (comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused,
-                ringlib._one_block_per_pair)
+                ringlib._one_block_per_pair, attnlib._expands_kv)
     if nccl:
         comm.ReduceScatterInput = _NcclReduceScatterInput
     sharding_prop.detect_fake_mode = lambda *args: None
     cplib.causal_lower_right, cplib._fused = _unmasked, lambda q: True  # the GPU's path: no mask, no recompute
     ringlib._one_block_per_pair = True
+    attnlib._expands_kv = lambda q: True  # a document mask on a GPU: K/V repeated to the query heads
     try:
         with warnings.catch_warnings():  # MemTracker on ops that return None among their outputs
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             yield
     finally:
         (comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused,
-         ringlib._one_block_per_pair) = original
+         ringlib._one_block_per_pair, attnlib._expands_kv) = original
 
 
 def _steady_prefetch(stage: torch.nn.Module) -> None:
