@@ -136,3 +136,20 @@ def test_plan_counts_document_masks_once_without_cp_and_never_whole_with_it():
     code, _, err, _, _ = _run(recipe, *argv, "--parallel.pp=2", "--parallel.cp=1", "--world=2",
                               '--model.attention="document"')
     assert code == 2 and "model.attention = 'document' with parallel.pp > 1" in err, err
+
+
+@pytest.mark.parametrize("attention", ["allgather", "ring"])
+def test_search_bound_is_above_the_planned_speed(attention):
+    """The search prunes by ``_bound``, the tokens/s no dry run of a layout can exceed: so it must
+    be at least what the plan gives, for both cp attentions. The ring's hops are hidden behind its
+    attention but each block's last ([Note: the ring's overlap]); priced as the gather's, its bound
+    fell below its plan (debug Llama at cp 2 on H100 links, no checkpointing: 1,933,718 < 1,936,180)."""
+    from meshpar.planner import search
+
+    argv = ["--hardware=h100_sxm", f'--parallel.cp_attention="{attention}"', '--parallel.activation_checkpoint="none"',
+            "--train.seq_len=2048"]
+    code, _, err, plan, _ = _run(str(RECIPES / "llama_debug_cp.toml"), *argv)
+    assert code == 0, err
+    lay = plan.layout
+    bound = search._bound(plan.args, plan.recipe, lay.pp, lay.tp, lay.cp, lay.dp, plan.accum, plan.profile, 8, None)
+    assert bound >= plan.time.tokens_per_s

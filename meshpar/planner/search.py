@@ -174,7 +174,9 @@ def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, pro
     sequence-parallel collectives every block runs at least (2 all-gathers and 2 reduce-scatters
     of [micro_batch, T/cp, D] each way) and context parallelism's (K and V gathered in forward,
     their gradients reduce-scattered in backward: [micro_batch, Hkv/tp, T/cp, Dh] each, from
-    cp - 1 ranks), stretched by the pipeline bubble."""
+    cp - 1 ranks; with ``cp_attention = "ring"`` only each block's last dK/dV hop, the part
+    cost.py leaves on the critical path: [Note: the ring's overlap]), stretched by the pipeline
+    bubble."""
     t, p = recipe.train, recipe.parallel
     itemsize = getattr(torch, p.param_dtype).itemsize
     efficiency = efficiency or default_efficiency(p.compile, pp * tp * cp * dp)
@@ -182,7 +184,8 @@ def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, pro
     gbps = profile.intra_node_gbps if tp <= gpus_per_node else profile.inter_node_gbps
     cp_gbps = profile.intra_node_gbps if gpus_per_node % (cp * tp) == 0 else profile.inter_node_gbps
     local = t.micro_batch * t.seq_len // cp  # a microbatch's tokens on one rank
-    kv = 2 * 2 * local * args.n_kv_heads // tp * args.resolved_head_dim * itemsize * (cp - 1)
+    hop = 2 * local * args.n_kv_heads // tp * args.resolved_head_dim * itemsize  # a rank's K and V (or dK, dV)
+    kv = hop if p.cp_attention == "ring" and cp > 1 else 2 * hop * (cp - 1)
     worst = 0.0
     for i, layers in enumerate(stage_layers(args.n_layers, pp)):
         executed = _stage_flops_per_token(args, layers, i == pp - 1, p.activation_checkpoint, p.ac_every,
