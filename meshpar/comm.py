@@ -1,11 +1,8 @@
 """Collectives behind one function each, chosen per backend, with per-mesh-dim accounting.
 
 Every collective meshpar issues goes through here, so one place decides how it runs on
-each backend and one place counts it::
-
-    with meshpar.comm.count() as c:
-        train_step()
-    c.calls[("all_gather", "dp_shard")], c.bytes[("reduce_scatter", "dp_shard")]
+each backend and one place counts it: each call reports its op, mesh dim and bytes to
+meshpar/comm_record.py (``comm_record.count()`` blocks, the flight recorder).
 
 [Note: reduce-scatter on gloo]
 gloo implements reduce-scatter as an all-reduce of the whole input followed by a local
@@ -39,164 +36,20 @@ ideally counts ``3 * Psi * (N-1)/N * element_size`` bytes.
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
-import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-# [Note: communication buffers are tagged here, counted elsewhere]
-# Storages allocated inside ``comm_buffers()`` are collective buffers, and inside
-# ``gradient_buffers()`` gradients FSDP holds itself (summed without sync, in reduce_dtype).
-# Only a thread-local tag lives here, so FSDP can mark its buffers without importing the memory
-# tracker that reads the mark (meshpar/profiling/memory.py, through ``buffer_tag()``).
-_scope = threading.local()
-
-
-@contextlib.contextmanager
-def _tagged(tag: str) -> Iterator[None]:
-    before = getattr(_scope, "tag", None)
-    _scope.tag = tag
-    try:
-        yield
-    finally:
-        _scope.tag = before
-
-
-def comm_buffers() -> contextlib.AbstractContextManager:
-    """Storages allocated in this block (on this thread) are communication buffers."""
-    return _tagged("communication")
-
-
-def gradient_buffers() -> contextlib.AbstractContextManager:
-    """Storages allocated in this block (on this thread) are gradients."""
-    return _tagged("gradient")
-
-
-def buffer_tag() -> str | None:
-    """``"communication"``, ``"gradient"`` or None: the innermost block this thread is in."""
-    return getattr(_scope, "tag", None)
-
-
-# [Note: forcing the collectives of one rank]
-# Over one rank a collective is a copy (or nothing), and FSDP on a one-rank mesh skips even that
-# ([Note: one data-parallel rank]). That is right for training and blind for testing: the
-# collective path, its buffers and, on CUDA, its streams ([Note: CUDA streams in FSDP]) then never
-# run on a one-GPU machine. ``force_collectives()`` (or MESHPAR_FORCE_COLLECTIVES=1 in a process's
-# environment, for spawned ranks) makes every collective here run through the backend even over
-# one rank, and FSDP units built or lazily initialized inside it take the collective path. A
-# test-only switch: it changes no result, only which code computes it.
-_forced = os.environ.get("MESHPAR_FORCE_COLLECTIVES", "") == "1"
-
-
-@contextlib.contextmanager
-def force_collectives(enabled: bool = True) -> Iterator[None]:
-    """Run one-rank collectives through the backend in this block; see [Note: forcing the
-    collectives of one rank]."""
-    global _forced
-    before, _forced = _forced, enabled
-    try:
-        yield
-    finally:
-        _forced = before
-
-
-def forced() -> bool:
-    """Whether one-rank collectives run through the backend (``force_collectives``)."""
-    return _forced
-
-
-@dataclass(eq=False)  # compared by identity: nested count() blocks must each remove their own
-class CommCounter:
-    """Calls and bytes per (collective, mesh dim), for one ``count()`` block."""
-
-    calls: Counter = field(default_factory=Counter)
-    bytes: Counter = field(default_factory=Counter)
-
-    def record(self, op: str, dim: str, nbytes: float) -> None:
-        self.calls[(op, dim)] += 1
-        self.bytes[(op, dim)] += nbytes
-
-    def total_bytes(self, op: str | None = None) -> float:
-        return sum(b for (o, _), b in self.bytes.items() if op is None or o == op)
-
-    def total_calls(self, op: str | None = None) -> int:
-        return sum(n for (o, _), n in self.calls.items() if op is None or o == op)
-
-
-_active: list[CommCounter] = []
+from meshpar.comm_record import FlightEntry, comm_buffers, forced, record_collective
 
 # torch 2.13 renamed the tensor-in / tensor-out collectives; older releases have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@contextlib.contextmanager
-def count() -> Iterator[CommCounter]:
-    """Record every meshpar collective issued in this block (on this rank)."""
-    counter = CommCounter()
-    _active.append(counter)
-    try:
-        yield counter
-    finally:
-        _active.remove(counter)
-
-
-# [Note: the flight recorder]
-# Each rank keeps its last few collectives (``fault.flight_recorder`` of them), in the spirit of
-# NCCL's flight recorder: sequence number, op, mesh dim, bytes, the training step, when it was
-# issued and whether it has completed (``Work.wait`` returned, or the call was synchronous).
-# When a collective fails or times out, meshpar/fault.py prints them: the first one not
-# completed is the one the rank was stuck in, and the ranks' records side by side show which
-# rank fell behind. Appending costs a deque push per collective (tens of collectives a step).
-@dataclass
-class FlightEntry:
-    seq: int
-    op: str
-    dim: str
-    nbytes: float
-    step: int | None
-    issued: float  # time.time()
-    done: bool = False
-
-
-_flight: deque[FlightEntry] = deque(maxlen=32)
-_flight_state = {"seq": 0, "step": None}
-
-
-def set_flight_recorder(size: int) -> None:
-    """Keep the last ``size`` collectives (default 32)."""
-    global _flight
-    _flight = deque(_flight, maxlen=size)
-
-
-def set_step(step: int | None) -> None:
-    """The training step that collectives issued from now on belong to (for the flight record)."""
-    _flight_state["step"] = step
-
-
-def current_step() -> int | None:
-    return _flight_state["step"]
-
-
-def flight_record() -> list[FlightEntry]:
-    """This rank's last collectives, oldest first."""
-    return list(_flight)
-
-
-def _record(op: str, dim: str, nbytes: float) -> FlightEntry:
-    for counter in _active:
-        counter.record(op, dim, nbytes)
-    _flight_state["seq"] += 1
-    entry = FlightEntry(_flight_state["seq"], op, dim, nbytes, _flight_state["step"], time.time())
-    _flight.append(entry)
-    return entry
 
 
 class Work:
@@ -229,12 +82,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     """``output[N * n] <- concat over ranks of input[n]`` along dim 0. ``custom``: a user's
     all-gather (``FSDPModule.set_custom_all_gather``), called as PyTorch's engine calls it."""
     n = dist.get_world_size(group)
-    entry = _record("all_gather", dim, output.numel() * output.element_size() * (n - 1) / n)
+    entry = record_collective("all_gather", dim, output.numel() * output.element_size() * (n - 1) / n)
     with record_function(f"meshpar::comm.all_gather[{dim}]"):
         if custom is not None:
             return Work(custom(output_tensor=output, input_tensor=input, group=group, async_op=async_op),
                         entry=entry)
-        if n == 1 and not _forced:
+        if n == 1 and not forced():
             output.copy_(input)
             return Work(None, entry=entry)
         return Work(_all_gather_single(output, input, group=group, async_op=async_op), entry=entry)
@@ -258,7 +111,7 @@ class ReduceScatterInput:
         self.custom = custom
         self.exchange = custom is None and self.n > 1 and (dist.get_backend(group) == "gloo"
                                                            or torch.device(device).type == "cpu")
-        self.shortcut = self.n == 1 and custom is None and not _forced  # the row is the output
+        self.shortcut = self.n == 1 and custom is None and not forced()  # the row is the output
         rows = self.n - 1 if self.exchange else self.n
         with comm_buffers():
             if custom is not None:
@@ -299,7 +152,7 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
                         async_op: bool = False) -> Work:
     """``input.output <- sum over ranks of row (this rank)``; see [Note: reduce-scatter on gloo]."""
     n = input.n
-    entry = _record("reduce_scatter", dim, input.nbytes * (n - 1) / n)
+    entry = record_collective("reduce_scatter", dim, input.nbytes * (n - 1) / n)
     with record_function(f"meshpar::comm.reduce_scatter[{dim}]"):
         if input.custom is not None:
             return Work(input.custom(output_tensor=input.output, input_tensor=input.send.view(-1), group=group,
@@ -340,9 +193,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
     rank sends to other ranks (its own run stays local)."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     row = input[0].numel() * input.element_size() if input.shape[0] else 0
-    entry = _record("all_to_all", dim, row * (sum(input_splits) - input_splits[rank]))
+    entry = record_collective("all_to_all", dim, row * (sum(input_splits) - input_splits[rank]))
     with record_function(f"meshpar::comm.all_to_all[{dim}]"):
-        if n == 1 and not _forced:
+        if n == 1 and not forced():
             output.copy_(input)
             return Work(None, entry=entry)
         return Work(dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
@@ -399,9 +252,9 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: str, asyn
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Work:
     """Reduce ``tensor`` over ``group`` in place (a sum unless ``op`` says otherwise)."""
     n = dist.get_world_size(group)
-    entry = _record("all_reduce", dim, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
+    entry = record_collective("all_reduce", dim, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
     with record_function(f"meshpar::comm.all_reduce[{dim}]"):
-        if n == 1 and not _forced:
+        if n == 1 and not forced():
             return Work(None, entry=entry)
         return Work(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), entry=entry)
 
@@ -411,9 +264,9 @@ def send_recv(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, 
               tag: int = 0) -> Work:
     """One hop of a ring: ``send`` to group rank ``to`` while ``recv`` fills from group rank ``frm``, both
     in flight until ``wait()`` (ring attention posts a hop, then computes). Counted as the bytes sent."""
-    entry = _record("send_recv", dim, send.numel() * send.element_size())
+    entry = record_collective("send_recv", dim, send.numel() * send.element_size())
     with record_function(f"meshpar::comm.send_recv[{dim}]"):
-        if dist.get_world_size(group) == 1 and not _forced:
+        if dist.get_world_size(group) == 1 and not forced():
             recv.copy_(send)
             return Work(None, entry=entry)
         sent = dist.isend(send, dist.get_global_rank(group, to), group=group, tag=tag)

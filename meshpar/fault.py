@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from meshpar import comm
+from meshpar import comm, comm_record
 from meshpar.recipe_keys import PREEMPTION_SIGNALS
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on a signal after saving a checkpoint; run again to resume
@@ -102,7 +102,7 @@ def is_collective_failure(e: BaseException) -> bool:
                             "NCCL", "gloo")))
 
 
-def _format_entry(e: comm.FlightEntry, now: float) -> str:
+def _format_entry(e: comm_record.FlightEntry, now: float) -> str:
     state = "done" if e.done else f"NOT DONE after {now - e.issued:.1f} s"
     step = "-" if e.step is None else str(e.step)
     return f"  #{e.seq:<6} step {step:>6}  {e.op}[{e.dim}]  {e.nbytes / 2**20:,.3f} MiB  {state}"
@@ -134,7 +134,7 @@ def report_collective_failure(e: BaseException, *, rank: int, world: int, step: 
                               timeout: datetime.timedelta) -> str:
     """The lines a rank prints when a collective failed: what, where, who did not come."""
     now = time.time()
-    record = comm.flight_record()
+    record = comm_record.flight_record()
     stuck = next((x for x in record if not x.done), None)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     where = f"step {step}" if step is not None else "before the first step"

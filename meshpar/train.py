@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshpar import comm
+from meshpar import comm, comm_record
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
 from meshpar.checkpoint import Checkpointer, CheckpointError, RunState, optimizer_state, param_names
@@ -108,7 +108,7 @@ def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
     profile = load_profile(recipe.metrics.hardware, device.type)
     timeout = collective_timeout(recipe.fault.timeout, device.type)
     init_process_group(device, info, timeout)
-    comm.set_flight_recorder(recipe.fault.flight_recorder)
+    comm_record.set_flight_recorder(recipe.fault.flight_recorder)
     signals = StopSignals(recipe.fault.signals)
     try:
         mesh = meshlib.build(checked.layout, device.type)
@@ -126,12 +126,12 @@ def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
         raise
     except Exception as e:
         if is_collective_failure(e):  # name the op, dim, step and the ranks that did not come, then fail
-            report_collective_failure(e, rank=info.rank, world=info.world_size, step=comm.current_step(),
+            report_collective_failure(e, rank=info.rank, world=info.world_size, step=comm_record.current_step(),
                                       timeout=timeout)
         raise
     finally:
         signals.close()
-        comm.set_step(None)
+        comm_record.set_step(None)
         dist.destroy_process_group()
 
 
@@ -195,7 +195,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
                             tracked=(model.stages, optimizer))
     with profiler:
         for step in range(start_step + 1, t.steps + 1):
-            comm.set_step(step)
+            comm_record.set_step(step)
             guard.step = step
             done = train_step(model, loader.next_step, accum, sync, device, optimizer, scheduler, guard=guard)
             loss_sum, grad_norm, lr = done.loss, done.grad_norm, done.lr

@@ -5,7 +5,7 @@ the default dtype, which the FSDP jobs set to float64 (tests/parity.py [Note: pa
 float64]), so ``assert_parity`` holds them to 1e-9. ``train`` steps a
 sharded model (each data-parallel rank on its slice of the global batch, mean loss per
 rank) next to a single-process reference that sees the whole batch, with AdamW on both,
-and returns the global losses and one ``comm.count()`` per step and per microbatch.
+and returns the global losses and one ``comm_record.count()`` per step and per microbatch.
 ``gather_params`` / ``assert_parity`` compare every parameter, gathered, with the reference.
 
 ``Net`` is built to be awkward for a dim-0 sharder: rows of 6, 19 and 3 divide neither 2
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from meshpar import comm
+from meshpar import comm_record
 from meshpar.models.gpt2.model import GPT2, GPT2Args
 from tests.parity import TOL, upcast
 
@@ -141,8 +141,8 @@ def dp_mean(value: float) -> float:
 @dataclass
 class Run:
     losses: list[tuple[float, float]]  # per step: (mean of the ranks' losses, the reference's loss)
-    steps: list[comm.CommCounter]  # collectives per optimizer step (forward, backward, step)
-    micro: list[list[comm.CommCounter]]  # collectives per microbatch (forward + backward)
+    steps: list[comm_record.CommCounter]  # collectives per optimizer step (forward, backward, step)
+    micro: list[list[comm_record.CommCounter]]  # collectives per microbatch (forward + backward)
 
 
 def train(model: nn.Module, ref: nn.Module | None, task: Task, *, steps: int = 5, accumulate: int = 1,
@@ -160,12 +160,12 @@ def train(model: nn.Module, ref: nn.Module | None, task: Task, *, steps: int = 5
         for i, mb in enumerate(zip(*(t.chunk(accumulate) for t in local), strict=True)):
             if accumulate > 1:
                 model.set_requires_gradient_sync(i == accumulate - 1)
-            with comm.count() as c:
+            with comm_record.count() as c:
                 loss = task.loss(model, mb) / accumulate
                 loss.backward()
             micro.append(c)
             total += loss.item()
-        with comm.count() as c:  # not nested: see test_fsdp.test_comm_count_blocks_nest
+        with comm_record.count() as c:  # not nested: see test_fsdp.test_comm_count_blocks_nest
             opt.step()
             opt.zero_grad()
         ref_loss = math.nan
@@ -181,8 +181,8 @@ def train(model: nn.Module, ref: nn.Module | None, task: Task, *, steps: int = 5
     return run
 
 
-def _sum(*counters: comm.CommCounter) -> comm.CommCounter:
-    total = comm.CommCounter()
+def _sum(*counters: comm_record.CommCounter) -> comm_record.CommCounter:
+    total = comm_record.CommCounter()
     for c in counters:
         total.calls.update(c.calls)
         total.bytes.update(c.bytes)

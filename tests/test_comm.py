@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshpar import comm
+from meshpar import comm, comm_record
 from tests.distributed import CaseSet
 
 PER_RANK, COLS = 10, (3, 4)  # the last 3 columns zeroed, as padding is
@@ -29,7 +29,7 @@ def _reduce_scatter_case(per_rank: int, cols: tuple[int, ...]) -> dict:
         buffer.copy_rows(offset, mine[:, offset:offset + k])
         offset += k
     buffer.zero_rows(offset, per_rank - offset)
-    with comm.count() as c:
+    with comm_record.count() as c:
         work = comm.reduce_scatter_rows(buffer, group, dim="dp_shard", async_op=True)
     work.wait()
     return dict(output=buffer.output, send_rows=None if buffer.send is None else buffer.send.shape[0],

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from meshpar import comm
+from meshpar import comm_record
 from meshpar.context_parallel import ATTENTIONS, apply_context_parallel, sequence_indices, shard_sequence
 from meshpar.data.prepared import builtin_text
 from meshpar.preflight import preflight
@@ -74,7 +74,7 @@ def run_cp(ref, inputs, targets, mesh, balanced: bool, attention: str = "allgath
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)
     apply_context_parallel(model, mesh, balanced=balanced, attention=attention)
-    with comm.count() as counted:
+    with comm_record.count() as counted:
         local = model(shard_sequence(inputs, mesh, balanced=balanced))
         F.cross_entropy(local.flatten(0, 1), shard_sequence(targets, mesh, balanced=balanced).flatten()).backward()
     grads = {}

@@ -17,7 +17,7 @@ Two spawned one-rank jobs (tests/distributed.py's ``CaseSet``), each with a dead
   steps 2 and 4) that the cases share.
 - ``ENGINE``: meshpar's FSDP engine on a one-rank NCCL mesh, in float64 on a fixed batch:
   pinned CPU offload, and every collective forced through NCCL on the engine's CUDA streams
-  (``comm.force_collectives``: [Note: forcing the collectives of one rank]), against the same
+  (``comm_record.force_collectives``: [Note: forcing the collectives of one rank]), against the same
   model trained on the CPU without FSDP.
 
 [Note: no host sync inside an engine run]
@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from meshpar import CPUOffloadPolicy, comm, fully_shard
+from meshpar import CPUOffloadPolicy, comm_record, fully_shard
 from meshpar import activation_checkpoint as aclib
 from meshpar import mesh as meshlib
 from meshpar import step as steplib
@@ -173,11 +173,11 @@ def _case_memory_snapshot(job: Job):
     caught, step_fn = [], trainlib.train_step
 
     def step_after_running_out_of_memory(*args, **kwargs):
-        if comm.current_step() == 3:
+        if comm_record.current_step() == 3:
             try:
                 torch.empty(2**40, device=job.device)  # 4 TiB of float32: more than any GPU holds
             except torch.cuda.OutOfMemoryError:
-                caught.append(comm.current_step())
+                caught.append(comm_record.current_step())
         return step_fn(*args, **kwargs)
 
     with mock.patch.object(trainlib, "train_step", step_after_running_out_of_memory):
@@ -269,12 +269,12 @@ def _case_forced_collectives(engine: Engine):
     through NCCL, the engine's streams, implicit prefetch, reshard after forward), in float64:
     plainly, with two microbatches and sync on the second only, and with pinned CPU offload."""
     out = {}
-    with default_dtype(), comm.force_collectives():
+    with default_dtype(), comm_record.force_collectives():
         for name, (accumulate, kwargs) in {"reshard": (1, {}), "accumulate": (2, {}),
                                            "offload": (1, dict(offload_policy=CPUOffloadPolicy()))}.items():
             model = build_model("llama", **LLAMA).to(engine.device)
             units = shard_units(model, fully_shard, mesh=engine.mesh["dp_shard"], **kwargs)
-            with comm.count() as counted:
+            with comm_record.count() as counted:
                 losses = _fit(model, engine.device, accumulate)
             ref_losses, ref_params = _cpu_reference(torch.float64)
             out[name] = (losses, ref_losses, _max_param_diff(model, ref_params), dict(counted.calls), units)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from meshpar import comm
+from meshpar import comm_record
 from meshpar.expert_parallel import apply_expert_parallel
 from meshpar.models.moe import MoEArgs, MoETransformer
 from meshpar.train import train
@@ -71,7 +71,7 @@ def _case_parity(mesh) -> dict:
            "expected_sent": []}
     for tokens in batches:
         # --- expert parallel: this rank's slice, its share of the experts -------------------------
-        with comm.count() as counted:
+        with comm_record.count() as counted:
             loss, aux = _loss(model, tokens[rank * PER_RANK:(rank + 1) * PER_RANK])
             loss.backward()
         counts = _counts(model)

@@ -44,7 +44,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from meshpar import comm
+from meshpar import comm, comm_record
 from meshpar.fsdp import DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, fully_shard
 from meshpar.fsdp.param_group import ParamGroup
 from meshpar.fsdp.sharded_param import ShardedParam
@@ -251,10 +251,10 @@ def _case_comm_accounting(ctx: Ctx) -> None:
 
 
 def _case_nested_counts(ctx: Ctx) -> None:
-    """A ``comm.count()`` inside another (a step's around a microbatch's) leaves both counting."""
+    """A ``comm_record.count()`` inside another (a step's around a microbatch's) leaves both counting."""
     t, group = torch.ones(1), ctx.mesh.get_group()
-    with comm.count() as outer:
-        with comm.count() as inner:
+    with comm_record.count() as outer:
+        with comm_record.count() as inner:
             comm.all_reduce(t, group, dim="dp_shard")
         comm.all_reduce(t, group, dim="dp_shard")
     assert inner.calls == {("all_reduce", "dp_shard"): 1}, inner.calls
@@ -421,7 +421,7 @@ def _no_collectives_allowed() -> Iterator[Callable[[], None]]:
                 stack.enter_context(mock.patch.object(dist, name, counting(name, getattr(dist, name))))
         for name in ("_all_gather_single", "_reduce_scatter_single"):  # bound when meshpar.comm was imported
             stack.enter_context(mock.patch.object(comm, name, counting(name, getattr(comm, name))))
-        counter = stack.enter_context(comm.count())
+        counter = stack.enter_context(comm_record.count())
         rec = stack.enter_context(_Recorder())
 
         def check(expect_some: bool = False) -> None:
@@ -614,7 +614,7 @@ def _gathers_before_blocks(ctx: Ctx, model: nn.Module) -> list[int]:
     """All-gathers issued by the time each block's forward runs, in one forward + backward of Net
     (gradients dropped). Prefetching shows as the next unit's gather issued before this one runs."""
     seen: list[int] = []
-    with comm.count() as c:
+    with comm_record.count() as c:
         hooks = [b.register_forward_pre_hook(lambda *_: seen.append(c.total_calls("all_gather")))
                  for b in model.layers]  # after the engine's own pre-hook, which is prepended
         try:
@@ -663,7 +663,7 @@ def _case_eval(ctx: Ctx) -> None:
             assert_parity(model, ref, train(model, ref, NET, steps=2, optims=(opt, ref_opt)))
         for mode in (torch.no_grad, torch.inference_mode):
             model.eval()
-            with mode(), comm.count() as c:
+            with mode(), comm_record.count() as c:
                 out = model(x)
             plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
             assert not plain, f"still unsharded after a {mode.__name__} forward: {plain}"
@@ -704,14 +704,14 @@ def _case_one_rank_forced(ctx: Ctx) -> None:
         ref = task.build()
         model = copy.deepcopy(ref)
         shard_units(model, fully_shard, mesh=ctx.mesh)
-        with comm.force_collectives(), mock.patch.multiple(comm, **{n: spy(n) for n in real}):
+        with comm_record.force_collectives(), mock.patch.multiple(comm, **{n: spy(n) for n in real}):
             run = train(model, ref, task)
         groups = [m._fsdp_state.group for m in model.modules() if isinstance(m, FSDPModule)]
         _eq([g.alias for g in groups if g is not None], [False] * len(groups), "units aliasing under the switch")
         assert_parity(model, ref, run, rtol=0, atol=0)
     assert calls["_all_gather_single"] > 0 and calls["_reduce_scatter_single"] > 0, calls
-    with comm.force_collectives(False):
-        assert not comm.forced()
+    with comm_record.force_collectives(False):
+        assert not comm_record.forced()
 
 
 def _case_local_cast(ctx: Ctx) -> None:

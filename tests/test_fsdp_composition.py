@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from meshpar import comm
+from meshpar import comm_record
 from tests.distributed import CaseSet
 from tests.parity import TOL, default_dtype
 
@@ -112,7 +112,7 @@ def _offload_and_int_reshard_case():
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, **kwargs)
         fully_shard(model, mesh=mesh, **kwargs)
-        with comm.count() as counted:
+        with comm_record.count() as counted:
             losses = _train(model, ref, dist.get_rank(), dist.get_world_size())
         devices = {p.to_local().device.type for p in model.parameters()}
         model(torch.randn(2, 5)).sum().backward()  # leave gradients to look at

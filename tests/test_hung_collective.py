@@ -1,6 +1,6 @@
 """A rank that stops answering: its peers fail within ``fault.timeout`` plus a few seconds,
 naming the collective, its mesh dim, the step and the ranks that did not arrive, and print
-their flight recorder (meshpar/fault.py, meshpar/comm.py [Note: the flight recorder]).
+their flight recorder (meshpar/fault.py, meshpar/comm_record.py [Note: the flight recorder]).
 
 The end-to-end test SIGSTOPs one rank of a 2-rank ``meshpar train`` (a hung GPU or a stuck
 NCCL call looks the same from outside) with a 10 s timeout; gloo's default would wait 30
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshpar import comm
+from meshpar import comm, comm_record
 from meshpar.fault import report_collective_failure
 from tests.distributed import run_distributed
 from tests.processes import finish_run, rank_pid, start_run, wait_for_step
@@ -29,7 +29,7 @@ TIMEOUT_S = 10
 def _rank1_absent(tmp: str) -> str | None:
     """Rank 0 all-reduces over a 4 s timeout while rank 1 sleeps (never joins); rank 0 returns its report."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=4))
-    comm.set_step(7)
+    comm_record.set_step(7)
     t = torch.ones(1000)
     comm.all_reduce(t, group, dim="dp_shard").wait()  # both ranks: a completed one in the record
     if dist.get_rank() == 1:

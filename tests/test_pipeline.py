@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from meshpar import clip_grad_norm_, comm
+from meshpar import clip_grad_norm_, comm_record
 from meshpar.fsdp import fully_shard
 from meshpar.models.gpt2 import GPT2, GPT2Args
 from meshpar.models.llama import LLAMA_SIZES, Transformer
@@ -157,7 +157,7 @@ def _train(name: str, pp_mesh, virtual: int, *, dp_mesh=None, max_norm: float | 
 
     for step in range(STEPS):
         inputs, targets = (t.chunk(dp)[dp_rank] for t in _batch(step))
-        with comm.count() as c:
+        with comm_record.count() as c:
             out["losses"].append(loss_everywhere(pipe.step(inputs, targets)))
         if bug is not None:
             bug(pp_rank, params)

@@ -63,7 +63,7 @@ def test_pipeline_stages_trace_one_rank_each(tmp_path, data_cache):
 def test_allocation_tracker_categories_and_timeline():
     import torch
 
-    from meshpar.comm import comm_buffers
+    from meshpar.comm_record import comm_buffers
     from meshpar.profiling.memory import AllocationTracker
 
     model = torch.nn.Linear(64, 64)

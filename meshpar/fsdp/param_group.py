@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from meshpar import comm
+from meshpar import comm, comm_record
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.reduce import GroupReduce, ReduceQueue
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
@@ -105,7 +105,7 @@ class ParamGroup(GroupUnshard, GroupReduce):
         viewed back as its own dtype."""
         self.all_params = self.params + self.replicated
         self.single = (self.world == 1 and self.mesh_info.replicate_size == 1 and self.custom_all_gather is None
-                       and not comm.forced())  # [Note: forcing the collectives of one rank]
+                       and not comm_record.forced())  # [Note: forcing the collectives of one rank]
         self.alias = self.single and all(self.mp.param_dtype in (None, p.orig_dtype) for p in self.params)
         dtypes = {self.compute_dtype(p) for p in self.params}
         if len(dtypes) <= 1:

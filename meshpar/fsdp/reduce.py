@@ -21,7 +21,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from meshpar import comm
-from meshpar.comm import gradient_buffers
+from meshpar.comm_record import gradient_buffers
 from meshpar.fsdp.sharded_param import ShardedParam
 from meshpar.fsdp.streams import _wait
 

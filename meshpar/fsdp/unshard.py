@@ -20,7 +20,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from meshpar import comm
-from meshpar.comm import comm_buffers
+from meshpar.comm_record import comm_buffers
 from meshpar.fsdp.sharded_param import ParamState
 from meshpar.fsdp.streams import _wait
 

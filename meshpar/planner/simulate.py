@@ -61,12 +61,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshpar import comm
+from meshpar import comm, comm_record
 from meshpar import context_parallel as cplib
 from meshpar import ring_attention as ringlib
 from meshpar._torch import FakeTensorMode
 from meshpar._torch import dtensor_sharding_prop as sharding_prop
-from meshpar.comm import comm_buffers
+from meshpar.comm_record import comm_buffers
 from meshpar.fsdp import FSDPModule
 from meshpar.mesh import DIMS, Mesh
 from meshpar.models import attention as attnlib
@@ -181,7 +181,7 @@ class _Tracker(AllocationTracker):
         ph.start = ph.peak = before["Total"]
         ph.at_peak = before
         self.current_phase = ph
-        with comm.count() as counted:
+        with comm_record.count() as counted:
             yield ph
         self.current_phase = None
         after = self.current()

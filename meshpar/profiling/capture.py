@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction
 
-from meshpar import comm
+from meshpar import comm_record
 from meshpar._torch import attach_cuda_oom_observer, dump_cuda_memory_snapshot, record_cuda_memory_history
 from meshpar.checkpoint.atomic import atomic_path, write_atomic
 from meshpar.mesh import DIMS, Mesh
@@ -123,7 +123,7 @@ class StepProfiler:
                                      "coordinates": coords, "pp_stage": coords["pp"]}
         self.step_no = first_step - 1  # the last finished step
         self._recorded: list[int] = []  # steps recorded since the last trace was written
-        self._counts: dict[int, comm.CommCounter] = {}
+        self._counts: dict[int, comm_record.CommCounter] = {}
         self._counter_cm = None
         self._prof = None
         self._tracked, self._tracker = tracked, None  # [Note: memory in the profiled steps]
@@ -167,7 +167,7 @@ class StepProfiler:
         self._begin_step()
 
     def _begin_step(self) -> None:
-        self._counter_cm = comm.count()
+        self._counter_cm = comm_record.count()
         self._counts[self.step_no + 1] = self._counter_cm.__enter__()
         recording = self._prof.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
         if recording and self.cfg.profile_memory and self._tracker is None:
@@ -197,7 +197,7 @@ class StepProfiler:
         trace = json.loads(raw.read_text())
         raw.unlink()
         steps = range(first, last + 1)
-        counts = [self._counts.pop(s, comm.CommCounter()) for s in steps]
+        counts = [self._counts.pop(s, comm_record.CommCounter()) for s in steps]
         self.meta["steps"] = [first, last]
         self.meta["comm"] = {f"{op}[{dim}]": {"calls": sum(c.calls[(op, dim)] for c in counts),
                                               "bytes": sum(c.bytes[(op, dim)] for c in counts)}

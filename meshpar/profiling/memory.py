@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from meshpar._torch import MemRefType, MemTracker, RefType, UpdateType, WeakRefInfo  # imported on first use
-from meshpar.comm import buffer_tag
+from meshpar.comm_record import buffer_tag
 
 
 class Category(RefType):

@@ -23,7 +23,7 @@ About 8 minutes here. Per layout it prints
   batch's token ids. It is everything the step itself adds at its worst moment: the activations
   saved for backward, the gathered K/V, masks, temporaries, gradients in flight; its ratio to one
   process (issue 18's acceptance: at most 0.3 at cp 4);
-- K/V traffic per step and rank on the ``cp`` dim as ``meshpar.comm.count()`` recorded it, next to
+- K/V traffic per step and rank on the ``cp`` dim as ``meshpar.comm_record.count()`` recorded it, next to
   the analytic figure: per layer the forward all-gathers K and V, each a [B, Hkv, T, Dh] buffer of
   which a rank receives (cp - 1) / cp ([Note: all-gather of K and V]), and the backward
   reduce-scatters their gradients, the same volume ([Note: bytes counted]), so each direction is
@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import _disable_current_modes
 
-from meshpar import comm
+from meshpar import comm_record
 from meshpar import context_parallel as cp_module
 from meshpar.context_parallel import _Layout, apply_context_parallel, shard_sequence
 from meshpar.models.llama import LLAMA_SIZES, Transformer
@@ -135,7 +135,7 @@ class _Run:
     def probe(self) -> dict:
         """One more step under the allocation tracker and the collective counter."""
         dist.barrier()
-        with comm.count() as counted, _causal_bias_outside_modes(), \
+        with comm_record.count() as counted, _causal_bias_outside_modes(), \
                 PeakMemory(self.model, self.opt, self.inputs, self.targets) as memory:
             start = memory.current()["Total"]
             self.step()

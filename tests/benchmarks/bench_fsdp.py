@@ -11,7 +11,7 @@ turn from the same initial values on the same global batch (each rank its slice)
   after warmup steps (ranks start each step together at a barrier);
 - peak memory: live tensor bytes over one more step, the largest rank (probes.PeakMemory);
 - persistent memory: parameter + gradient + AdamW-state storage bytes held by a rank;
-- communication per step and rank: meshpar from ``meshpar.comm.count()``, PyTorch's engine
+- communication per step and rank: meshpar from ``meshpar.comm_record.count()``, PyTorch's engine
   from its calls of torch.distributed's functions, DDP from the dispatcher (its reducer
   calls C++ directly); all as ring bytes (see probes.py [Note: what each engine calls on gloo]).
 
@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshpar import comm
+from meshpar import comm_record
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.args import ModelArgs
 from tests.benchmarks.probes import DispatchedCollectives, PeakMemory, PythonCollectives, persistent_bytes
@@ -138,7 +138,7 @@ class _Trainer:
     def probe(self, name: str) -> dict[str, Any]:
         """One more step, counting collectives and live tensor memory; then the record."""
         dist.barrier()
-        with comm.count() as meshpar_comm, PythonCollectives() as python_comm, \
+        with comm_record.count() as meshpar_comm, PythonCollectives() as python_comm, \
                 DispatchedCollectives() as dispatched, \
                 PeakMemory(self.model, self.opt, self.inputs, self.targets) as memory:
             self.step()
@@ -150,7 +150,7 @@ class _Trainer:
                           "dispatched": _counts(dispatched.counter)})
 
 
-def _counts(counter: comm.CommCounter) -> dict[str, dict[str, float]]:
+def _counts(counter: comm_record.CommCounter) -> dict[str, dict[str, float]]:
     ops = sorted({op for op, _ in counter.calls})
     return {op: {"calls": counter.total_calls(op), "bytes": counter.total_bytes(op)} for op in ops}
 

@@ -9,7 +9,7 @@ with an FSDP unit per block and the root, bf16 compute, fp32 reduction, fused Ad
 
 - ``alias``: the one-rank shortcut, no collective ([Note: one data-parallel rank]; in bf16 each
   unit casts its shards into the unsharded parameters, in fp32 they are the shards);
-- ``streams``: ``comm.force_collectives()`` ([Note: forcing the collectives of one rank]): every
+- ``streams``: ``comm_record.force_collectives()`` ([Note: forcing the collectives of one rank]): every
   unit all-gathers and reduce-scatters through NCCL, on the copy-in / all-gather /
   reduce-scatter streams of [Note: CUDA streams in FSDP];
 - ``no streams``: the same collectives with MESHPAR_FSDP_STREAMS=0: copy-in on the compute
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from meshpar import comm
+from meshpar import comm_record
 from meshpar import mesh as meshlib
 from meshpar import recipe as recipelib
 from meshpar.models import get_family
@@ -63,7 +63,7 @@ def run_mode(mode: str, overrides: list[str], device: torch.device, steps: int, 
     family = get_family(recipe.model.family)
     args = family.model_args(recipe.model)
     mesh = meshlib.build(layout, device.type)
-    forced = contextlib.nullcontext() if mode == "alias" else comm.force_collectives()
+    forced = contextlib.nullcontext() if mode == "alias" else comm_record.force_collectives()
     cuda = device.type == "cuda"
     with forced:
         stages = build(family.model_cls, args, family.tp_plan, mesh, recipe.parallel, device, recipe.train.seed)

@@ -14,7 +14,7 @@ ep 2; dp_shard 4 with ep 4. Per layout it prints
 - step time: median over the timed steps (after warmup) of the slowest rank's step, ranks
   starting each step together at a barrier; its ratio to 1 rank and to the FSDP-only layout
   of the same rank count;
-- all-to-all calls and bytes per step and rank on the ``ep`` dim, as ``meshpar.comm.count()``
+- all-to-all calls and bytes per step and rank on the ``ep`` dim, as ``meshpar.comm_record.count()``
   recorded them, next to the analytic figure from that step's routing (every ep rank's
   ``tokens_per_expert`` per sparse layer, gathered): per sparse layer a rank sends, forward and
   backward, 2 x (rows for other ranks' experts + rows it computed for other ranks) x dim x
@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshpar import comm
+from meshpar import comm_record
 from meshpar import recipe as recipelib
 from tests.benchmarks.calibrate_plan import build_training
 from tests.distributed import run_distributed
@@ -112,7 +112,7 @@ def measure_rank(overrides: list[str], warmup: int, steps: int) -> dict:
     for i in range(warmup + steps):
         dist.barrier()  # every rank starts together; the step's time is the slowest rank's
         start = time.perf_counter()
-        with comm.count() as counted:
+        with comm_record.count() as counted:
             run.step()
         elapsed = time.perf_counter() - start
         expected = 0
