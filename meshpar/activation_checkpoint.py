@@ -83,6 +83,11 @@ def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | No
     return run
 
 
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether ``apply_activation_checkpointing`` wrapped ``block``'s forward."""
+    return hasattr(block.__dict__.get("forward"), "side_outputs")
+
+
 def sets_side_outputs_under_checkpoint(block: nn.Module) -> bool:
     """Whether ``block`` is checkpointed and its forward sets module attributes (an MoE layer's
     ``aux_loss``): a side effect dynamo refuses inside checkpoint, so compiling it would graph-break

@@ -150,6 +150,11 @@ class _Layout:
         cp = self.mesh.size()
         return sequence_indices(local_len * cp, cp, self.mesh.get_local_rank(), balanced=self.balanced)
 
+    def every_rank(self, local_len: int) -> Tensor:
+        """[cp, T/cp]: row r the global positions of the tokens cp rank r holds."""
+        cp = self.mesh.size()
+        return torch.stack([sequence_indices(local_len * cp, cp, r, balanced=self.balanced) for r in range(cp)])
+
     def query_chunks(self, local_len: int) -> list[tuple[int, int, int]]:
         """(first local query, queries, keys it may see: the sequence up to its chunk's end) per
         chunk this rank holds: [Note: attention per query chunk]."""
@@ -216,7 +221,7 @@ def _whole_sequence(layout: _Layout, tokens: Tensor) -> Tensor:
     gathered = tokens.new_empty((cp, *tokens.shape))  # [cp, B, T/cp]
     comm.all_gather(gathered.view(-1), tokens.view(-1), layout.mesh.get_group(), dim="cp").wait()
     # the global position of each gathered token, in rank order; its inverse puts them in sequence order
-    held = torch.cat([sequence_indices(local_len * cp, cp, r, balanced=layout.balanced) for r in range(cp)])
+    held = layout.every_rank(local_len).flatten()
     return gathered.movedim(0, 1).flatten(1)[:, held.argsort().to(tokens.device)]
 
 
@@ -250,7 +255,10 @@ def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
 
 def _attend_ring(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """[Note: ring attention]: q[B, H, T/cp, Dh] over every rank's k, v[B, Hkv, T/cp, Dh] in turn."""
-    return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced, documents=_documents(mask))
+    doc = _documents(mask)
+    if doc is not None:  # each rank's tokens' documents, [B, cp, T/cp]
+        doc = doc[:, layout.every_rank(q.shape[2]).to(doc.device)]
+    return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced, documents=doc)
 
 
 def _fused(q: Tensor) -> bool:

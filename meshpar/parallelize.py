@@ -18,7 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshpar.activation_checkpoint import apply_activation_checkpointing, sets_side_outputs_under_checkpoint
+from meshpar.activation_checkpoint import (
+    apply_activation_checkpointing,
+    is_checkpointed,
+    sets_side_outputs_under_checkpoint,
+)
 from meshpar.context_parallel import apply_context_parallel, attends_over_cp
 from meshpar.expert_parallel import apply_expert_parallel, route_over_sequence
 from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
@@ -49,7 +53,7 @@ def apply_compile(model: nn.Module) -> None:
     for block in model.layers.values():
         if sets_side_outputs_under_checkpoint(block):
             continue
-        if attends_over_cp(block) and "forward" in vars(block):  # checkpointed: [Note: compiling a block under cp]
+        if attends_over_cp(block) and is_checkpointed(block):  # [Note: compiling a block under cp]
             for part in (block.attention_norm, block.feed_forward, block.ffn_norm):
                 part.forward = torch.compile(part.forward)
         else:

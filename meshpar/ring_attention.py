@@ -65,8 +65,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, *, balance
                    documents: Tensor | None = None) -> Tensor:
     """Causal attention of this cp rank's q[B, H, T/cp, Dh] over the whole sequence's keys, its own
     k, v[B, Hkv, T/cp, Dh] passed around ``mesh`` (1-D, ``cp``): [Note: ring attention]. With
-    ``documents`` (doc[B, T], the document of every token of the sequence) a query sees only its
-    own document's keys ([Note: documents under context parallelism] in meshpar/context_parallel.py)."""
+    ``documents`` (doc[B, cp, T/cp]: row r the documents of the tokens cp rank r holds) a query sees
+    only its own document's keys ([Note: documents under context parallelism] in meshpar/context_parallel.py)."""
     return _RingAttention.apply(q, k, v, documents, _Ring(mesh, balanced))
 
 
@@ -76,11 +76,6 @@ class _Ring:
     def __init__(self, mesh: DeviceMesh, balanced: bool) -> None:
         self.group, self.cp, self.rank, self.balanced = mesh.get_group(), mesh.size(), mesh.get_local_rank(), balanced
         self.next, self.prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
-
-    def positions(self, rank: int, local_len: int, device: torch.device) -> Tensor:
-        """The sequence positions of the tokens ``rank`` holds (meshpar.context_parallel.sequence_indices)."""
-        c = local_len // 2 if self.balanced else local_len
-        return torch.cat([torch.arange(i * c, i * c + n, device=device) for i, _, n in self.chunks(rank, local_len)])
 
     def chunks(self, rank: int, local_len: int) -> list[tuple[int, int, int]]:
         """(chunk index in the sequence, first local token, tokens) of each chunk ``rank`` holds."""
@@ -171,7 +166,7 @@ class _RingAttention(torch.autograd.Function):
                 arriving = torch.empty_like(kv)
                 hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
             src = (ring.rank - step) % ring.cp
-            docs = _Documents(doc, ring, src, tl)
+            docs = _Documents(doc, ring.rank, src)
             for qs, ks, diagonal in ring.pairs(src, tl, b * h):
                 s = _scores(_block(qg, qs), kv[0, :, ks], diagonal, acc, docs(qs, ks))  # [B Hkv, G rows, keys]
                 part_lse = torch.logsumexp(s, dim=-1)
@@ -206,7 +201,7 @@ class _RingAttention(torch.autograd.Function):
                 hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # dK, dV of the chunk in hand
             src = (ring.rank - step) % ring.cp
-            docs = _Documents(ctx.doc, ring, src, tl)
+            docs = _Documents(ctx.doc, ring.rank, src)
             for qs, ks, diagonal in ring.pairs(src, tl, b * h):
                 kb, vb, qb, dout = kv[0, :, ks], kv[1, :, ks], _block(qg, qs), _block(dog, qs)
                 # P [B Hkv, G rows, keys]; every row saw a key (itself), so L is finite and masked P is 0
@@ -236,11 +231,10 @@ class _RingAttention(torch.autograd.Function):
 class _Documents:
     """The documents of a pair's queries and keys, this rank's against ``src``'s, or None (causal)."""
 
-    def __init__(self, doc: Tensor | None, ring: _Ring, src: int, local_len: int) -> None:
+    def __init__(self, doc: Tensor | None, rank: int, src: int) -> None:
         self.doc = doc
-        if doc is not None:
-            self.q_doc = doc[:, ring.positions(ring.rank, local_len, doc.device)]  # [B, T/cp]
-            self.k_doc = doc[:, ring.positions(src, local_len, doc.device)]
+        if doc is not None:  # doc[B, cp, T/cp]
+            self.q_doc, self.k_doc = doc[:, rank], doc[:, src]
 
     def __call__(self, qs: slice, ks: slice) -> tuple[Tensor, Tensor] | None:
         return None if self.doc is None else (self.q_doc[:, qs], self.k_doc[:, ks])

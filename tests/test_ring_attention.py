@@ -63,7 +63,9 @@ def _ring_alone(mesh, balanced: bool, documents: bool = False) -> dict:
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     idx = sequence_indices(SEQ, mesh.size(), mesh.get_local_rank(), balanced=balanced)
     local = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)]
-    docs = doc if documents else None
+    cp = mesh.size()
+    every_rank = torch.stack([sequence_indices(SEQ, cp, r, balanced=balanced) for r in range(cp)])
+    docs = doc[:, every_rank] if documents else None  # [B, cp, T/cp]: each rank's tokens' documents
     out = ringlib.ring_attention(*local, mesh, balanced=balanced, documents=docs)
     out.backward(dout[:, :, idx])
     diff = {"out": _rel(out, want[:, :, idx])}
