@@ -35,10 +35,10 @@ the all-gather's volume forward and twice it backward ([Note: all-gather of K an
 Memory: a rank holds two K/V chunks at a time (the one it attends to and the one arriving; in
 backward also three dK/dV chunks: in hand, arriving, leaving), not the gathered T; it saves q,
 its own k and v, the output and L, the same as one attention; scores exist per block of queries
-against one key chunk (at most ``SCORE_ELEMENTS`` of them, two such tensors at a time in
+against one key chunk (at most ``score_elements`` of them, two such tensors at a time in
 backward), during that block's computation only. The attention itself is explicit matmuls (no
-fused kernel returns a partial log-sum-exp through torch's public API): on a GPU, expected slower
-than the flash kernel the all-gather path calls (not measured). Selective checkpointing keeps none of it
+fused kernel returns a partial log-sum-exp through torch's public API), far slower on a GPU than
+the fused kernels the all-gather calls ([Note: the ring on a GPU]). Selective checkpointing keeps none of it
 (``_mm``): a block's recomputation runs the ring's forward again, hops included, one more
 attention forward per block than the all-gather, whose fused attention's output selective
 checkpointing keeps (the planner counts it: [Note: the ring's overlap] in
@@ -54,6 +54,28 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshpar import comm
 
 SCORE_ELEMENTS = 2**22  # scores per block, B x H x queries x keys (16 MiB in fp32): a block's queries are set by it
+SCORE_ELEMENTS_CUDA = 2**26  # 256 MiB in fp32: [Note: the ring on a GPU]
+
+# [Note: the ring on a GPU]
+# Measured on one H200 (torch 2.11, bf16, 2026-11-26; tests/benchmarks/bench_cp_attention.py: cp
+# rank 0's attention forward + backward, its hops local copies), ms, at the recipes' shapes:
+#     recipe (B H/Hkv T, cp)             gather   ring 2^22   ring 2^24   ring 2^26   peak MiB gather / ring 2^22 / 2^26
+#     llama3_8b_128k  (1 8/2 131072, 4)    92.7      4736.6      1346.3       788.8   802 / 522 / 1188
+#     llama3_70b_128k (1 8/1 131072, 16)   24.4      1034.1       234.4       196.3   584 / 125 / 852
+# The gather's chunks run the flash kernel at 0.27-0.29 of the bf16 peak; the ring's explicit
+# matmuls and online-softmax merges, launched block by block from Python, reach 0.006 of it with
+# 2^22 scores per block and 0.034 with 2^26, where each block is large enough that launches no longer
+# dominate. So on CUDA a block holds up to 2^26 scores (transient: +0.7 GiB of peak at 8B), and the
+# ring stays 8x the gather's time: the planner charges it so (``RING_ATTENTION_SLOWDOWN`` in
+# meshpar/planner/cost.py). On the CPU the ring's step is 0.99-1.20x the gather's (bench_cp, README).
+# A ring as fast as the gather needs a fused kernel that returns each pair's log-sum-exp (torch's
+# underscore-named attention ops do); not built.
+
+
+def score_elements(device: torch.device) -> int:
+    """The most scores a block of queries against one key chunk holds on ``device``."""
+    return SCORE_ELEMENTS_CUDA if device.type == "cuda" else SCORE_ELEMENTS
+
 # The planner (meshpar/planner/simulate.py) runs one block per (query chunk, key chunk) pair: on fake
 # tensors the values do not matter, a block's scores are transient (the peak holds one block at a
 # time) and the hops do not depend on the blocks, so memory and bytes are the same; at 131072 tokens
@@ -84,16 +106,16 @@ class _Ring:
         c = local_len // 2
         return [(rank, 0, c), (2 * self.cp - 1 - rank, c, c)]
 
-    def pairs(self, src: int, local_len: int, heads: int):
+    def pairs(self, src: int, local_len: int, heads: int, elements: int):
         """(query slice, key slice, diagonal) of every pair causality needs, this rank's queries
         against ``src``'s keys, in blocks of queries whose scores over the key chunk (``heads``:
-        B x H of them per query and key) fit SCORE_ELEMENTS; the diagonal's key slice ends at its
+        B x H of them per query and key) fit ``elements``; the diagonal's key slice ends at its
         block's last query, and its mask starts there."""
         for qi, q0, n in self.chunks(self.rank, local_len):
             for ki, k0, m in self.chunks(src, local_len):
                 if ki > qi:
                     continue
-                block = max(1, SCORE_ELEMENTS // (heads * m))
+                block = max(1, elements // (heads * m))
                 starts = range(0, n, block)
                 if _one_block_per_pair:  # the planner's simulation: the pair's largest block
                     starts = [max(starts, key=lambda a: min(block, n - a) * (a + min(block, n - a) if ki == qi else m))]
@@ -167,7 +189,7 @@ class _RingAttention(torch.autograd.Function):
                 hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
             src = (ring.rank - step) % ring.cp
             docs = _Documents(doc, ring.rank, src)
-            for qs, ks, diagonal in ring.pairs(src, tl, b * h):
+            for qs, ks, diagonal in ring.pairs(src, tl, b * h, score_elements(q.device)):
                 s = _scores(_block(qg, qs), kv[0, :, ks], diagonal, acc, docs(qs, ks))  # [B Hkv, G rows, keys]
                 part_lse = torch.logsumexp(s, dim=-1)
                 shift = part_lse if doc is None else _finite(part_lse)
@@ -202,7 +224,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # dK, dV of the chunk in hand
             src = (ring.rank - step) % ring.cp
             docs = _Documents(ctx.doc, ring.rank, src)
-            for qs, ks, diagonal in ring.pairs(src, tl, b * h):
+            for qs, ks, diagonal in ring.pairs(src, tl, b * h, score_elements(q.device)):
                 kb, vb, qb, dout = kv[0, :, ks], kv[1, :, ks], _block(qg, qs), _block(dog, qs)
                 # P [B Hkv, G rows, keys]; every row saw a key (itself), so L is finite and masked P is 0
                 p = _scores(qb, kb, diagonal, acc, docs(qs, ks)).sub_(_block(lse.unsqueeze(-1), qs)).exp_()

@@ -2,7 +2,7 @@
 # Issue 19's GPU checks in one call on a lent GPU machine (the device tool runs it from the repo
 # root with $OUT set; elsewhere results go to runs/gpu):
 #
-#     bash scripts/gpu_checks.sh [tests|streams|bench|moe|all]...
+#     bash scripts/gpu_checks.sh [tests|streams|bench|moe|cp|all]...
 #
 # 1. tests/test_cuda.py (the CUDA-marked tests; on a machine without a GPU they skip);
 # 2. tests/benchmarks/bench_gpu_streams.py (the collective path forced on one GPU: streams on
@@ -45,5 +45,9 @@ fi
 if want moe; then
   timeout "${MOE_S:-120}" python3 -m tests.benchmarks.bench_grouped_mm --device cuda --dtypes bfloat16 \
     --cases "debug,qwen3_30b_a3b/ep8,qwen3_235b_a22b/ep8" --json "$out/grouped_mm.json" 2>&1 | tee "$out/grouped_mm.log"
+fi
+if want cp; then
+  timeout "${CP_S:-150}" python3 -m tests.benchmarks.bench_cp_attention --hardware h200 \
+    --json "$out/cp_attention.json" 2>&1 | grep -v "^USDT" | tee "$out/cp_attention.log"
 fi
 echo "gpu_checks: done"

@@ -88,6 +88,11 @@ from meshpar.recipe import Recipe
 EFFICIENCY = {False: 0.43, True: 0.52}  # one device, by parallel.compile
 BESIDE_COLLECTIVES = 0.80
 OPTIMIZER_BYTES_PER_PARAM = 40  # fp32 AdamW: param, grad, 2 moments read, 3 written (28 B); clip 12 B
+# The ring's attention (``parallel.cp_attention = "ring"``), forward and backward, takes this many times
+# the gather's on a device of the kind: 8.5x (Llama 3 8B at 131072 tokens, cp 4 x tp 4) and 7.9-8.0x
+# (70B, cp 16 x tp 8) on one H200 ([Note: the ring on a GPU] in meshpar/ring_attention.py); on the CPU
+# the two steps are within 20% of each other (bench_cp), which the model leaves out.
+RING_ATTENTION_SLOWDOWN = {"cuda": 8.0}
 
 
 def default_efficiency(compiled: bool, world_size: int) -> float:
@@ -173,10 +178,11 @@ def _link(dim: str, layout: Layout, gpus_per_node: int, profile: HardwareProfile
 
 
 def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: int, seq_len: int, *,
-                           ring: bool = False) -> tuple[float, float]:
+                           ring: bool = False, ring_slowdown: float = 1.0) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs) per token of one pipeline stage: [Note: the time model]. ``ring``:
     cp's attention is the ring, whose forward selective checkpointing recomputes ([Note: the ring's
-    overlap])."""
+    overlap]), and whose every attention FLOP costs ``ring_slowdown`` of the gather's (as executed
+    FLOPs at the common rate: ``RING_ATTENTION_SLOWDOWN``)."""
     vocab_matmul = args.vocab_size * args.dim
     per_block_weights = (args.matmul_params() - vocab_matmul) / args.n_layers
     per_block_attention = (args.flops_per_token(seq_len) - 6.0 * args.matmul_params()) / args.n_layers
@@ -184,7 +190,11 @@ def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: i
     model = len(layers) * per_block + (6.0 * vocab_matmul if last else 0.0)
     checkpointed = sum(1 for i in layers if i % ac_every == 0)
     recomputed = {"full": per_block, "selective": per_block_attention if ring else 0.0}.get(ac, 0.0)
-    return model, model + checkpointed * recomputed / 3  # a forward is a third of forward + backward
+    executed = model + checkpointed * recomputed / 3  # a forward is a third of forward + backward
+    if ring:  # its attention, the recomputed forward included, at 1 / ring_slowdown of the common rate
+        again = checkpointed / 3 if ac in ("full", "selective") else 0.0
+        executed += (ring_slowdown - 1.0) * per_block_attention * (len(layers) + again)
+    return model, executed
 
 
 def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
@@ -231,8 +241,8 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
 # Selective checkpointing keeps nothing of the ring's forward (meshpar/ring_attention.py), so a
 # checkpointed block recomputes its attention forward too: a third of the attention term more
 # compute per block (``_stage_flops_per_token(ring=True)``), where the gather's fused attention
-# output is kept. The model prices the ring's attention FLOPs at the gather's rate; its explicit
-# matmuls are slower than the flash kernel on a GPU (not modeled).
+# output is kept. On a GPU the ring's explicit matmuls take 8x the gather's fused kernels
+# (``RING_ATTENTION_SLOWDOWN``): its attention FLOPs, and so each step ``a`` below, count 8x.
 # The arithmetic at 131072 tokens, bf16, micro_batch 1, efficiency 0.344 of 989 TFLOP/s, links 450 GB/s
 # in a node and 50 GB/s across, per block and microbatch (G: the gather's critical path under selective
 # checkpointing, 3 (cp - 1) h/bw; R: the ring's exposed time; C: the block's forward and backward):
@@ -245,14 +255,13 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
 # its last dK/dV hop. For the recipes (8B: cp 4 x tp 4, a cp group across two nodes; 70B: cp 16 x
 # tp 8, across 16), from their planned all-gather steps (8B 25.57 s with 0.77 s of cp on the critical
 # path, 70B 19.51 s with 1.21 s): the ring's exposed hops are 0.09 s and 0.03 s, but with selective
-# checkpointing its recomputed attention forward adds 6.6 s and 4.1 s: steps of ~31.5 s and ~22.5 s,
-# the gather's step 19% and 13% shorter. Where nothing of the attention is kept either way (checkpointing
-# none or full) the ring saves the gather's cp time less its last hops: 0.68 s (2.7%) and 1.18 s (6%)
-# across nodes, under 1% inside a node (G / 9). So by the planner's arithmetic the gather is better
-# for Llama 3 8B and 70B at 128k with selective checkpointing on either link, and the ring by a few
-# percent across nodes without it, before its slower kernel. ``allgather`` stays the default.
-# (``meshpar plan`` with the ring at 131072 tokens does not finish in minutes: its simulation runs
-# every score block on fake tensors, ~10^5 blocks per step.)
+# checkpointing its recomputed attention forward adds 6.6 s and 4.1 s at the gather's rate. Where
+# nothing of the attention is kept either way (checkpointing none or full) the ring would save the
+# gather's cp time less its last hops: 0.68 s (2.7%) and 1.18 s (6%) across nodes, under 1% inside a
+# node (G / 9), if its attention ran as fast as the gather's. It does not: on a GPU it takes 8x
+# (``RING_ATTENTION_SLOWDOWN``), and ``meshpar plan`` of llama3_8b_128k with the ring plans 216.7 s
+# per step (4,838 tokens/s) against the gather's 25.6 s (41,013). ``allgather`` stays the default;
+# the ring is for a gathered K/V that does not fit (it holds two chunks, not the sequence).
 def _ring_hidden(comm: DimComm, recipe: Recipe, layout: Layout, args, blocks: int, accum: int,
                  flops: float) -> float:
     """[Note: the ring's overlap]: of the cp dim's ``comm.seconds``, what hides behind the attention
@@ -280,15 +289,16 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
     peak = profile.peak_flops(getattr(torch, p.param_dtype))
     tokens = t.global_batch * t.seq_len / (layout.dp * layout.cp)  # tokens per step on one rank (all its tp ranks)
     ring = p.cp_attention == "ring" and layout.cp > 1
+    slowdown = RING_ATTENTION_SLOWDOWN.get(profile.device, 1.0) if ring else 1.0
     stages = []  # (compute s, critical comm s, DimComms) per stage; the step is set by the largest sum
     for r in ranks:
         _, executed = _stage_flops_per_token(args, r.layers, r.stage == layout.pp - 1, p.activation_checkpoint,
-                                             p.ac_every, t.seq_len, ring=ring)
+                                             p.ac_every, t.seq_len, ring=ring, ring_slowdown=slowdown)
         compute = executed * tokens / layout.tp / (peak * efficiency)
         comms = _stage_comms(r, recipe, layout, args, accum, gpn, profile)
         if ring:
             comms = [dataclasses.replace(c, hidden_s=_ring_hidden(c, recipe, layout, args, len(r.layers), accum,
-                                                                  peak * efficiency)) if c.dim == "cp" else c
+                                                                  peak * efficiency / slowdown)) if c.dim == "cp" else c
                      for c in comms]
         # the optimizer step: every local fp32 parameter, memory-bound ([Note: the efficiency constants])
         optimizer = r.param_bytes / 4 * OPTIMIZER_BYTES_PER_PARAM / (profile.memory_bandwidth_gbps * 1e9)

@@ -233,15 +233,17 @@ def _patched(nccl: bool) -> Iterator[None]:
     (70B at 131072 tokens over cp 8: 1 GiB per chunk). The simulation calls the attention
     unmasked instead: the CPU's flash kernel, which saves the same tensors as the GPU's
     causal one (FLOPs are cost.py's arithmetic, not the simulation's). The ring attention runs
-    one score block per chunk pair (``ring_attention._one_block_per_pair``: the same peak and hops).
+    one score block per chunk pair (``ring_attention._one_block_per_pair``: the same peak and hops),
+    of the GPU's size for a CUDA profile (``SCORE_ELEMENTS_CUDA``: [Note: the ring on a GPU]).
     Document-causal attention (``model.attention = "document"``) builds its masks as on a GPU and
     repeats K/V to the query heads before a masked call ([Note: masked grouped-query attention on
     CUDA] in meshpar/models/attention.py); its FLOPs are planned as causal attention's.
     """
     original = (comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused,
-                ringlib._one_block_per_pair, attnlib._expands_kv)
+                ringlib._one_block_per_pair, ringlib.score_elements, attnlib._expands_kv)
     if nccl:
         comm.ReduceScatterInput = _NcclReduceScatterInput
+        ringlib.score_elements = lambda device: ringlib.SCORE_ELEMENTS_CUDA  # the GPU's score blocks
     sharding_prop.detect_fake_mode = lambda *args: None
     cplib.causal_lower_right, cplib._fused = _unmasked, lambda q: True  # the GPU's path: no mask, no recompute
     ringlib._one_block_per_pair = True
@@ -252,7 +254,7 @@ def _patched(nccl: bool) -> Iterator[None]:
             yield
     finally:
         (comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused,
-         ringlib._one_block_per_pair, attnlib._expands_kv) = original
+         ringlib._one_block_per_pair, ringlib.score_elements, attnlib._expands_kv) = original
 
 
 def _steady_prefetch(stage: torch.nn.Module) -> None:

@@ -26,22 +26,30 @@ ms per forward + backward; the two kernels' outputs and gradients equal bit for 
 
 Before the loop took its experts' weights by ``unbind`` (meshpar/models/moe/grouped.py) it was
 4.3-7.5x the grouped kernel's time at the 30B shape (the backward of each ``w[e]`` wrote a zeroed
-copy of all E experts' weights). The 235B case takes ~15 min here (``--cases`` to pick). Not run on
-a GPU yet: a GPU session runs ``--device cuda --dtypes bfloat16``.
+copy of all E experts' weights). The 235B case takes ~15 min here (``--cases`` to pick).
+
+On one H200 (2026-11-26, torch 2.11, ``--device cuda --dtypes bfloat16``, ``scripts/gpu_checks.sh moe``)::
+
+    case                 dtype     routing  slots  grouped ms   loop ms loop/grouped max rel diff
+    debug                bfloat16  even     16384        1.28      3.33         2.60      0.0e+00
+    debug                bfloat16  skewed   16384        0.97      2.81         2.90      4.3e-03
+    qwen3_30b_a3b/ep8    bfloat16  even     32768        2.29      4.61         2.02      0.0e+00
+    qwen3_30b_a3b/ep8    bfloat16  skewed   32768        2.63      5.27         2.00      0.0e+00
+    qwen3_235b_a22b/ep8  bfloat16  even     16384        3.75      9.03         2.41      0.0e+00
+    qwen3_235b_a22b/ep8  bfloat16  skewed   16384        4.10      9.11         2.22      0.0e+00
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from meshpar.models.moe.grouped import grouped_mm_supported
 from meshpar.models.moe.model import swiglu_experts
+from tests.benchmarks.probes import median_seconds
 
 # (name, experts, dim, expert ffn dim, token slots): a layer of the debug model, and one ep rank's
 # share of a Qwen3-30B-A3B / 235B-A22B layer at ep 8 (16 experts), at a CPU's worth of slots (a
@@ -68,20 +76,6 @@ def _counts(experts: int, slots: int, skewed: bool) -> torch.Tensor:
     return counts
 
 
-def _time(fn, repeats: int, device: str) -> float:
-    fn()  # warmup
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure(case: str, dtype: torch.dtype, skewed: bool, device: str, repeats: int) -> dict | None:
     experts, dim, ffn, slots = CASES[case]
     gen = torch.Generator().manual_seed(0)
@@ -104,7 +98,7 @@ def measure(case: str, dtype: torch.dtype, skewed: bool, device: str, repeats: i
             outs[kernel] = (out.detach().float(), x.grad.float(), w1.grad.float())
         return run
 
-    ms = {k: 1e3 * _time(step(k), repeats, device) for k in ("grouped", "loop")}
+    ms = {k: 1e3 * median_seconds(step(k), repeats, device) for k in ("grouped", "loop")}
     worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
                 for a, b in zip(outs["grouped"], outs["loop"], strict=True))
     return {"case": case, "dtype": str(dtype).removeprefix("torch."), "routing": "skewed" if skewed else "even",

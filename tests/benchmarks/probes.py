@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import statistics
 import threading
+import time
 from functools import wraps
 from typing import Any
 
@@ -279,3 +281,19 @@ def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     parts = {"params": _storages(params), "grads": _storages(p.grad for p in params),
              "optim": _storages(state)}
     return {name: sum(d.values()) for name, d in parts.items()}
+
+
+def median_seconds(fn: Any, repeats: int, device: str) -> float:
+    """The median wall time of ``repeats`` calls of ``fn`` after one untimed call, each call ended by
+    a CUDA synchronize on ``device`` "cuda" (so the GPU's work is counted, not only its launch)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
