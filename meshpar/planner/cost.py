@@ -260,7 +260,8 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
 # gather's cp time less its last hops: 0.68 s (2.7%) and 1.18 s (6%) across nodes, under 1% inside a
 # node (G / 9), if its attention ran as fast as the gather's. It does not: on a GPU it takes 8x
 # (``RING_ATTENTION_SLOWDOWN``), and ``meshpar plan`` of llama3_8b_128k with the ring plans 216.7 s
-# per step (4,838 tokens/s) against the gather's 25.6 s (41,013). ``allgather`` stays the default;
+# per step (4,838 tokens/s) against the gather's 25.6 s (41,013), llama3_70b_128k 138.2 s (7,585)
+# against 19.5 s (53,760). ``allgather`` stays the default;
 # the ring is for a gathered K/V that does not fit (it holds two chunks, not the sequence).
 def _ring_hidden(comm: DimComm, recipe: Recipe, layout: Layout, args, blocks: int, accum: int,
                  flops: float) -> float:
