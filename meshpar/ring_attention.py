@@ -36,8 +36,8 @@ Memory: a rank holds two K/V chunks at a time (the one it attends to and the one
 backward also three dK/dV chunks: in hand, arriving, leaving), not the gathered T; it saves q,
 its own k and v, the output and L, the same as one attention; scores exist per block of queries
 against one key chunk (at most ``score_elements`` of them, two such tensors at a time in
-backward), during that block's computation only. The attention itself is explicit matmuls (no
-fused kernel returns a partial log-sum-exp through torch's public API), far slower on a GPU than
+backward), during that block's computation only. The attention itself is explicit matmuls (the
+fused ``scaled_dot_product_attention`` returns no log-sum-exp to merge by), far slower on a GPU than
 the fused kernels the all-gather calls ([Note: the ring on a GPU]). Selective checkpointing keeps none of it
 (``_mm``): a block's recomputation runs the ring's forward again, hops included, one more
 attention forward per block than the all-gather, whose fused attention's output selective
@@ -68,8 +68,9 @@ SCORE_ELEMENTS_CUDA = 2**26  # 256 MiB in fp32: [Note: the ring on a GPU]
 # dominate. So on CUDA a block holds up to 2^26 scores (transient: +0.7 GiB of peak at 8B), and the
 # ring stays 8x the gather's time: the planner charges it so (``RING_ATTENTION_SLOWDOWN`` in
 # meshpar/planner/cost.py). On the CPU the ring's step is 0.99-1.20x the gather's (bench_cp, README).
-# A ring as fast as the gather needs a fused kernel that returns each pair's log-sum-exp (torch's
-# underscore-named attention ops do); not built.
+# A ring as fast as the gather needs a fused kernel that returns each pair's log-sum-exp: torch's
+# public ``flex_attention`` does (``return_lse``; a Triton kernel once compiled, causal and document
+# masks as block masks), as do its underscore-named flash / cuDNN ops; not built.
 
 
 def score_elements(device: torch.device) -> int:
