@@ -155,6 +155,9 @@ def test_plan_prices_the_ring():
     slowdown = costlib.RING_ATTENTION_SLOWDOWN["cuda"]
     extra = recomputed + (slowdown - 1) * (attention + recomputed)
     assert ring.time.compute_s - gather.time.compute_s == pytest.approx(extra / flops, rel=1e-9)
+    # and the plan says so, where the gather's says nothing of it
+    ring_text, gather_text = (_run(recipe, *argv, f'--parallel.cp_attention="{a}"')[1] for a in ("ring", "allgather"))
+    assert "ring attention at 8x the all-gather's time" in ring_text and "ring attention" not in gather_text
 
 
 def test_the_planner_runs_one_score_block_per_chunk_pair(monkeypatch):

@@ -7,6 +7,7 @@ the part of the peak the change shrinks most.
 from __future__ import annotations
 
 from meshpar.models import get_family
+from meshpar.planner.cost import RING_ATTENTION_SLOWDOWN
 from meshpar.planner.dry_run import Plan, RankPlan
 
 GIB = 2**30
@@ -101,6 +102,11 @@ def time_table(plan: Plan) -> str:
              f"{plan.recipe.parallel.param_dtype} (recomputation included)",
              f"  {'optimizer':<{w}} {t.optimizer_s:8.3f} s   clipping + AdamW, memory-bound at "
              f"{plan.profile.memory_bandwidth_gbps:g} GB/s"]
+    slowdown = RING_ATTENTION_SLOWDOWN.get(plan.profile.device, 1.0)
+    if plan.recipe.parallel.cp_attention == "ring" and plan.layout.cp > 1 and slowdown > 1:
+        lines.insert(2, f"  {'':<{w}} of which cp's ring attention at {slowdown:g}x the all-gather's time on "
+                        f"this device (measured: [Note: the ring on a GPU]); parallel.cp_attention = \"allgather\" "
+                        f"is faster")
     for c in t.comm:
         how = "overlapped with compute" if c.overlapped else "on the critical path"
         if c.hidden_s and not c.overlapped:  # cp's ring: its hops run beside each ring step's attention
