@@ -17,6 +17,9 @@ attention work under it) runs, forward and backward:
   ``causal_lower_right`` on CUDA; a built mask elsewhere);
 - ``gather-repeat``: the same with K and V first repeated to the query heads (a GQA kernel's
   alternative: more bytes read, perhaps a faster kernel);
+- ``gather-flex`` (``--flex``, CUDA only: flex_attention has no backward on the CPU): the gather's
+  chunks through ``torch.compile``d ``flex_attention`` with a bottom-right causal block mask, the
+  Triton kernel the flash kernel's 0.27-0.29 of peak is set against;
 - ``ring@E``: ``ring_attention``'s forward and backward with blocks of at most E scores (one
   block of queries against one key chunk; ``ring_attention.score_elements``), its hops replaced by
   local copies of the K/V chunk the ring would receive (so the forward and dQ are exact; the dK/dV
@@ -87,8 +90,9 @@ def _kernels(fn) -> str:
              "efficient": ("_scaled_dot_product_efficient_attention", "_efficient_attention_forward"),
              "cudnn": ("_scaled_dot_product_cudnn_attention",),
              "cpu-flash": ("_scaled_dot_product_flash_attention_for_cpu",),
-             "math": ("_scaled_dot_product_attention_math",)}
-    found = [kind for kind, ops in kinds.items() if any(f"aten::{op}" in names for op in ops)]
+             "math": ("_scaled_dot_product_attention_math",), "flex": ("flex_attention",)}
+    found = [kind for kind, ops in kinds.items()
+             if any(f"aten::{op}" in names or (kind == "flex" and any(op in n for n in names)) for op in ops)]
     return "+".join(found) or "-"
 
 
@@ -116,7 +120,7 @@ def shapes(case: str) -> dict:
 
 
 def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int], repeats: int,
-            hardware: str) -> list[dict]:
+            hardware: str, flex: bool = False) -> list[dict]:
     s = shapes(case)
     b, h, hkv, t, dh, cp = (s[k] for k in ("b", "h", "hkv", "t", "dh", "cp"))
     local = t // cp
@@ -162,6 +166,22 @@ def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int
         out.backward(grad)
         got["gather-repeat"] = (out.detach(), ql.grad)
 
+    def gather_flex():
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        attend = torch.compile(flex_attention, dynamic=False)
+        masks = [create_block_mask(lambda b_, h_, q_idx, kv_idx, shift=keys - n: q_idx + shift >= kv_idx,
+                                   None, None, n, keys, device=device) for _, n, keys in chunks]
+
+        def run():
+            ql.grad = kg.grad = vg.grad = None
+            out = torch.cat([attend(ql[:, :, first:first + n], kg[:, :, :keys], vg[:, :, :keys], block_mask=mask,
+                                    enable_gqa=True)
+                             for (first, n, keys), mask in zip(chunks, masks, strict=True)], dim=2)
+            out.backward(grad)
+            got["gather-flex"] = (out.detach(), ql.grad)
+        return run
+
     def ring(elements: int):
         ring_ = ringlib._Ring.__new__(ringlib._Ring)
         ring_.group, ring_.cp, ring_.rank, ring_.balanced = None, cp, 0, True
@@ -177,6 +197,8 @@ def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int
         return run
 
     runs = {"whole": whole, "gather": gather, "gather-repeat": gather_repeat}
+    if flex:
+        runs["gather-flex"] = gather_flex()
     runs |= {f"ring@{e}": ring(e) for e in score_elements}
     rows = []
     for name, fn in runs.items():
@@ -206,6 +228,7 @@ def main() -> None:
     ap.add_argument("--score-elements", default=f"{ringlib.SCORE_ELEMENTS},{ringlib.SCORE_ELEMENTS_CUDA}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hardware", default="auto", help="profile for the peak (auto: this device's)")
+    ap.add_argument("--flex", action="store_true", help="also the gather's chunks on flex_attention (CUDA only)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="recipes/llama_debug_cp.toml on the CPU in float64")
     a = ap.parse_args()
@@ -218,7 +241,9 @@ def main() -> None:
           f"{'planned ms':>10} {'meas/plan':>9} {'peak MiB':>9} {'out diff':>9} {'dQ diff':>9}")
     rows = []
     for case in a.cases.split(","):
-        for r in measure(case, a.device, dtype, elements, a.repeats, a.hardware):
+        if a.flex and a.device != "cuda":
+            ap.error("--flex needs --device cuda: flex_attention has no backward on the CPU")
+        for r in measure(case, a.device, dtype, elements, a.repeats, a.hardware, a.flex):
             rows.append(r)
             shape = f"{r['b']} {r['h']}/{r['hkv']} {r['t']} {r['cp'] if r['attention'] != 'whole' else 1}"
             mib = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
