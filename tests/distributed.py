@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import random
 import shutil
 import signal
 import socket
@@ -34,11 +35,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# [Note: ports under pytest-xdist]
+# A rank-0 store binds the port the test chose a moment earlier. Picked by binding port 0, that port
+# is an ephemeral one, and with two pytest workers (.ci/run) the other worker's gloo connections take
+# ephemeral ports all the time: one took a chosen port before its store bound it (EADDRINUSE, once
+# in 1,400 multi-rank jobs, 2026-11-26). So a test's ports come from below the ephemeral range
+# (Linux's 32768-60999 by default), a disjoint slice per xdist worker, each checked free by binding
+# it: nothing else picks ports there, and within a worker tests run one at a time.
+PORTS = range(10000, 32000)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def free_port() -> int:
+    """A free localhost port for a rendezvous: [Note: ports under pytest-xdist]."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    width = len(PORTS) // max(1, workers)
+    first = PORTS.start + worker * width
+    for port in random.sample(range(first, first + width), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}..{first + width - 1} after 200 tries")
 
 
 def _rank_main(rank: int, world_size: int, port: int, init_pg: bool, fn: Callable, args: tuple,
@@ -83,7 +103,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                     init_process_group: bool = True) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, init_process_group, fn, args, results),
                          daemon=True) for r in range(world_size)]
     for p in procs:

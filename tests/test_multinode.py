@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from meshpar import data
+from tests.distributed import free_port
 from tests.helpers import ROOT
 
 RECIPE = "recipes/llama_debug_2d.toml"  # dp_shard 2 x tp 2: 4 ranks, 2 per agent
@@ -43,11 +44,6 @@ ARGS = [f"--train.steps={STEPS}", "--train.log_every=1", f"--train.eval_every={S
 TIMING = {"tokens_per_s", "mfu", "mem_gb"}  # what may differ between two runs of the same numbers
 DEADLINE = 150  # seconds for one run (agents and ranks), about 6x what it takes here
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _kill_marked(marker: str) -> None:
@@ -67,7 +63,7 @@ def _run(agents: list[dict[str, str]], nnodes: int, nproc: int, logs: Path) -> l
     """Start one ``torchrun`` agent per entry of ``agents`` (its ``cache`` and ``output_dir``),
     checkpoints in ``logs/checkpoints``; wait for all with a deadline; return their outputs. A
     failed or late agent fails the test at once; nothing is left running either way."""
-    marker, port, run_id = uuid.uuid4().hex, _free_port(), f"meshpar-test-{uuid.uuid4().hex[:8]}"
+    marker, port, run_id = uuid.uuid4().hex, free_port(), f"meshpar-test-{uuid.uuid4().hex[:8]}"
     procs, outputs = [], [logs / f"agent{i}.log" for i in range(len(agents))]
     try:
         for extra, out in zip(agents, outputs, strict=True):
@@ -186,7 +182,7 @@ def test_slurm_script_passes_the_time_limit_signal_to_each_rank_once_and_requeue
     marker, log = uuid.uuid4().hex, tmp_path / "job.out"
     env = dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", FAKE=str(tmp_path),
                SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[1-2]", SLURM_GPUS_PER_NODE="2",
-               TMPDIR=str(tmp_path), MESHPAR_RDZV_PORT=str(_free_port()), OMP_NUM_THREADS="1",
+               TMPDIR=str(tmp_path), MESHPAR_RDZV_PORT=str(free_port()), OMP_NUM_THREADS="1",
                MESHPAR_TEST_JOB=marker)
     cmd = ["bash", "scripts/slurm.sbatch", RECIPE, "--train.steps=100", "--train.log_every=1",
            "--train.eval_every=0", f"--train.output_dir={tmp_path / 'out'}"]
