@@ -116,7 +116,9 @@ def shapes(case: str) -> dict:
     p, t = recipe.parallel, recipe.train
     return {"case": path.stem, "b": t.micro_batch, "h": args.n_heads // p.tp, "hkv": args.n_kv_heads // p.tp,
             "t": t.seq_len, "dh": args.resolved_head_dim, "cp": p.cp, "compiled": p.compile,
-            "world": p.pp * p.dp_replicate * p.dp_shard * p.cp * p.tp}
+            "world": p.pp * p.dp_replicate * p.dp_shard * p.cp * p.tp,
+            # one block's attention FLOPs per token on a tp rank, as the planner counts them (cost.py)
+            "attention_flops": (args.flops_per_token(t.seq_len) - 6.0 * args.matmul_params()) / args.n_layers / p.tp}
 
 
 def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int], repeats: int,
@@ -134,7 +136,7 @@ def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int
     model_flops = 3 * 4 * b * h * dh * pairs
     profile = load_profile(hardware, device)
     peak = profile.peak_flops(dtype if dtype != torch.float64 else torch.float32)
-    planned_s = 12 * h * dh * t * b * local / (peak * default_efficiency(s["compiled"], s["world"]))
+    planned_s = s["attention_flops"] * b * local / (peak * default_efficiency(s["compiled"], s["world"]))
 
     ql = q[:, :, idx[0]].detach().requires_grad_()
     kg, vg = k.detach().requires_grad_(), v.detach().requires_grad_()
