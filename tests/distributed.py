@@ -102,6 +102,9 @@ def _exit(code: int | None) -> str:
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
                     init_process_group: bool = True) -> list[Any]:
+    from tests import tiers
+
+    tiers.note_spawn(f"run_distributed({getattr(fn, '__name__', fn)}, {world_size})")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

@@ -25,6 +25,8 @@ from meshpar.models.llama.args import ModelArgs
 from meshpar.parallelize import apply_compile
 from tests.helpers import build_model
 
+pytestmark = pytest.mark.slow  # inductor builds C++ kernels: ~10 s a test, out of the inner loop
+
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=32)
 
 
