@@ -6,8 +6,8 @@ Read in this order: ``recipe`` (TOML -> sections) -> ``mesh`` (degrees -> Device
 re-exported here so that switching from PyTorch's engine is one import.
 """
 
-from meshpar import comm, comm_record
-from meshpar.clip import clip_grad_norm_
+from meshpar.distributed import comm, comm_record
+from meshpar.distributed.clip import clip_grad_norm_
 from meshpar.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 __version__ = "0.1.0"

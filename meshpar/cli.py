@@ -24,14 +24,14 @@ import re
 import sys
 from pathlib import Path
 
-from meshpar import mesh as meshlib
-from meshpar import recipe as recipelib
 from meshpar.checkpoint import CheckpointError
-from meshpar.fault import EXIT_PREEMPTED
-from meshpar.nonfinite import NonFiniteError
-from meshpar.preflight import preflight
-from meshpar.recipe import RecipeError
+from meshpar.config import recipe as recipelib
+from meshpar.config.recipe import RecipeError
+from meshpar.distributed import mesh as meshlib
+from meshpar.runtime.fault import EXIT_PREEMPTED
 from meshpar.train import train
+from meshpar.training.nonfinite import NonFiniteError
+from meshpar.training.preflight import preflight
 
 EPILOG = ("Override any recipe key as --section.key=value (e.g. --train.steps=50 --parallel.dp_replicate=2); "
           "see `meshpar recipe --keys`. Precedence: command line > recipe file > defaults.")
@@ -168,7 +168,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     preflight(recipe, nproc)  # every recipe error before a process starts; tokenizes once for all ranks
     if nproc == 1 and not args.max_restarts:
         return EXIT_PREEMPTED if train(recipe).stopped_by else 0
-    from meshpar.launch import launch_local
+    from meshpar.runtime.launch import launch_local
     return launch_local(nproc, [str(args.recipe), *overrides], max_restarts=args.max_restarts,
                         signals=recipe.fault.signals)
 

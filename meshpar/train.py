@@ -6,13 +6,13 @@ starts on each local rank. The data flow (docs/architecture.md):
     recipe -> layout (checked before any process group) -> data (cached tokens)
       -> process group + mesh -> model on meta -> pipeline split -> parallelize (TP, activation
       checkpointing, compile, FSDP) -> to_empty + init_weights -> optimizer + LR schedule
-      -> loop: meshpar.step.train_step (batch -> forward/backward per microbatch or the
+      -> loop: meshpar.training.step.train_step (batch -> forward/backward per microbatch or the
          pipeline schedule -> gradient sync -> clip across every mesh dim -> optimizer step)
       -> metrics -> maybe save
     (a complete checkpoint in checkpoint.dir, or checkpoint.load_from, is loaded before the
     first step, resharded to this layout: meshpar/checkpoint/checkpointer.py)
 
-The step is meshpar/step.py, the one the planner also runs, on fake tensors; see
+The step is meshpar/training/step.py, the one the planner also runs, on fake tensors; see
 [Note: losses do not depend on the layout] there.
 """
 
@@ -31,31 +31,32 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshpar import comm, comm_record
-from meshpar import mesh as meshlib
-from meshpar import recipe as recipelib
 from meshpar.checkpoint import Checkpointer, CheckpointError, RunState, optimizer_state, param_names
-from meshpar.context_parallel import shard_sequence
+from meshpar.config import recipe as recipelib
+from meshpar.config.hardware import HardwareProfile, load_profile
+from meshpar.config.recipe import Recipe, RecipeError
 from meshpar.data import BatchLoader
-from meshpar.fault import (
+from meshpar.distributed import comm, comm_record
+from meshpar.distributed import mesh as meshlib
+from meshpar.parallel.context_parallel.apply import shard_sequence
+from meshpar.parallel.parallelize import build
+from meshpar.parallel.pipeline import build_schedule
+from meshpar.parallel.tensor_parallel.plan import loss_parallel_context
+from meshpar.profiling.capture import StepProfiler, label
+from meshpar.runtime.fault import (
     EXIT_PREEMPTED,
     StopSignals,
     collective_timeout,
     is_collective_failure,
     report_collective_failure,
 )
-from meshpar.hardware import HardwareProfile, load_profile
-from meshpar.metrics import MetricsLogger, Progress, expert_load_fields, peak_memory_gb, print_line
-from meshpar.nonfinite import NonFiniteError, NonFiniteGuard
-from meshpar.optim import build_lr_schedule, build_optimizer
-from meshpar.parallelize import build
-from meshpar.pipeline import build_schedule
-from meshpar.preflight import Preflight, preflight
-from meshpar.profiling.capture import StepProfiler, label
-from meshpar.recipe import Recipe, RecipeError
-from meshpar.runtime import RankInfo, init_process_group, leave, rank_info, select_device
-from meshpar.step import GradSync, Model, cross_entropy, model_sparse_layers, plain, train_step
-from meshpar.tensor_parallel import loss_parallel_context
+from meshpar.runtime.process import RankInfo, init_process_group, leave, rank_info, select_device
+from meshpar.runtime.progress import Progress, print_line
+from meshpar.training.metrics import MetricsLogger, expert_load_fields, peak_memory_gb
+from meshpar.training.nonfinite import NonFiniteError, NonFiniteGuard
+from meshpar.training.optim import build_lr_schedule, build_optimizer
+from meshpar.training.preflight import Preflight, preflight
+from meshpar.training.step import GradSync, Model, cross_entropy, model_sparse_layers, plain, train_step
 
 
 @torch.no_grad()
@@ -226,7 +227,7 @@ def _train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
                         comm.all_reduce(aux, sync.pp_groups[0], dim="pp")
                     comm.all_reduce(aux, mesh["dp"].get_group(), dim="dp", op=dist.ReduceOp.AVG)
                     record["aux_loss"] = aux.item()
-                if done.expert_load is not None:  # [Note: expert load] in meshpar/step.py
+                if done.expert_load is not None:  # [Note: expert load] in meshpar/training/step.py
                     load = done.expert_load.clone()
                     if sync.pp_groups:
                         comm.all_reduce(load, sync.pp_groups[0], dim="pp")

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from meshpar import comm_record
+from meshpar.distributed import comm_record
 from meshpar.models.gpt2.model import GPT2, GPT2Args
 from tests.parity import TOL, upcast
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshpar import recipe as recipelib
+from meshpar.config import recipe as recipelib
 from meshpar.models import get_family
 from meshpar.models.gpt2 import GPT2, GPT2_SIZES
 from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, Transformer

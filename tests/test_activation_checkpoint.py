@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshpar.activation_checkpoint import apply_activation_checkpointing
 from meshpar.models.llama import LLAMA_SIZES, Transformer
+from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshpar.profiling.memory import AllocationTracker, Category
 from tests.helpers import build_model
 

@@ -1,7 +1,7 @@
 """``python -m tests.benchmarks.bench_cp --smoke --cp 4`` runs: the debug Llama with 2 blocks at
 T 1024, one process against cp 4 with the balanced and the contiguous split, each with K/V
 all-gathered and passed around the ring, one timed step each (35 s here: spawning 4 ranks
-dominates). The K/V bytes meshpar.comm counted on the cp dim equal the analytic figure, the
+dominates). The K/V bytes meshpar.distributed.comm counted on the cp dim equal the analytic figure, the
 ring's 1.5 times the all-gather's (forward the same, backward K/V again and dK/dV); the
 balanced split gives every rank the same
 attention work, contiguous slices about 2cp - 1 times more to the last rank than to the first; and

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from meshpar import checkpoint as ckpt
-from meshpar import recipe as recipelib
 from meshpar.checkpoint import CheckpointError
+from meshpar.config import recipe as recipelib
 from meshpar.train import train
 from tests.distributed import run_distributed
 from tests.helpers import load_recipe, merged_state, train_losses

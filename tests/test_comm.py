@@ -1,4 +1,4 @@
-"""meshpar.comm's gloo reduce-scatter: rows exchanged with all-to-all, summed locally in rank
+"""meshpar.distributed.comm's gloo reduce-scatter: rows exchanged with all-to-all, summed locally in rank
 order, with this rank's own row never buffered or sent; bytes counted as a ring would move."""
 
 import functools
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshpar import comm, comm_record
+from meshpar.distributed import comm, comm_record
 from tests.distributed import CaseSet
 
 PER_RANK, COLS = 10, (3, 4)  # the last 3 columns zeroed, as padding is

@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshpar.activation_checkpoint import apply_activation_checkpointing
 from meshpar.models.llama import Transformer
 from meshpar.models.llama.args import ModelArgs
-from meshpar.parallelize import apply_compile
+from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing
+from meshpar.parallel.parallelize import apply_compile
 from tests.helpers import build_model
 
 pytestmark = pytest.mark.slow  # inductor builds C++ kernels: ~10 s a test, out of the inner loop
@@ -89,7 +89,7 @@ def test_checkpointed_moe_blocks_stay_eager_and_let_go_of_their_recompute():
     """A checkpointed MoE block sets aux_loss inside checkpoint: dynamo refuses the side effect, so
     compiled it graph-broke and ran eagerly past the wrapper that drops its recompute's aux_loss
     ([Note: a recompute's side outputs]); apply_compile leaves such blocks eager, dense ones compiled."""
-    from meshpar.activation_checkpoint import sets_side_outputs_under_checkpoint
+    from meshpar.parallel.activation_checkpoint import sets_side_outputs_under_checkpoint
 
     model = build_model("qwen3_moe", n_layers=3, mlp_only_layers=(1,), max_seq_len=32)
     args = model.args
@@ -111,7 +111,7 @@ def _compiled_under_cp(checkpointing: str) -> dict:
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshpar.context_parallel import apply_context_parallel, shard_sequence
+    from meshpar.parallel.context_parallel.apply import apply_context_parallel, shard_sequence
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     eager = build_model("llama", n_layers=2, vocab_size=64, max_seq_len=32)

@@ -1,4 +1,4 @@
-"""Context parallelism (meshpar/context_parallel.py) against one process.
+"""Context parallelism (meshpar/parallel/context_parallel/apply.py) against one process.
 
 A debug Llama (GQA: 8 query heads, 4 kv heads) runs a batch of sequences whole in one process and
 split over cp 2 and cp 4 ranks, each rank holding its tokens of every sequence ([Note: balanced
@@ -21,11 +21,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from meshpar import comm_record
-from meshpar.context_parallel import ATTENTIONS, apply_context_parallel, sequence_indices, shard_sequence
 from meshpar.data.prepared import builtin_text
-from meshpar.preflight import preflight
+from meshpar.distributed import comm_record
+from meshpar.parallel.context_parallel.apply import ATTENTIONS, apply_context_parallel, sequence_indices, shard_sequence
 from meshpar.train import train
+from meshpar.training.preflight import preflight
 from tests.distributed import CaseSet, run_distributed
 from tests.helpers import build_model, load_recipe, merged_state, train_losses, train_on_rank
 from tests.parity import TOL, default_dtype, in_float64, must_fail

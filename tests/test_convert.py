@@ -395,7 +395,7 @@ def _load_sharded_job(hf_dirs: dict[str, str]) -> dict:
     """Every sub-case on one 2-rank world: FSDP (Shard(0)), tensor parallel (Shard(0), Shard(1),
     Replicate, GPT-2's _StridedShard(0, 3)); each loads and gathers back, and is compared."""
     from meshpar.fsdp import fully_shard
-    from meshpar.tensor_parallel import apply_tp
+    from meshpar.parallel.tensor_parallel.plan import apply_tp
 
     errors, seen = {}, set()
     for family, hf_dir in hf_dirs.items():

@@ -43,13 +43,14 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from meshpar import CPUOffloadPolicy, comm_record, fully_shard
-from meshpar import activation_checkpoint as aclib
-from meshpar import mesh as meshlib
-from meshpar import step as steplib
+from meshpar import CPUOffloadPolicy, fully_shard
 from meshpar import train as trainlib
-from meshpar.runtime import init_process_group, rank_info
-from meshpar.step import cross_entropy
+from meshpar.distributed import comm_record
+from meshpar.distributed import mesh as meshlib
+from meshpar.parallel import activation_checkpoint as aclib
+from meshpar.runtime.process import init_process_group, rank_info
+from meshpar.training import step as steplib
+from meshpar.training.step import cross_entropy
 from tests.distributed import CaseSet
 from tests.fsdp_models import gather_params, shard_units
 from tests.helpers import CpRank, build_model, load_recipe, train_losses
@@ -73,7 +74,7 @@ class Job:
 def _setup_runs(tmp: Path, device: str = "cuda") -> Job:
     """Each case runs ``meshpar train``, which makes its own process group: the harness's gloo
     group goes, and without MASTER_ADDR train puts its group on an in-memory store
-    (meshpar.runtime.init_process_group), so one run after another never reuses the job's port."""
+    (meshpar.runtime.process.init_process_group), so one run after another never reuses the job's port."""
     dist.destroy_process_group()
     os.environ.pop("MASTER_ADDR")
     return Job(tmp, device)
@@ -202,7 +203,7 @@ class Engine:
 
 
 def _setup_engine(tmp: Path, device: str = "cuda") -> Engine:
-    """The harness's gloo group is replaced by training's own (meshpar.runtime: "cpu:gloo,cuda:nccl"
+    """The harness's gloo group is replaced by training's own (meshpar.runtime.process: "cpu:gloo,cuda:nccl"
     on cuda:0, on an in-memory store), and the one-rank mesh of every dim is built on it."""
     dist.destroy_process_group()
     os.environ.pop("MASTER_ADDR")
@@ -394,7 +395,7 @@ def test_context_parallel_chunks_on_the_fused_kernel_equal_causal_attention(cp, 
     without building the mask (the only cp code that differs on a GPU; the CPU suite checks the
     collectives). Every virtual rank's rows, forward and backward, against one causal attention in
     float64 on the CPU. Tolerance: the kernels' dtype rounding over 512 keys (fp32 ~1e-5, bf16 2^-8)."""
-    from meshpar import context_parallel as cplib
+    from meshpar.parallel.context_parallel import apply as cplib
 
     b, h, hkv, t, d = 2, 8, 4, 512, 64
     gen = torch.Generator().manual_seed(0)
@@ -434,8 +435,8 @@ def test_document_chunks_on_cuda_equal_document_attention_and_avoid_the_math_ker
     [B, H, n, keys] scores. Tolerance as in the causal test above."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from meshpar import context_parallel as cplib
     from meshpar.models.attention import document_ids, document_mask
+    from meshpar.parallel.context_parallel import apply as cplib
 
     class Ops(TorchDispatchMode):
         def __init__(self):

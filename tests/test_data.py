@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from meshpar.config.recipe import DataConfig, RecipeError
 from meshpar.data import EOT, BatchLoader, BPETokenizer, permute, prepare, split_text
-from meshpar.recipe import DataConfig, RecipeError
 
 WORDS = ("the", "king", "queen", "crown", "sword", "night", "day", "love", "death", "fair", "foul", "lord", "lady",
          "speak", "hence", "ay", "no")

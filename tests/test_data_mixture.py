@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from meshpar.config.recipe import RecipeError
 from meshpar.data import BatchLoader
 from meshpar.data.loader import MIX_BLOCK, mix_counts
 from meshpar.data.stream import TokenStream, concat
-from meshpar.recipe import RecipeError
 
 
 def test_token_stream_reads_shards_as_one():

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from meshpar.config.errors import RecipeError
 from meshpar.data.readers import expand, kind_of, read_documents, read_tokens
-from meshpar.errors import RecipeError
 
 DOCS = ["First document.", "Second,\nover two lines.", "ünïcödé ✓ {\"json\": 1}", "x", "The last one.\n"]
 

@@ -17,11 +17,11 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from meshpar import convert as cv
 from meshpar.checkpoint import Checkpointer, RunState
+from meshpar.config.errors import RecipeError
+from meshpar.config.recipe import CheckpointConfig
 from meshpar.data import BatchLoader
 from meshpar.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, HFTokenizer, document_ids, load_tokenizer
-from meshpar.errors import RecipeError
 from meshpar.models.llama import LLAMA_SIZES, Transformer
-from meshpar.recipe import CheckpointConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a save without a process group
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from meshpar import recipe as recipelib
+from meshpar.config import recipe as recipelib
+from meshpar.config.recipe import RecipeError
 from meshpar.data import prepare
 from meshpar.data.prepared import builtin_text, open_prepared
 from meshpar.data.tokenizer import load_tokenizer
-from meshpar.preflight import preflight
-from meshpar.recipe import RecipeError
 from meshpar.train import train
+from meshpar.training.preflight import preflight
 from tests.distributed import run_distributed
 from tests.helpers import ROOT, load_recipe, train_losses
 

@@ -30,11 +30,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from meshpar.activation_checkpoint import apply_activation_checkpointing
 from meshpar.models.attention import document_mask
 from meshpar.models.gpt2.parallelize import gpt2_tp_plan
 from meshpar.models.llama.parallelize import llama_tp_plan
-from meshpar.tensor_parallel import apply_tp, loss_parallel_context, reduce_partial_grads
+from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing
+from meshpar.parallel.tensor_parallel.plan import apply_tp, loss_parallel_context, reduce_partial_grads
 from tests.distributed import CaseSet
 from tests.helpers import FAMILIES
 from tests.parity import TOL, default_dtype, must_fail

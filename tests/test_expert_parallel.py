@@ -1,4 +1,4 @@
-"""Expert parallelism (meshpar/expert_parallel.py) against one process, at ep 2 and ep 4.
+"""Expert parallelism (meshpar/parallel/expert_parallel.py) against one process, at ep 2 and ep 4.
 
 Each rank trains a MoE transformer (Qwen3-MoE shape: a dense layer and sparse ones, 8 experts,
 top 2) on its slice of the global batch with its share of the experts; the non-expert
@@ -9,7 +9,7 @@ slice's cross-entropy plus weighted auxiliary loss (the auxiliary loss is per fo
 data-parallel step averages the ranks' own). After 3 AdamW steps in float64 the losses, the
 auxiliary losses, the per-expert token counts (summed over ranks) and every parameter (the
 experts gathered) equal the reference's to TOL (tests/parity.py [Note: parity in float64]); the
-all-to-all calls and bytes meshpar.comm counted on the ``ep`` dim equal the figure the routing
+all-to-all calls and bytes meshpar.distributed.comm counted on the ``ep`` dim equal the figure the routing
 implies ([Note: expert-parallel dispatch]).
 """
 
@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from meshpar import comm_record
-from meshpar.expert_parallel import apply_expert_parallel
+from meshpar.distributed import comm_record
 from meshpar.models.moe import MoEArgs, MoETransformer
+from meshpar.parallel.expert_parallel import apply_expert_parallel
 from meshpar.train import train
 from tests.distributed import CaseSet, run_distributed
 from tests.helpers import load_recipe, train_losses, train_on_rank
@@ -211,8 +211,8 @@ def test_meshpar_train_with_ep_matches_one_rank_and_resumes_on_one(tmp_path, dat
      r"parallel\.ep = 3: 8 experts do not split over 3 ranks; choose an ep that divides the expert count"),
 ], ids=["dense-family", "ep-not-dividing-dp_shard", "experts-not-dividing"])
 def test_bad_ep_layouts_are_refused_before_launch(recipe, overrides, world, message, tmp_path):
-    from meshpar.preflight import check_layout
-    from meshpar.recipe import RecipeError
+    from meshpar.config.recipe import RecipeError
+    from meshpar.training.preflight import check_layout
 
     with pytest.raises(RecipeError, match=message):
         check_layout(load_recipe(recipe, tmp_path, *overrides), world)

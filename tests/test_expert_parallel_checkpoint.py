@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshpar import recipe as recipelib
 from meshpar.checkpoint.format import SafeReader
+from meshpar.config import recipe as recipelib
 from meshpar.train import train
 from tests.distributed import run_distributed
 from tests.helpers import load_recipe, merged_state
@@ -139,7 +139,7 @@ def test_ep2_checkpoint_continues_at_ep4(straight, ep4):
 def test_ep4_checkpoint_continues_at_ep2_within_dp_shard4(straight, ep4, tmp_path):
     worst = _assert_continues(_resume("ep2 in dp4", tmp_path, ep4[1], 4, "--checkpoint.every=2"), straight[0],
                               first=5)
-    # ep ranks are the inner, neighbouring ones (meshpar/mesh.py Mesh.ep): rank r holds ep
+    # ep ranks are the inner, neighbouring ones (meshpar/distributed/mesh.py Mesh.ep): rank r holds ep
     # rank r % 2's experts 4(r % 2) .. +4, FSDP-sharded by r // 2, so ranks 1 and 2 swapped theirs
     assert _expert_owners(tmp_path / "checkpoints" / "step_6") == {0: 0, 4: 1, 2: 2, 6: 3}
     print("ep4 -> ep2 in dp4, worst relative differences:", worst)

@@ -44,7 +44,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from meshpar import comm, comm_record
+from meshpar.distributed import comm, comm_record
 from meshpar.fsdp import DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, fully_shard
 from meshpar.fsdp.param_group import ParamGroup
 from meshpar.fsdp.sharded_param import ShardedParam
@@ -405,7 +405,7 @@ _DIST_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_
 
 @contextlib.contextmanager
 def _no_collectives_allowed() -> Iterator[Callable[[], None]]:
-    """Count collectives three ways: meshpar.comm, wrapped torch.distributed functions, and c10d
+    """Count collectives three ways: meshpar.distributed.comm, wrapped torch.distributed functions, and c10d
     ops seen by a dispatch mode. Yields a function asserting all three saw none."""
     calls: Counter = Counter()
 
@@ -419,7 +419,7 @@ def _no_collectives_allowed() -> Iterator[Callable[[], None]]:
         for name in _DIST_COLLECTIVES:
             if hasattr(dist, name):
                 stack.enter_context(mock.patch.object(dist, name, counting(name, getattr(dist, name))))
-        for name in ("_all_gather_single", "_reduce_scatter_single"):  # bound when meshpar.comm was imported
+        for name in ("_all_gather_single", "_reduce_scatter_single"):  # bound at comm's import
             stack.enter_context(mock.patch.object(comm, name, counting(name, getattr(comm, name))))
         counter = stack.enter_context(comm_record.count())
         rec = stack.enter_context(_Recorder())

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from meshpar import comm_record
+from meshpar.distributed import comm_record
 from tests.distributed import CaseSet
 from tests.parity import TOL, default_dtype
 

@@ -1,6 +1,6 @@
 """A rank that stops answering: its peers fail within ``fault.timeout`` plus a few seconds,
 naming the collective, its mesh dim, the step and the ranks that did not arrive, and print
-their flight recorder (meshpar/fault.py, meshpar/comm_record.py [Note: the flight recorder]).
+their flight recorder (meshpar/runtime/fault.py, meshpar/distributed/comm_record.py [Note: the flight recorder]).
 
 The end-to-end test SIGSTOPs one rank of a 2-rank ``meshpar train`` (a hung GPU or a stuck
 NCCL call looks the same from outside) with a 10 s timeout; gloo's default would wait 30
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshpar import comm, comm_record
-from meshpar.fault import report_collective_failure
+from meshpar.distributed import comm, comm_record
+from meshpar.runtime.fault import report_collective_failure
 from tests.distributed import run_distributed
 from tests.processes import finish_run, rank_pid, start_run, wait_for_step
 

@@ -1,4 +1,5 @@
-"""No import cycle among meshpar's modules, found statically with ``ast``.
+"""No import cycle among meshpar's modules, and no import from a lower room into a higher one,
+found statically with ``ast``.
 
 Edges: every ``import`` / ``from ... import`` of a meshpar module, at module level and inside
 functions alike (a deferred import hides a cycle, it does not remove it); ``from meshpar.a
@@ -132,9 +133,9 @@ def test_no_import_cycle_among_meshpar_modules():
 def test_the_graph_sees_deferred_imports_and_packages():
     graph = import_graph()
     assert "meshpar.fsdp" in graph["meshpar"]  # a package __init__ re-exporting
-    assert "meshpar.models" in graph["meshpar.preflight"]
-    # meshpar.planner.dry_run imports FakeStore from meshpar._torch inside a function
-    assert "meshpar._torch" in graph["meshpar.planner.dry_run"]
+    assert "meshpar.models" in graph["meshpar.training.preflight"]
+    # meshpar.planner.dry_run imports FakeStore from meshpar.distributed._torch inside a function
+    assert "meshpar.distributed._torch" in graph["meshpar.planner.dry_run"]
     # importing meshpar.models.gpt2.convert runs meshpar.models and meshpar.models.gpt2 first ...
     assert {"meshpar.models", "meshpar.models.gpt2"} <= set(graph["meshpar.convert.spec"])
     # ... but not for a module inside them, whose enclosing packages are already running
@@ -144,13 +145,59 @@ def test_the_graph_sees_deferred_imports_and_packages():
 def test_leaf_modules_stay_leaves():
     """The modules everything may import import nothing of meshpar that could close a cycle."""
     graph = import_graph()
-    assert graph["meshpar.errors"] == {}
-    assert graph["meshpar._torch"] == {}
-    assert set(graph["meshpar.recipe"]) == {"meshpar.errors", "meshpar.recipe_keys"}
-    assert graph["meshpar.recipe_keys"] == {}
+    assert graph["meshpar.config.errors"] == {}
+    assert graph["meshpar.distributed._torch"] == {}
+    assert set(graph["meshpar.config.recipe"]) == {"meshpar.config.errors", "meshpar.config.keys"}
+    assert graph["meshpar.config.keys"] == {}
     for family in ("llama", "gpt2"):
         module = f"meshpar.models.{family}.parallelize"
-        assert "meshpar.parallelize" not in graph[module] and "meshpar.recipe" not in graph[module], graph[module]
+        assert "meshpar.parallel.parallelize" not in graph[module], graph[module]
+        assert "meshpar.config.recipe" not in graph[module], graph[module]
+
+
+# The rooms of meshpar/ from the bottom up (docs/architecture.md, "Package map"): a module may import
+# its own room and the rooms of lower layers, never a higher one. models/ and parallel/ share a layer
+# on purpose: a family's tensor-parallel plan and layout checks live beside its model
+# (models/<family>/parallelize.py, STYLE.md 2) and use parallel's styles, while context and expert
+# parallelism fill slots that the model files define.
+LAYERS = (
+    ("config",),
+    ("distributed",),
+    ("fsdp", "runtime"),
+    ("checkpoint",),
+    ("profiling", "data", "corpus"),
+    ("models", "parallel"),
+    ("training",),
+    ("planner", "convert"),
+    ("train", "cli", "__main__", ""),
+)
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def _layer(module: str) -> int:
+    room = _room(module)
+    for i, rooms in enumerate(LAYERS):
+        if room in rooms:
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS: add its room ({room!r}) to tests/test_imports.py")
+
+
+def upward_imports(graph: dict[str, dict[str, str]]) -> list[str]:
+    return [f"  {a} -> {b}   ({where})" for a, deps in sorted(graph.items()) for b, where in sorted(deps.items())
+            if _layer(b) > _layer(a)]
+
+
+def test_no_module_imports_upward():
+    upward = upward_imports(import_graph())
+    assert not upward, "imports from a lower layer into a higher one (LAYERS):\n" + "\n".join(upward)
+
+
+def test_a_planted_upward_import_is_found():
+    graph = {"meshpar.fsdp.api": {"meshpar.training.step": "meshpar/fsdp/api.py:9"}, "meshpar.training.step": {}}
+    assert upward_imports(graph) == ["  meshpar.fsdp.api -> meshpar.training.step   (meshpar/fsdp/api.py:9)"]
 
 
 def test_a_planted_cycle_is_found_and_printed():

@@ -2,8 +2,8 @@
 
 import torch.distributed as dist
 
-from meshpar import mesh as meshlib
-from meshpar.recipe import ParallelConfig
+from meshpar.config.recipe import ParallelConfig
+from meshpar.distributed import mesh as meshlib
 from tests.distributed import run_distributed
 
 
@@ -15,7 +15,7 @@ def _coordinates(cfg: ParallelConfig) -> dict:
 
 
 def test_3d_layout_places_tp_innermost_and_pp_outermost():
-    # pp 2 x dp_shard 2 x tp 2 on 8 ranks: the table in meshpar/mesh.py's docstring.
+    # pp 2 x dp_shard 2 x tp 2 on 8 ranks: the table in meshpar/distributed/mesh.py's docstring.
     out = run_distributed(_coordinates, 8, ParallelConfig(pp=2, dp_shard=-1, tp=2), timeout=180)
     for rank, r in enumerate(out):
         pp, dp, tp = rank // 4, (rank // 2) % 2, rank % 2

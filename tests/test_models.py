@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from meshpar.config.recipe import ModelConfig
 from meshpar.models import get_family
 from meshpar.models.gpt2 import GPT2, GPT2_SIZES
 from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, RopeScaling, Transformer
 from meshpar.models.llama.model import apply_rope, rope_frequencies
-from meshpar.recipe import ModelConfig
 from tests.helpers import FAMILIES, build_model
 from tests.parity import TOL, default_dtype
 

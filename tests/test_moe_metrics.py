@@ -2,7 +2,7 @@
 
 (a) the [model] keys aux_loss_coef, capacity_factor, aux_free_bias, bias_update_rate reach MoEArgs
     of both families, and bad values stop before launch with the key and the fix; (b) the expert
-    loads a step counts (meshpar.step.count_expert_load) against the slots the model keeps on a
+    loads a step counts (meshpar.training.step.count_expert_load) against the slots the model keeps on a
     batch built to overflow two experts; (c) meshpar train's metrics.jsonl load figures against a
     direct count (each router's top-k over the same global batch, float64) on one rank and on two
     gloo ranks summed, and the logged aux_loss as coef x the layers' loss; (d) `meshpar train` for
@@ -22,13 +22,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshpar import recipe as recipelib
+from meshpar.config import recipe as recipelib
 from meshpar.data import BatchLoader
-from meshpar.metrics import expert_load_fields, format_record
 from meshpar.models.moe import MoEArgs, MoETransformer
-from meshpar.preflight import check_model, preflight
-from meshpar.step import count_expert_load, sparse_layers
 from meshpar.train import train
+from meshpar.training.metrics import expert_load_fields, format_record
+from meshpar.training.preflight import check_model, preflight
+from meshpar.training.step import count_expert_load, sparse_layers
 from tests.distributed import run_distributed
 from tests.helpers import ROOT, SMALL, load_recipe, train_on_rank
 from tests.parity import TOL, default_dtype, in_float64
@@ -263,7 +263,7 @@ def _aux_losses_after_a_checkpointed_step(recipe_path: str, overrides: list[str]
 
 
 def test_a_checkpointed_step_lets_go_of_the_recomputed_aux_losses(tmp_path):
-    """[Note: auxiliary losses] in meshpar/step.py: under full activation checkpointing the recompute
+    """[Note: auxiliary losses] in meshpar/training/step.py: under full activation checkpointing the recompute
     in backward sets each layer's aux_loss again, a graph of that recompute's activations; the step
     drops them (they lived until the next forward: ~0.3 GiB a layer for Qwen3-30B-A3B at 4096 tokens)."""
     from tests.distributed import run_distributed

@@ -173,7 +173,7 @@ def test_slurm_script_passes_the_time_limit_signal_to_each_rank_once_and_requeue
     """scripts/slurm.sbatch under stand-ins for srun and scontrol: two agents meet and train;
     SIGUSR1 to the batch shell reaches every rank exactly once, through its agent, which does
     not restart them; the script requeues the job. (What a rank does with the signal is
-    meshpar.fault's; this checks the wiring.)"""
+    meshpar.runtime.fault's; this checks the wiring.)"""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL}.items():

@@ -3,7 +3,7 @@ pp x tp (4 ranks), stops every rank naming the step and the parameter, with no c
 the bad step, or is skipped: the optimizer and LR schedule do not step, so a run whose last
 step is skipped ends with exactly the parameters and optimizer state of the run one step
 shorter (constant LR after warmup, so the schedule does not depend on train.steps), and too
-many skips in a row stop the run. See meshpar/nonfinite.py [Note: non-finite steps].
+many skips in a row stop the run. See meshpar/training/nonfinite.py [Note: non-finite steps].
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshpar import step as steplib
-from meshpar.nonfinite import NonFiniteError
 from meshpar.train import train
+from meshpar.training import step as steplib
+from meshpar.training.nonfinite import NonFiniteError
 from tests.distributed import run_distributed
 from tests.helpers import load_recipe
 

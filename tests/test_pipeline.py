@@ -29,12 +29,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from meshpar import clip_grad_norm_, comm_record
+from meshpar import clip_grad_norm_
+from meshpar.config.recipe import RecipeError
+from meshpar.distributed import comm_record
 from meshpar.fsdp import fully_shard
 from meshpar.models.gpt2 import GPT2, GPT2Args
 from meshpar.models.llama import LLAMA_SIZES, Transformer
-from meshpar.pipeline import SCHEDULES, Stage, build_schedule, check_microbatches, split, stage_ids, stage_layers
-from meshpar.recipe import RecipeError
+from meshpar.parallel.pipeline import (
+    SCHEDULES,
+    Stage,
+    build_schedule,
+    check_microbatches,
+    split,
+    stage_ids,
+    stage_layers,
+)
 from tests.distributed import CaseSet
 from tests.parity import TOL, default_dtype, must_fail, upcast
 

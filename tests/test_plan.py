@@ -15,13 +15,13 @@ from unittest import mock
 import pytest
 import torch
 
-from meshpar import recipe as recipelib
+from meshpar.config import recipe as recipelib
 from meshpar.models import get_family
 from meshpar.models.llama import LLAMA_SIZES
-from meshpar.optim import build_optimizer
 from meshpar.planner import cli as planlib
 from meshpar.planner.search import candidates
 from meshpar.planner.simulate import schedule_actions
+from meshpar.training.optim import build_optimizer
 from tests.benchmarks import calibrate_plan
 from tests.distributed import CaseSet
 
@@ -283,7 +283,7 @@ def test_stages_checkpointing_different_blocks_are_simulated_apart():
 
 
 def test_a_group_spanning_two_nodes_is_inter_node():
-    from meshpar.mesh import Layout
+    from meshpar.distributed.mesh import Layout
     from meshpar.planner.cost import _link
 
     profile = planlib.load_hardware("h100_sxm")[0]

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from meshpar import recipe as recipelib
-from meshpar.mesh import Layout
+from meshpar.config import recipe as recipelib
+from meshpar.distributed.mesh import Layout
 from meshpar.planner.cost import _degree, _link
 from meshpar.planner.search import MIN_CP_TOKENS, candidates
 from tests.test_plan import RECIPES, _check_recipe, _run, planlib

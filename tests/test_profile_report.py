@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from meshpar.mesh import DIMS
+from meshpar.distributed.mesh import DIMS
 from meshpar.profiling import report as pr
 from meshpar.train import train
 from tests.distributed import run_distributed

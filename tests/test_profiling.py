@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from meshpar.config.recipe import RecipeError
 from meshpar.profiling.capture import cap_trace, traced_ranks
-from meshpar.recipe import RecipeError
 from tests.distributed import run_distributed
 from tests.helpers import ROOT, SMALL, load_recipe, train_on_rank
 
@@ -63,7 +63,7 @@ def test_pipeline_stages_trace_one_rank_each(tmp_path, data_cache):
 def test_allocation_tracker_categories_and_timeline():
     import torch
 
-    from meshpar.comm_record import comm_buffers
+    from meshpar.distributed.comm_record import comm_buffers
     from meshpar.profiling.memory import AllocationTracker
 
     model = torch.nn.Linear(64, 64)

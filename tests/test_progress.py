@@ -1,4 +1,4 @@
-"""meshpar's progress bar (``meshpar.metrics.Progress``, training's and conversion's) where users
+"""meshpar's progress bar (``meshpar.runtime.progress.Progress``, training's and conversion's) where users
 read it: a terminal, a log file, and a log file next to a terminal
 ([Note: progress bars in terminals and log files])."""
 
@@ -13,12 +13,12 @@ import subprocess
 import sys
 import termios
 
-from meshpar.metrics import Progress
+from meshpar.runtime.progress import Progress
 
 # what meshpar train does: the bar on when stderr is a terminal (metrics.progress = "auto")
 SCRIPT = """
 import sys
-from meshpar.metrics import Progress
+from meshpar.runtime.progress import Progress
 bar = Progress(10, enabled=sys.stderr.isatty())
 for step in range(1, 11):
     bar.update(step)

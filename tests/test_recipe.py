@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from meshpar import mesh as meshlib
-from meshpar import recipe as recipelib
+from meshpar.config import recipe as recipelib
+from meshpar.config.recipe import SECTIONS, ParallelConfig, Recipe, RecipeError, dumps, load, parse_override
+from meshpar.distributed import mesh as meshlib
 from meshpar.models import FAMILIES, NOT_BUILT, get_family
-from meshpar.preflight import check_model, preflight
-from meshpar.recipe import SECTIONS, ParallelConfig, Recipe, RecipeError, dumps, load, parse_override
+from meshpar.training.preflight import check_model, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
@@ -149,7 +149,7 @@ def test_malformed_recipe(tmp_path, text, message):
         load(path)
 
 
-# Against the model registry: meshpar.preflight's checks (meshpar.recipe imports no model), so
+# Against the model registry: meshpar.training.preflight's checks (meshpar.config.recipe imports no model), so
 # the message names the key but not the file or override it came from.
 BAD_MODELS = [
     ("unknown-family", '[model]\nfamily = "mistral"\n',

@@ -1,4 +1,4 @@
-"""Ring attention (meshpar/ring_attention.py) against one process and against the all-gather.
+"""Ring attention (meshpar/parallel/context_parallel/ring.py) against one process and against the all-gather.
 
 At cp 2 and cp 4, with the balanced and the contiguous split, float64: the ring alone (q, k, v
 of 8 query heads over 2 kv heads, chunks cut into score blocks of a few queries so that
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from meshpar import ring_attention as ringlib
-from meshpar.context_parallel import apply_context_parallel, sequence_indices
 from meshpar.models.attention import document_ids, document_mask
+from meshpar.parallel.context_parallel import ring as ringlib
+from meshpar.parallel.context_parallel.apply import apply_context_parallel, sequence_indices
 from meshpar.planner import cost as costlib
 from tests.distributed import CaseSet
 from tests.parity import TOL, must_fail

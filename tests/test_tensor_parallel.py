@@ -28,14 +28,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from meshpar.clip import total_norm
+from meshpar.config.recipe import RecipeError
+from meshpar.distributed.clip import total_norm
 from meshpar.models.gpt2 import GPT2, GPT2_SIZES
 from meshpar.models.gpt2.parallelize import check_gpt2_tp, gpt2_tp_plan
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.parallelize import check_llama_tp, llama_tp_plan
-from meshpar.recipe import RecipeError
-from meshpar.tensor_parallel import apply_tp, loss_parallel_context, reduce_partial_grads
-from meshpar.tp_checks import check_seq_len
+from meshpar.parallel.tensor_parallel.checks import check_seq_len
+from meshpar.parallel.tensor_parallel.plan import apply_tp, loss_parallel_context, reduce_partial_grads
 from tests.distributed import CaseSet
 from tests.parity import must_fail
 
@@ -288,10 +288,10 @@ def test_check_seq_len():
 
 
 def test_gpt2_refuses_tensor_parallel_with_fsdp():
-    from meshpar.mesh import Layout, Mesh
+    from meshpar.config.recipe import ParallelConfig
+    from meshpar.distributed.mesh import Layout, Mesh
     from meshpar.models import get_family
-    from meshpar.parallelize import parallelize_transformer
-    from meshpar.recipe import ParallelConfig
+    from meshpar.parallel.parallelize import parallelize_transformer
 
     mesh = Mesh(Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2), world=None, dp=None)
     with pytest.raises(RecipeError, match="fused c_attn cannot be FSDP-sharded") as err:

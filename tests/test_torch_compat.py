@@ -1,7 +1,7 @@
 """meshpar against the installed torch: every private name it relies on still exists, and the
 heavy private modules stay out of ``import meshpar`` / ``import meshpar.fsdp``.
 
-meshpar/_torch.py is the one module that touches PyTorch's underscore names; its ``REQUIRED``
+meshpar/distributed/_torch.py is the one module that touches PyTorch's underscore names; its ``REQUIRED``
 maps each to the meshpar feature that needs it. After a torch upgrade, a failure here names
 what moved and what breaks with it.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshpar import _torch
+from meshpar.distributed import _torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def _missing() -> list[str]:
 def test_every_private_torch_name_meshpar_uses_exists():
     missing = _missing()
     assert not missing, (f"torch {torch.__version__} lacks {len(missing)} private name(s) meshpar relies on; "
-                         f"update meshpar/_torch.py:\n" + "\n".join(missing))
+                         f"update meshpar/distributed/_torch.py:\n" + "\n".join(missing))
 
 
 def test_the_lookup_names_what_is_missing(monkeypatch):
@@ -63,7 +63,7 @@ _PRIVATE_TORCH = re.compile(r"torch\..*\._[a-zA-Z]|\._local_tensor\b|\b_StridedS
 
 
 def test_no_private_torch_name_outside_meshpar_torch():
-    """grep: only meshpar/_torch.py names PyTorch's private API (subclass overrides, which cannot
+    """grep: only meshpar/distributed/_torch.py names PyTorch's private API (subclass overrides, which cannot
     go through it, are listed in its REQUIRED)."""
     hits = []
     for path in sorted((ROOT / "meshpar").rglob("*.py")):
@@ -72,7 +72,7 @@ def test_no_private_torch_name_outside_meshpar_torch():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if _PRIVATE_TORCH.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
-    assert not hits, "private torch names outside meshpar/_torch.py:\n" + "\n".join(hits)
+    assert not hits, "private torch names outside meshpar/distributed/_torch.py:\n" + "\n".join(hits)
 
 
 def test_importing_meshpar_skips_the_heavy_private_modules():

@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from meshpar import recipe as recipelib
-from meshpar.preflight import preflight
+from meshpar.config import recipe as recipelib
 from meshpar.train import train
+from meshpar.training.preflight import preflight
 from tests.distributed import run_distributed
 from tests.helpers import ROOT, SMALL, load_recipe, merged_state, train_losses, train_on_rank
 from tests.parity import TOL, default_dtype, in_float64
@@ -229,7 +229,7 @@ def test_layout_errors_before_launch(overrides, world, message, tmp_path, data_c
 def test_a_rank_leaves_with_its_code_and_its_output_flushed():
     """[Note: a rank leaves without finalization]: buffered output (stdout is a pipe here) and
     logging's handlers are flushed before ``os._exit``; the exit code is the one asked for."""
-    script = ("import logging, sys; from meshpar.runtime import leave; logging.basicConfig(stream=sys.stdout); "
+    script = ("import logging, sys; from meshpar.runtime.process import leave; logging.basicConfig(stream=sys.stdout); "
               "print('out', end=''); print('err', end='', file=sys.stderr); logging.warning('logged'); leave(75)")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert done.returncode == 75, done.stderr

@@ -94,7 +94,7 @@ from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it 
     _Writer,
 )
 from meshpar.checkpoint.state import _rng_state, optimizer_state, param_names
-from meshpar.recipe import CheckpointConfig, RecipeError
+from meshpar.config.recipe import CheckpointConfig, RecipeError
 
 FORMAT = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a tokenizer as Hugging Face folders hold it

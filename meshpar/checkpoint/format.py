@@ -23,7 +23,7 @@ any code as they load. torch 2.13's DCP reads tensors with ``torch.load(weights_
 ``DefaultLoadPlanner.load_bytes`` is ``torch.load(weights_only=False)`` of each non-tensor
 entry (lr_schedule.*, data.*, train.*). So meshpar reads ``.metadata`` through ``SafeReader``,
 whose unpickler resolves only the classes DCP's metadata is made of
-(``meshpar._torch.DCP_METADATA_GLOBALS``, torch dtypes and layouts, paths), and loads the
+(``meshpar.distributed._torch.DCP_METADATA_GLOBALS``, torch dtypes and layouts, paths), and loads the
 non-tensor entries with ``weights_only=True`` (numbers, strings, lists, dicts, tensors). A
 file that names anything else is refused with a CheckpointError before the object is built.
 """
@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
-from meshpar._torch import DCP_METADATA_GLOBALS, StridedShard
 from meshpar.checkpoint.atomic import write_atomic
+from meshpar.distributed._torch import DCP_METADATA_GLOBALS, StridedShard
 
 
 class CheckpointError(RuntimeError):
@@ -63,7 +63,7 @@ class CheckpointError(RuntimeError):
 # --- fused projections ([Note: strided shards as chunks]) ----------------------------------------------
 # [Note: strided shards as chunks]
 # A fused projection sharded for tensor parallelism (GPT-2's q|k|v ``c_attn``,
-# meshpar.tp_styles.FusedColwiseParallel) is a DTensor with ``StridedShard(0,
+# meshpar.parallel.tensor_parallel.styles.FusedColwiseParallel) is a DTensor with ``StridedShard(0,
 # split_factor=3)``: rank r holds [q_r; k_r; v_r], three separate row blocks of the global
 # tensor. DCP describes every DTensor shard as one block (torch 2.13), so it would record
 # overlapping chunks and refuse the save. In the checkpoint's state dict such a tensor is a

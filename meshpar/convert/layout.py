@@ -8,10 +8,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from meshpar._torch import StridedShard
 from meshpar.convert.spec import ConvertError
+from meshpar.distributed._torch import StridedShard
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # meshpar.mesh.DIMS, outermost first
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # meshpar.distributed.mesh.DIMS, outermost first
 
 
 def _chunks(seq: Sequence[int], n: int) -> list[Sequence[int]]:
@@ -75,10 +75,10 @@ def boxes(idx: Sequence[Sequence[int]]) -> Iterator[tuple[tuple[int, ...], tuple
 # non-contiguous local shard (fused c_attn) is written as one chunk per contiguous run.
 # Replicas (dp_replicate, replicated tp) are written once, like DCP's dedup, in the file of
 # the least-loaded rank holding them. pp moves whole tensors only: they go to the files of the
-# stage of an even split, one stage per pp rank (meshpar.pipeline.stage_layers); virtual stages
+# stage of an even split, one stage per pp rank (meshpar.parallel.pipeline.stage_layers); virtual stages
 # or explicit boundaries change only which file, not the chunks. Other tensors (0-d optimizer
 # steps, RNG states) keep the source's chunks, or are written whole. Under context parallelism
-# FSDP shards over dp_shard x cp flattened, cp inner (meshpar.mesh.Mesh.fsdp): dp_shard x cp
+# FSDP shards over dp_shard x cp flattened, cp inner (meshpar.distributed.mesh.Mesh.fsdp): dp_shard x cp
 # pieces, piece s x cp + c on the rank at (dp_shard s, cp c).
 
 def parse_layout(layout: Mapping[str, int] | None) -> dict[str, int]:
@@ -94,7 +94,7 @@ def parse_layout(layout: Mapping[str, int] | None) -> dict[str, int]:
 
 
 def _rank(layout: Mapping[str, int], pp: int, rep: int, shard: int, cp: int, tp: int) -> int:
-    """The global rank at these coordinates: meshpar.mesh's dims, outermost first."""
+    """The global rank at these coordinates: meshpar.distributed.mesh's dims, outermost first."""
     return (((pp * layout["dp_replicate"] + rep) * layout["dp_shard"] + shard) * layout["cp"] + cp) * layout["tp"] + tp
 
 
@@ -105,7 +105,7 @@ def layout_chunks(shape: Sequence[int], layout: Mapping[str, int], tp_placement:
         tp_placement = Replicate()
     placements = (tp_placement, Shard(0)) if shape else (Replicate(), Replicate())
     out: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
-    fsdp = layout["dp_shard"] * layout["cp"]  # meshpar.mesh.Mesh.fsdp: dp_shard flattened with cp, cp inner
+    fsdp = layout["dp_shard"] * layout["cp"]  # meshpar.distributed.mesh.Mesh.fsdp: dp_shard flattened with cp, cp inner
     for t in range(layout["tp"]):
         for d in range(fsdp):
             idx = index_lists(shape, (layout["tp"], fsdp), (t, d), placements)

@@ -1,5 +1,5 @@
 """What a conversion reports about itself: its peak memory ([Note: measuring peak memory]) and
-sizes in bytes for people (its progress bar is ``meshpar.metrics.Progress``, counting bytes)."""
+sizes in bytes for people (its progress bar is ``meshpar.runtime.progress.Progress``, counting bytes)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from meshpar.models.gpt2 import convert as gpt2_convert
 from meshpar.models.llama import convert as llama_convert
 from meshpar.models.moe import convert as moe_convert
-from meshpar.tp_styles import FusedColwiseParallel, VocabParallelEmbedding
+from meshpar.parallel.tensor_parallel.styles import FusedColwiseParallel, VocabParallelEmbedding
 
 ADAPTERS = {"llama": llama_convert, "qwen2": llama_convert, "qwen3": llama_convert, "gpt2": gpt2_convert,
             **moe_convert.ADAPTERS}
@@ -145,7 +145,7 @@ class ModelSpec:
         """The pipeline stage holding ``fqn`` under an even split, one stage per pp rank."""
         if pp == 1:
             return 0
-        from meshpar.pipeline.split import stage_layers
+        from meshpar.parallel.pipeline.split import stage_layers
 
         m = re.match(r"layers\.(\d+)\.", fqn)
         if m:

@@ -21,7 +21,7 @@ from meshpar.convert.layout import parse_layout
 from meshpar.convert.progress import _human, _PeakMemory
 from meshpar.convert.spec import ConvertError, check_model_tensors
 from meshpar.convert.torch_file import TorchSink, TorchSource
-from meshpar.metrics import Progress
+from meshpar.runtime.progress import Progress
 
 TARGETS = ("hf", "torch", "dcp")
 

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from meshpar.checkpoint.atomic import fsync_dir
-from meshpar.recipe import RecipeError
+from meshpar.config.recipe import RecipeError
 
 
 def cached(root: Path, key: str, build) -> Path:

@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from meshpar.config.errors import RecipeError
+from meshpar.config.recipe import DataConfig, DataSource
 from meshpar.data.cache import cached
 from meshpar.data.prepared import BUILTIN, Encoder, Prepared, documents, is_prepared, open_prepared, prepare_folder
 from meshpar.data.stream import TokenStream, concat
 from meshpar.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from meshpar.errors import RecipeError
-from meshpar.metrics import Progress
-from meshpar.recipe import DataConfig, DataSource
+from meshpar.runtime.progress import Progress
 
 CACHE_VERSION = 2  # bump when the cache layout or the tokenization changes (2: prepared folders, EOS after each doc)
 Stream = np.ndarray | TokenStream

@@ -10,7 +10,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from meshpar.recipe import RecipeError
+from meshpar.config.recipe import RecipeError
 
 # [Note: sample order]
 # Window w is tokens[w*T : w*T + T + 1] (inputs its first T, targets its last T), for

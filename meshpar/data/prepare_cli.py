@@ -12,11 +12,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from meshpar.config.errors import RecipeError
 from meshpar.data.corpus import _encoder
 from meshpar.data.prepared import BUILTIN, is_prepared, prepare_folder
 from meshpar.data.readers import expand, kind_of
-from meshpar.errors import RecipeError
-from meshpar.metrics import Progress
+from meshpar.runtime.progress import Progress
 
 HELP = ("Tokenize SOURCES (files, folders or globs of .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, .arrow; "
         "'builtin' for the packaged Shakespeare) once into DIR: memory-mapped token shards and an index, trained "

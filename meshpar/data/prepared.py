@@ -37,9 +37,9 @@ import numpy as np
 import tokenizers
 
 from meshpar.checkpoint.atomic import fsync_dir, write_atomic
+from meshpar.config.errors import RecipeError
 from meshpar.data.stream import TokenStream, concat
 from meshpar.data.tokenizer import EOT, split_text
-from meshpar.errors import RecipeError
 
 FORMAT = "meshpar-prepared"
 VERSION = 1
@@ -179,7 +179,7 @@ def prepare_folder(out: Path, groups: Sequence[tuple[str, Sequence[str]]], text_
                    workers: int = 0, progress=None, extra_meta: dict | None = None) -> Report:
     """Tokenize ``groups`` (name, input files) into the prepared folder ``out``, resuming a partial one.
 
-    ``progress`` (a metrics.Progress over the input files, or None) advances a file at a time;
+    ``progress`` (a runtime.progress.Progress over the input files, or None) advances a file at a time;
     ``workers`` 0 means one per CPU core, capped by the number of files.
     """
     start = time.perf_counter()

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshpar.errors import RecipeError
+from meshpar.config.errors import RecipeError
 
 DOC_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".arrow")  # document files
 TOKEN_SUFFIXES = (".npy", ".bin")  # pre-tokenized: .npy (header gives dtype), .bin = raw ids (format uint16/uint32)

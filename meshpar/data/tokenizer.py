@@ -21,7 +21,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from meshpar.errors import RecipeError
+from meshpar.config.errors import RecipeError
 
 EOT = "<|endoftext|>"
 EOS_CANDIDATES = (EOT, "</s>", "<|end_of_text|>", "<eos>")  # end-of-text tokens, where no config names one

@@ -14,7 +14,7 @@ The API is PyTorch 2.13's FSDP2 API, name for name and signature for signature
 engines), so switching engines is one import. Where meshpar differs, the README's FSDP section
 says so. Layers: api (here; ``FSDPModule``'s methods in module.py) -> hook state (state.py) ->
 parameter group (param_group.py) -> sharded parameter (sharded_param.py) -> collectives
-(meshpar/comm.py).
+(meshpar/distributed/comm.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshpar._torch import module_parameters, unflatten_mesh
+from meshpar.distributed._torch import module_parameters, unflatten_mesh
 from meshpar.fsdp.module import FSDPModule
 from meshpar.fsdp.param_group import ParamGroup
 from meshpar.fsdp.policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy

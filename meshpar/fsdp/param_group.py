@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from meshpar import comm, comm_record
+from meshpar.distributed import comm, comm_record
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.reduce import GroupReduce, ReduceQueue
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam

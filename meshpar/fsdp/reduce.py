@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.autograd.profiler import record_function
 
-from meshpar import comm
-from meshpar.comm_record import gradient_buffers
+from meshpar.distributed import comm
+from meshpar.distributed.comm_record import gradient_buffers
 from meshpar.fsdp.sharded_param import ShardedParam
 from meshpar.fsdp.streams import _wait
 

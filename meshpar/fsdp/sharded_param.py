@@ -23,7 +23,7 @@ A parameter that is already a DTensor on a ``tp`` mesh is sharded on dim 0 of it
 tensor; the sharded DTensor lives on the joint mesh ``(dp..., tp)`` (one parent mesh).
 When TP splits dim 0 too (column-wise), rank (d, t) holds rows ``d*c`` of TP shard t: in
 global terms, dp's chunks interleave with tp's, which is ``StridedShard(0,
-split_factor=tp)`` (meshpar._torch) on the dp dim, the placement PyTorch's fully_shard uses, so the two
+split_factor=tp)`` (meshpar.distributed._torch) on the dp dim, the placement PyTorch's fully_shard uses, so the two
 engines' checkpoints stay interchangeable. Unsharding rebuilds the TP-local tensor and
 hands the module the TP DTensor over it.
 
@@ -51,7 +51,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from meshpar._torch import (
+from meshpar.distributed._torch import (
     StridedShard,
     concatenate_meshes,
     dtensor_like,

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from meshpar._torch import queue_backward_callback
+from meshpar.distributed._torch import queue_backward_callback
 from meshpar.fsdp.param_group import ParamGroup
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.reduce import ReduceQueue
@@ -231,7 +231,7 @@ class FSDPState:
 
     # [Note: units inside a unit]
     # A mixture-of-experts block is one unit with its experts (or whole sparse layer) a unit inside it,
-    # sharded over other ranks (meshpar/parallelize.py). In forward, the order's prefetch issues the
+    # sharded over other ranks (meshpar/parallel/parallelize.py). In forward, the order's prefetch issues the
     # inner unit's all-gather from the block's pre-forward, outside the block's own forward; under
     # activation checkpointing the recompute runs the block's forward alone (no hooks of the block),
     # so the inner unit gathered inside it. Selective checkpointing replays the forward's ops in

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from meshpar import comm
+    from meshpar.distributed import comm
 
 
 def _wait(work: comm.Work, event: torch.cuda.Event | None) -> None:

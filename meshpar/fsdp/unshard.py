@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
-from meshpar import comm
-from meshpar.comm_record import comm_buffers
+from meshpar.distributed import comm
+from meshpar.distributed.comm_record import comm_buffers
 from meshpar.fsdp.sharded_param import ParamState
 from meshpar.fsdp.streams import _wait
 

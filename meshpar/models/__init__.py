@@ -3,10 +3,10 @@
 A family is a pure-PyTorch model (no parallel code, constructible on the meta device,
 ``init_weights()``, layers in a ``ModuleDict`` keyed by index) plus its tensor-parallel plan
 table and the check of its dimensions against a layout (``models/<family>/parallelize.py``),
-both data that meshpar.parallelize applies from outside. ``mesh_dims`` lists the parallel
+both data that meshpar.parallel.parallelize applies from outside. ``mesh_dims`` lists the parallel
 dimensions this family can run with today; a recipe asking for any other is refused before launch
-(meshpar.preflight). The package imports only leaf modules of meshpar (tensor_parallel's
-styles, errors, recipe_keys), never meshpar.parallelize, so there is no import cycle.
+(meshpar.training.preflight). The package imports only leaf modules of meshpar (tensor_parallel's
+styles, errors, config keys), never meshpar.parallel.parallelize, so there is no import cycle.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 
 from torch import nn
 
-from meshpar.errors import RecipeError
+from meshpar.config.errors import RecipeError
+from meshpar.config.keys import MOE_KEYS, ModelConfig
 from meshpar.models.gpt2 import GPT2, GPT2_SIZES
 from meshpar.models.gpt2.parallelize import GPT2_TP_PLAN, check_gpt2_layout
 from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, Transformer
@@ -27,8 +28,7 @@ from meshpar.models.llama.parallelize import LLAMA_TP_PLAN, check_llama_layout
 from meshpar.models.moe import MIXTRAL_SIZES, QWEN3_MOE_SIZES, MoETransformer
 from meshpar.models.moe.convert import MIXTRAL
 from meshpar.models.moe.parallelize import check_moe_tp
-from meshpar.recipe_keys import MOE_KEYS, ModelConfig
-from meshpar.tensor_parallel import TPPlan
+from meshpar.parallel.tensor_parallel.plan import TPPlan
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Family:
     name: str
     model_cls: type[nn.Module]
     sizes: Mapping[str, Any]  # size name -> the family's frozen args dataclass
-    tp_plan: TPPlan  # the tensor-parallel plan table, applied by meshpar.parallelize
+    tp_plan: TPPlan  # the tensor-parallel plan table, applied by meshpar.parallel.parallelize
     check_layout: Callable[[Any, Any], None]  # (args, Layout) -> RecipeError: tp must divide the dims it shards
     mesh_dims: frozenset[str]  # parallel dims that may be > 1
 
@@ -89,7 +89,7 @@ NOT_BUILT = {
 }
 
 _ND = frozenset({"pp", "dp_replicate", "dp_shard", "tp"})
-_LLAMA = _ND | {"cp"}  # context parallelism: the Llama model's seams (meshpar/context_parallel.py)
+_LLAMA = _ND | {"cp"}  # context parallelism: the Llama model's seams (meshpar/parallel/context_parallel/apply.py)
 _MOE = frozenset({"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"})
 
 

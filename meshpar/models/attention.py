@@ -53,7 +53,7 @@ from torch import Tensor
 # one more block argument. Pipeline stages after the first receive hidden states, not token
 # ids: they refuse ``document_eos >= 0`` (document attention runs with pp = 1). Context
 # parallelism replaces the Llama family's ``document_tables`` seam: no rank builds [T, T]
-# ([Note: documents under context parallelism] in meshpar/context_parallel.py).
+# ([Note: documents under context parallelism] in meshpar/parallel/context_parallel/apply.py).
 
 
 # [Note: masked grouped-query attention on CUDA]

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshpar._torch import StridedShard
+from meshpar.distributed._torch import StridedShard
 
 # [Note: layout-independent init]
 # Drawing from one generator per rank (what nn.init does on a DTensor's local shard) makes

@@ -24,13 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-from meshpar import recipe as recipelib
-from meshpar.hardware import PROFILES_DIR, HardwareProfile, load_profile
-from meshpar.mesh import local_world_size
+from meshpar.config import recipe as recipelib
+from meshpar.config.hardware import PROFILES_DIR, HardwareProfile, load_profile
+from meshpar.config.recipe import RecipeError
+from meshpar.distributed.mesh import local_world_size
 from meshpar.planner import LinkDefaults, plan, report, verdict
 from meshpar.planner.search import HEAD, best_recipe, search
-from meshpar.preflight import check_model
-from meshpar.recipe import RecipeError
+from meshpar.training.preflight import check_model
 
 if sys.version_info >= (3, 11):
     import tomllib

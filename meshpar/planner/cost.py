@@ -14,7 +14,7 @@
 - Context parallelism divides that work by cp: a rank runs every weight on its T/cp tokens,
   and its attention, T/cp queries over the keys up to each of its chunks, is 1/cp of the
   sequence's causal attention exactly under the balanced split ([Note: balanced sequence
-  split] in meshpar/context_parallel.py: 2cp x (T/2cp)^2 of T^2/2 (query, key) pairs on every
+  split] in meshpar/parallel/context_parallel/apply.py: 2cp x (T/2cp)^2 of T^2/2 (query, key) pairs on every
   rank), whatever convention counts the whole (``flops_per_token``'s, without the causal
   halving, as calibrated). Its K/V all-gathers (and their reduce-scatters in backward) sit on
   the critical path of every block: the attention waits for them. Under ``parallel.cp_attention
@@ -52,7 +52,7 @@
   part of dp_shard, so its span is ep x cp x tp; cp's is cp x tp, so cp stays inside a node
   when cp x tp divides its GPUs); otherwise they
   cross nodes and run at the inter-node bandwidth, per GPU per direction. Bytes are ring
-  volumes per rank ([Note: bytes counted] in meshpar/comm.py), counted in the simulated
+  volumes per rank ([Note: bytes counted] in meshpar/distributed/comm.py), counted in the simulated
   step, at the full link bandwidth, which collectives do not reach: communication times
   are lower bounds.
 """
@@ -66,9 +66,9 @@ from dataclasses import dataclass
 
 import torch
 
-from meshpar.hardware import HardwareProfile
-from meshpar.mesh import DIMS, Layout
-from meshpar.recipe import Recipe
+from meshpar.config.hardware import HardwareProfile
+from meshpar.config.recipe import Recipe
+from meshpar.distributed.mesh import DIMS, Layout
 
 # [Note: the efficiency constants]
 # Measured with meshpar on one GPU (H200, torch 2.11, bf16, tests/benchmarks/bench_gpu.py and
@@ -90,7 +90,7 @@ BESIDE_COLLECTIVES = 0.80
 OPTIMIZER_BYTES_PER_PARAM = 40  # fp32 AdamW: param, grad, 2 moments read, 3 written (28 B); clip 12 B
 # The ring's attention (``parallel.cp_attention = "ring"``), forward and backward, takes this many times
 # the gather's on a device of the kind: 8.5x (Llama 3 8B at 131072 tokens, cp 4 x tp 4) and 7.9-8.0x
-# (70B, cp 16 x tp 8) on one H200 ([Note: the ring on a GPU] in meshpar/ring_attention.py); on the CPU
+# (70B, cp 16 x tp 8) on one H200 ([Note: the ring on a GPU] in meshpar/parallel/context_parallel/ring.py); on the CPU
 # the two steps are within 20% of each other (bench_cp), which the model leaves out.
 RING_ATTENTION_SLOWDOWN = {"cuda": 8.0}
 
@@ -229,7 +229,7 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
 
 
 # [Note: the ring's overlap]
-# Ring attention ([Note: ring attention] in meshpar/ring_attention.py) posts each hop of one K/V chunk,
+# Ring attention ([Note: ring attention] in meshpar/parallel/context_parallel/ring.py) posts each hop of one K/V chunk,
 # h = 2 x mb x Hkv/tp x T/cp x Dh x itemsize bytes, before the attention of the chunk in hand, so a hop
 # costs only what it takes beyond that step's attention: a forward step is 1/cp of a block's attention
 # forward (a = the forward's share of ``flops_per_token``'s attention term, on the rank's T/cp tokens,
@@ -238,7 +238,7 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
 # block's backward, back to the chunk's owner, has no compute left beside it. With H hops counted on cp
 # in the simulated step (every forward run, recomputation included) over n = blocks x microbatches:
 #     exposed = (H - n) x max(0, h/bw - a) + n x h/bw
-# Selective checkpointing keeps nothing of the ring's forward (meshpar/ring_attention.py), so a
+# Selective checkpointing keeps nothing of the ring's forward (meshpar/parallel/context_parallel/ring.py), so a
 # checkpointed block recomputes its attention forward too: a third of the attention term more
 # compute per block (``_stage_flops_per_token(ring=True)``), where the gather's fused attention
 # output is kept. On a GPU the ring's explicit matmuls take 8x the gather's fused kernels

@@ -8,7 +8,7 @@ One representative rank per pipeline stage (coordinate 0 on every other dim: und
 ``torch.chunk`` sharding the lowest ranks hold the largest shards, so it is the fullest
 rank of its stage) joins a ``fake`` process group (``FakeStore``: collectives return at once)
 of the target world size and builds its part of the model exactly as ``meshpar train``
-does (``meshpar/parallelize.py``: pipeline split -> tensor parallel -> activation
+does (``meshpar/parallel/parallelize.py``: pipeline split -> tensor parallel -> activation
 checkpointing -> ``fully_shard`` per block, then the stage root) on the meta device. The
 parameter table, the sharded parameter, gradient and AdamW bytes and the FSDP units are
 read off the result; ``simulate.py`` then runs the step on fake tensors. Stages alike in
@@ -30,17 +30,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshpar import mesh as meshlib
-from meshpar._torch import clear_dtensor_caches
+from meshpar.config.hardware import HardwareProfile
+from meshpar.config.recipe import Recipe, RecipeError
+from meshpar.distributed import mesh as meshlib
+from meshpar.distributed._torch import clear_dtensor_caches
 from meshpar.fsdp import FSDPModule
-from meshpar.hardware import HardwareProfile
 from meshpar.models import get_family
-from meshpar.parallelize import parallelize_transformer
-from meshpar.pipeline import split, stage_layers
+from meshpar.parallel.parallelize import parallelize_transformer
+from meshpar.parallel.pipeline import split, stage_layers
 from meshpar.planner.cost import LinkDefaults, StepTime, step_time
 from meshpar.planner.simulate import Measured, schedule_actions, simulate
-from meshpar.preflight import check_layout
-from meshpar.recipe import Recipe, RecipeError
+from meshpar.training.preflight import check_layout
 
 PLANNED_SCHEDULES = ("1f1b", "gpipe")
 
@@ -132,7 +132,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     """This process as ``rank`` of ``world_size`` in a process group whose collectives do nothing."""
     if dist.is_initialized():
         raise RuntimeError("meshpar plan runs outside any process group; call it before init_process_group")
-    from meshpar._torch import FakeStore  # torch.testing's fake process group, on first use
+    from meshpar.distributed._torch import FakeStore  # torch.testing's fake process group, on first use
 
     clear_dtensor_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -187,7 +187,7 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
 
 
 def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe) -> list[tuple[int, torch.nn.Module]]:
-    """This rank's stages, parallelized on meta: the steps of meshpar.parallelize.build before to_empty."""
+    """This rank's stages, parallelized on meta: the steps of meshpar.parallel.parallelize.build before to_empty."""
     layout, p = mesh.layout, recipe.parallel
     with torch.device("meta"):
         whole = family.model_cls(args)

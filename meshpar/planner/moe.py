@@ -6,7 +6,7 @@
 [Note: the planner routes tokens evenly]
 ``MoE.forward`` (meshpar/models/moe/model.py) sizes its dispatch by the router's choices:
 ``torch.bincount`` of the chosen experts, splits read on the host by the loop kernel and by the
-expert-parallel all-to-all (meshpar/expert_parallel.py). Fake tensors have no values, so the
+expert-parallel all-to-all (meshpar/parallel/expert_parallel.py). Fake tensors have no values, so the
 planner assumes balanced routing, what the load-balancing loss aims at: each expert receives
 ``N * top_k / E`` of a forward's ``N * top_k`` token slots (the remainder to the first experts),
 and each ep rank sends and receives ``1/ep`` of its slots to and from every rank. The routing
@@ -18,7 +18,7 @@ loss) runs unchanged; only what reads values is replaced:
   for backward, as CUDA's grouped kernel does; the CPU loop kernel's per-expert outputs and
   their ``cat`` would add a transient copy no GPU makes), else a loop with the balanced splits;
 - the expert-parallel dispatch -> the same two all-to-alls (counts, then rows forward and
-  back, through ``meshpar.comm``, so their bytes are counted on the ``ep`` dim) and the same
+  back, through ``meshpar.distributed.comm``, so their bytes are counted on the ``ep`` dim) and the same
   permutations, with the balanced splits;
 - a capacity drop keeps every slot (balanced loads never exceed a capacity factor >= 1).
 
@@ -37,9 +37,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from meshpar import comm
-from meshpar import expert_parallel as eplib
+from meshpar.distributed import comm
 from meshpar.models.moe import model as moelib
+from meshpar.parallel import expert_parallel as eplib
 
 
 def _balanced(slots: int, experts: int) -> list[int]:
@@ -62,7 +62,7 @@ def _grouped_mm(x: Tensor, w: Tensor, counts: Tensor, kernel: str = "auto") -> T
 
 
 def _dispatch(experts: moelib.Experts, mesh, layer: int, x: Tensor, counts: Tensor) -> Tensor:
-    """meshpar/expert_parallel.py's ``_dispatch`` with balanced splits: the same collectives and copies."""
+    """meshpar/parallel/expert_parallel.py's ``_dispatch`` with balanced splits: the same collectives and copies."""
     group, n, dim = mesh.get_group(), mesh.size(), (mesh.mesh_dim_names or ("ep",))[0]
     w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1, experts.w2, experts.w3))
     local = w1.shape[0]

@@ -46,15 +46,15 @@ from dataclasses import dataclass
 
 import torch
 
-from meshpar import recipe as recipelib
-from meshpar.hardware import HardwareProfile
-from meshpar.mesh import resolve
+from meshpar.config import recipe as recipelib
+from meshpar.config.hardware import HardwareProfile
+from meshpar.config.recipe import Recipe, RecipeError
+from meshpar.distributed.mesh import resolve
 from meshpar.models import get_family
-from meshpar.parallelize import check_mixed_precision
-from meshpar.pipeline import check_microbatches, stage_layers
+from meshpar.parallel.parallelize import check_mixed_precision
+from meshpar.parallel.pipeline import check_microbatches, stage_layers
 from meshpar.planner.cost import _stage_flops_per_token, default_efficiency
-from meshpar.preflight import check_context_parallel
-from meshpar.recipe import Recipe, RecipeError
+from meshpar.training.preflight import check_context_parallel
 
 AC_MODES = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4)

@@ -7,7 +7,7 @@
 The stages come from meshpar's own parallelize path, built on meta in a fake process group
 (``dry_run.py``). Here they are materialized as ``FakeTensor``s (``to_empty`` under
 ``FakeTensorMode``: shapes, dtypes and storages of the real sizes, no memory, no arithmetic)
-and run through ``meshpar.step.train_step``, the step ``meshpar train`` runs: forward and
+and run through ``meshpar.training.step.train_step``, the step ``meshpar train`` runs: forward and
 backward per microbatch with gradient sync only on the last, or on each
 (``parallel.grad_reduce``) (FSDP units all-gather, prefetch, reshard and reduce-scatter as they
 do on a GPU), the data-parallel and tensor-parallel gradient reductions, and gradient clipping.
@@ -61,20 +61,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshpar import comm, comm_record
-from meshpar import context_parallel as cplib
-from meshpar import ring_attention as ringlib
-from meshpar._torch import FakeTensorMode
-from meshpar._torch import dtensor_sharding_prop as sharding_prop
-from meshpar.comm_record import comm_buffers
+from meshpar.config.recipe import Recipe
+from meshpar.distributed import comm, comm_record
+from meshpar.distributed._torch import FakeTensorMode
+from meshpar.distributed._torch import dtensor_sharding_prop as sharding_prop
+from meshpar.distributed.comm_record import comm_buffers
+from meshpar.distributed.mesh import DIMS, Mesh
 from meshpar.fsdp import FSDPModule
-from meshpar.mesh import DIMS, Mesh
 from meshpar.models import attention as attnlib
-from meshpar.pipeline import Stage
+from meshpar.parallel.context_parallel import apply as cplib
+from meshpar.parallel.context_parallel import ring as ringlib
+from meshpar.parallel.pipeline import Stage
 from meshpar.planner.moe import balanced_routing
 from meshpar.profiling.memory import AllocationTracker
-from meshpar.recipe import Recipe
-from meshpar.step import GradSync, Microbatch, Model, cross_entropy, train_step
+from meshpar.training.step import GradSync, Microbatch, Model, cross_entropy, train_step
 
 
 @dataclass
@@ -170,7 +170,7 @@ class _Tracker(AllocationTracker):
         dim, n = self._groups.get(group, ("other", 1))
         x = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
         nbytes = x.numel() * x.element_size()
-        # ring volumes per rank, as meshpar.comm counts them ([Note: bytes counted])
+        # ring volumes per rank, as meshpar.distributed.comm counts them ([Note: bytes counted])
         wire = {"all_gather_into_tensor": nbytes * (n - 1), "reduce_scatter_tensor": nbytes * (n - 1) / n,
                 "all_reduce": 2 * nbytes * (n - 1) / n, "all_to_all_single": nbytes * (n - 1) / n}.get(op, nbytes)
         self.current_phase.comm[(op.removesuffix("_into_tensor").removesuffix("_tensor"), dim)] += wire
@@ -187,7 +187,7 @@ class _Tracker(AllocationTracker):
         after = self.current()
         ph.end = after["Total"]
         ph.saved = sum(after[c] - before[c] for c in ("Activation", "Temp"))
-        for (op, dim), nbytes in counted.bytes.items():  # meshpar.comm's; "extra": clipping's pp groups
+        for (op, dim), nbytes in counted.bytes.items():  # meshpar.distributed.comm's; "extra": clipping's pp groups
             ph.comm[(op, "pp" if dim == "extra" else dim)] += nbytes
 
 
@@ -226,7 +226,7 @@ def _patched(nccl: bool) -> Iterator[None]:
 
     [Note: context parallel attention on fake tensors]
     Each chunk of a cp rank's queries attends with ``causal_lower_right(n, keys)``
-    ([Note: attention per query chunk] in meshpar/context_parallel.py), a tensor subclass that
+    ([Note: attention per query chunk] in meshpar/parallel/context_parallel/apply.py), a tensor subclass that
     fake tensors cannot become (torch raises creating it under a fake mode). On a GPU it
     dispatches to the flash kernel with its causal flag, no mask built, saving q, k, v, the
     output and the log-sum-exp; off the GPU it would materialize a [n, keys] boolean mask
@@ -323,7 +323,7 @@ def _priced(tracker: _Tracker, phases: dict[str, Phase]) -> Callable[..., contex
 def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Recipe, accum: int, *,
              nccl: bool) -> Measured:
     """Run one optimizer step's forward/backward passes and gradient work of ``stages`` (this
-    rank's, built on meta) on fake tensors through ``meshpar.step.train_step``; see the module
+    rank's, built on meta) on fake tensors through ``meshpar.training.step.train_step``; see the module
     docstring and [Note: what the simulation leaves to arithmetic]. ``accum``: microbatches per
     step on this rank."""
     t, p, layout = recipe.train, recipe.parallel, mesh.layout

@@ -57,12 +57,12 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction
 
-from meshpar import comm_record
-from meshpar._torch import attach_cuda_oom_observer, dump_cuda_memory_snapshot, record_cuda_memory_history
 from meshpar.checkpoint.atomic import atomic_path, write_atomic
-from meshpar.mesh import DIMS, Mesh
+from meshpar.config.recipe import ProfileConfig, RecipeError
+from meshpar.distributed import comm_record
+from meshpar.distributed._torch import attach_cuda_oom_observer, dump_cuda_memory_snapshot, record_cuda_memory_history
+from meshpar.distributed.mesh import DIMS, Mesh
 from meshpar.profiling.memory import AllocationTracker
-from meshpar.recipe import ProfileConfig, RecipeError
 
 
 def label(name: str):

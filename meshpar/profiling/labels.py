@@ -5,7 +5,7 @@
 
 [Note: labelling collectives meshpar does not issue]
 meshpar's own collectives (FSDP, replicate, partial-gradient reduction) run inside
-``meshpar::comm.<op>[<dim>]`` ranges (meshpar/comm.py). Two kinds come from PyTorch code:
+``meshpar::comm.<op>[<dim>]`` ranges (meshpar/distributed/comm.py). Two kinds come from PyTorch code:
 
 * Tensor parallelism. A ``ParallelStyle`` installs forward (pre-)hooks that redistribute a
   module's inputs and outputs (all-gather, reduce-scatter, all-reduce); in backward, DTensor's
@@ -17,14 +17,14 @@ meshpar's own collectives (FSDP, replicate, partial-gradient reduction) run insi
   untouched, so gradients are bit-identical with and without the profiler; with it off the
   wrapper costs one check per call.
 * Pipeline transfers. ``torch.distributed.pipelining`` issues point-to-point ops through the
-  module-level batch issue function (``meshpar._torch.schedule_p2p``) and waits on the returned
+  module-level batch issue function (``meshpar.distributed._torch.schedule_p2p``) and waits on the returned
   works. meshpar's ``Stage`` tags the ops it hands out (``label_p2p_ops``); that function is
   replaced, once, by a
   wrapper that passes untagged ops straight through and, while the profiler is on, issues
   tagged ones inside ``meshpar::pp.<send|recv>_<forward|backward>[<stage>,<microbatch>]``
   and waits on them inside ``meshpar::pp.<...>.wait``: a receive's wait is the pipeline
   bubble seen from that stage. This leans on a private torch 2.13 name, like the rest of
-  meshpar/pipeline/ (its docstring lists the others).
+  meshpar/parallel/pipeline/ (its docstring lists the others).
 
 ``meshpar profile summarize`` reads these labels to put every collective on its mesh dim
 (meshpar/profiling/report/attribution.py).
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from meshpar._torch import (
+from meshpar.distributed._torch import (
     forward_hook_dicts,
     profiler_enabled,
     record_function_enter,

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from meshpar._torch import MemRefType, MemTracker, RefType, UpdateType, WeakRefInfo  # imported on first use
-from meshpar.comm_record import buffer_tag
+from meshpar.distributed._torch import MemRefType, MemTracker, RefType, UpdateType, WeakRefInfo  # imported on first use
+from meshpar.distributed.comm_record import buffer_tag
 
 
 class Category(RefType):

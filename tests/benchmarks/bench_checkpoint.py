@@ -33,11 +33,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshpar.checkpoint import Checkpointer, RunState
+from meshpar.config.recipe import CheckpointConfig, OptimConfig
 from meshpar.data import BatchLoader
 from meshpar.fsdp import fully_shard
 from meshpar.models.llama import LLAMA_SIZES, Transformer
-from meshpar.optim import build_lr_schedule, build_optimizer
-from meshpar.recipe import CheckpointConfig, OptimConfig
+from meshpar.training.optim import build_lr_schedule, build_optimizer
 from tests.distributed import run_distributed
 
 

@@ -9,7 +9,7 @@ process and on cp 2 and cp 4 gloo ranks (``tests/distributed.py``, 1 thread per 
 rank holding T / cp tokens (``apply_context_parallel`` + ``shard_sequence``), both with the
 balanced split and with contiguous slices ([Note: balanced sequence split]). A step is forward,
 cross-entropy over the rank's tokens, backward, the gradients averaged over cp by one all-reduce
-(``meshpar.replicate.all_reduce_gradients``: the parameters are replicated here, the same bytes in
+(``meshpar.parallel.data_parallel.all_reduce_gradients``: the parameters are replicated here, the same bytes in
 every layout, where ``meshpar train`` shards them with FSDP over dp_shard x cp), fused AdamW.
 About 8 minutes here. Per layout it prints
 
@@ -23,7 +23,7 @@ About 8 minutes here. Per layout it prints
   batch's token ids. It is everything the step itself adds at its worst moment: the activations
   saved for backward, the gathered K/V, masks, temporaries, gradients in flight; its ratio to one
   process (issue 18's acceptance: at most 0.3 at cp 4);
-- K/V traffic per step and rank on the ``cp`` dim as ``meshpar.comm_record.count()`` recorded it, next to
+- K/V traffic per step and rank on the ``cp`` dim as ``meshpar.distributed.comm_record.count()`` recorded it, next to
   the analytic figure: per layer the forward all-gathers K and V, each a [B, Hkv, T, Dh] buffer of
   which a rank receives (cp - 1) / cp ([Note: all-gather of K and V]), and the backward
   reduce-scatters their gradients, the same volume ([Note: bytes counted]), so each direction is
@@ -77,12 +77,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import _disable_current_modes
 
-from meshpar import comm_record
-from meshpar import context_parallel as cp_module
-from meshpar.context_parallel import _Layout, apply_context_parallel, shard_sequence
+from meshpar.distributed import comm_record
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.args import ModelArgs
-from meshpar.replicate import all_reduce_gradients
+from meshpar.parallel.context_parallel import apply as cp_module
+from meshpar.parallel.context_parallel.apply import _Layout, apply_context_parallel, shard_sequence
+from meshpar.parallel.data_parallel import all_reduce_gradients
 from tests.benchmarks.probes import PeakMemory
 from tests.distributed import run_distributed
 from tests.helpers import CpRank
@@ -119,7 +119,7 @@ class _Run:
         self.times: list[float] = []
 
     def step(self) -> None:
-        # the logits are not kept: backward needs the loss's saved tensors only (as meshpar.step)
+        # the logits are not kept: backward needs the loss's saved tensors only (as meshpar.training.step)
         F.cross_entropy(self.model(self.inputs).flatten(0, 1), self.targets.flatten()).backward()
         if self.mesh is not None:  # the cp ranks are replicas: gradients averaged over them
             all_reduce_gradients(self.model, self.mesh)

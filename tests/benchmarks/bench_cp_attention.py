@@ -39,7 +39,7 @@ attention kernels it ran (the profiler's aten op names: flash, efficient, cudnn,
 
 ``--smoke`` (tests/test_bench_cp_attention.py): recipes/llama_debug_cp.toml on the CPU in float64.
 Measured on one H200 (``scripts/gpu_checks.sh cp``): the README's Context parallelism section and
-[Note: the ring on a GPU] in meshpar/ring_attention.py.
+[Note: the ring on a GPU] in meshpar/parallel/context_parallel/ring.py.
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from meshpar import context_parallel as cplib
-from meshpar import ring_attention as ringlib
-from meshpar.hardware import load_profile
+from meshpar.config.hardware import load_profile
+from meshpar.config.recipe import load
 from meshpar.models import get_family
+from meshpar.parallel.context_parallel import apply as cplib
+from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.planner.cost import default_efficiency
-from meshpar.recipe import load
 from tests.benchmarks.probes import median_seconds
 from tests.helpers import CpRank
 

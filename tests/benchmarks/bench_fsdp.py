@@ -11,11 +11,11 @@ turn from the same initial values on the same global batch (each rank its slice)
   after warmup steps (ranks start each step together at a barrier);
 - peak memory: live tensor bytes over one more step, the largest rank (probes.PeakMemory);
 - persistent memory: parameter + gradient + AdamW-state storage bytes held by a rank;
-- communication per step and rank: meshpar from ``meshpar.comm_record.count()``, PyTorch's engine
+- communication per step and rank: meshpar from ``meshpar.distributed.comm_record.count()``, PyTorch's engine
   from its calls of torch.distributed's functions, DDP from the dispatcher (its reducer
   calls C++ directly); all as ring bytes (see probes.py [Note: what each engine calls on gloo]).
 
-Both FSDP engines wrap each block of ``model.layers`` and then the root (meshpar/parallelize.py),
+Both FSDP engines wrap each block of ``model.layers`` and then the root (meshpar/parallel/parallelize.py),
 passing every unit, the root included, the same explicit ``reshard_after_forward``: True
 ("reshard", the root too is freed after forward and gathered again for backward) or False
 ("keep").
@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshpar import comm_record
+from meshpar.distributed import comm_record
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.args import ModelArgs
 from tests.benchmarks.probes import DispatchedCollectives, PeakMemory, PythonCollectives, persistent_bytes
@@ -116,7 +116,7 @@ class _Trainer:
         model = Transformer(w.args)
         model.init_weights()  # the same values on every rank and for every engine
         self.model = _wrap(engine, model, mesh)
-        # fused, as meshpar's training uses it (meshpar/optim.py), for every engine alike
+        # fused, as meshpar's training uses it (meshpar/training/optim.py), for every engine alike
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         self.inputs, self.targets = _batch(w, rank, world)
         self.losses: list[float] = []

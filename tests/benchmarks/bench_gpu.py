@@ -10,9 +10,9 @@ A case is ``engine/size/seq_len/mode``, mode one of ``eager``, ``compile``, ``ea
 
 - ``meshpar``: meshpar's own training path on a 1-rank process group (NCCL on CUDA, gloo on
   CPU): a recipe's ``[parallel]`` (param_dtype bfloat16, reduce_dtype float32, compile,
-  activation_checkpoint) and ``[optim]``, the model from ``meshpar.parallelize.build`` as
+  activation_checkpoint) and ``[optim]``, the model from ``meshpar.parallel.parallelize.build`` as
   ``meshpar train`` builds it (on meta; AC -> compile -> fully_shard per block, then root ->
-  to_empty + init_weights), meshpar.optim's fused AdamW and meshpar.step.train_step
+  to_empty + init_weights), meshpar.training.optim's fused AdamW and meshpar.training.step.train_step
   (forward, backward, clip, step). FSDP on one rank aliases
   ([Note: one data-parallel rank] in meshpar/fsdp/param_group.py): no collectives, so the
   engine's own per-step overhead is what is measured. See [Note: bf16 on one rank] below.
@@ -29,7 +29,7 @@ to bf16 rounding in bf16). MFU = ``flops_per_token(seq_len)`` x tokens/s / peak:
 FLOPs ``meshpar train`` and ``meshpar plan`` use (meshpar/models/llama/args.py), 6 x matmul
 weights (output head included) + 12 x n_layers x H x Dh x T per token, attention without the
 causal halving (PaLM's convention; ``mfu_causal`` in the JSON halves it); the peak is the
-compute dtype's entry in the hardware profile ``meshpar.hardware`` picks for the device
+compute dtype's entry in the hardware profile ``meshpar.config.hardware`` picks for the device
 (profiles/h100_sxm.toml, h200.toml: 989.4 TFLOP/s bf16). Then meshpar/plain tokens/s per pair
 and the goals as facts. ``--profile`` traces one more step of some cases (default: the first
 compiled meshpar case and its plain pair): the top kernels by device time and the step's
@@ -86,17 +86,17 @@ from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from meshpar import mesh as meshlib
-from meshpar import recipe as recipelib
+from meshpar.config import recipe as recipelib
+from meshpar.config.hardware import load_profile
+from meshpar.distributed import mesh as meshlib
 from meshpar.fsdp import FSDPModule
-from meshpar.hardware import load_profile
 from meshpar.models import get_family
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.args import ModelArgs
-from meshpar.optim import build_optimizer
-from meshpar.parallelize import apply_fsdp, build
-from meshpar.runtime import RankInfo, init_process_group
-from meshpar.step import GradSync, Model, train_step
+from meshpar.parallel.parallelize import apply_fsdp, build
+from meshpar.runtime.process import RankInfo, init_process_group
+from meshpar.training.optim import build_optimizer
+from meshpar.training.step import GradSync, Model, train_step
 
 GiB = 2**30
 
@@ -219,7 +219,7 @@ def _plain(case: Case, s: Settings, batch: tuple[torch.Tensor, torch.Tensor]):
     model.to_empty(device=s.device)
     torch.manual_seed(0)
     model.init_weights()  # the values meshpar's engine starts from: [Note: initial values]
-    for block in model.layers.values():  # AC, then compile around it, as meshpar/parallelize.py orders them
+    for block in model.layers.values():  # AC, then compile around it, as meshpar/parallel/parallelize.py orders them
         if case.ac:
             forward = block.forward
             block.forward = lambda *a, f=forward: checkpoint(f, *a, use_reentrant=False, preserve_rng_state=False)

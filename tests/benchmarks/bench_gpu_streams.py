@@ -37,14 +37,14 @@ from pathlib import Path
 
 import torch
 
-from meshpar import comm_record
-from meshpar import mesh as meshlib
-from meshpar import recipe as recipelib
+from meshpar.config import recipe as recipelib
+from meshpar.distributed import comm_record
+from meshpar.distributed import mesh as meshlib
 from meshpar.models import get_family
-from meshpar.optim import build_optimizer
-from meshpar.parallelize import build
-from meshpar.runtime import init_process_group, rank_info
-from meshpar.step import GradSync, Model, train_step
+from meshpar.parallel.parallelize import build
+from meshpar.runtime.process import init_process_group, rank_info
+from meshpar.training.optim import build_optimizer
+from meshpar.training.step import GradSync, Model, train_step
 
 GiB = 2**30
 MODES = ("alias", "streams", "no streams")

@@ -6,15 +6,15 @@
 Each layout trains the debug Qwen3-MoE (recipes/qwen3_moe_debug.toml: 4 blocks, dim 256, 8
 experts top 2 in 3 sparse blocks; here seq_len 128, global batch 8, one microbatch per rank) on
 gloo ranks (``tests/distributed.py``, 1 thread per rank) through meshpar's own code, as
-calibrate_plan.py does: ``meshpar.parallelize.build`` from recipe overrides, fused AdamW,
-``meshpar.step.train_step`` on random tokens. Layouts: 1 rank; dp_shard 2 FSDP only (experts
+calibrate_plan.py does: ``meshpar.parallel.parallelize.build`` from recipe overrides, fused AdamW,
+``meshpar.training.step.train_step`` on random tokens. Layouts: 1 rank; dp_shard 2 FSDP only (experts
 sharded like every other parameter); dp_shard 2 with ep 2; dp_shard 4 FSDP only; dp_shard 4 with
 ep 2; dp_shard 4 with ep 4. Per layout it prints
 
 - step time: median over the timed steps (after warmup) of the slowest rank's step, ranks
   starting each step together at a barrier; its ratio to 1 rank and to the FSDP-only layout
   of the same rank count;
-- all-to-all calls and bytes per step and rank on the ``ep`` dim, as ``meshpar.comm_record.count()``
+- all-to-all calls and bytes per step and rank on the ``ep`` dim, as ``meshpar.distributed.comm_record.count()``
   recorded them, next to the analytic figure from that step's routing (every ep rank's
   ``tokens_per_expert`` per sparse layer, gathered): per sparse layer a rank sends, forward and
   backward, 2 x (rows for other ranks' experts + rows it computed for other ranks) x dim x
@@ -59,8 +59,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshpar import comm_record
-from meshpar import recipe as recipelib
+from meshpar.config import recipe as recipelib
+from meshpar.distributed import comm_record
 from tests.benchmarks.calibrate_plan import build_training
 from tests.distributed import run_distributed
 

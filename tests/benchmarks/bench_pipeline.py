@@ -3,7 +3,7 @@
     python -m tests.benchmarks.bench_pipeline [--ranks 2] [--microbatches 2,4,8] [--schedules gpipe,1f1b]
 
 Each rank holds one stage of the debug Llama (pp = ranks, 1 thread per rank) and trains under
-meshpar's schedule wrapper (meshpar.pipeline). A rank's busy time is the time spent inside its
+meshpar's schedule wrapper (meshpar.parallel.pipeline). A rank's busy time is the time spent inside its
 stage's forward (module hooks) and backward (``Stage.backward_maybe_with_nosync``); its bubble
 is ``1 - busy / step time``, the step timed from a barrier to the end of ``Pipeline.step``.
 The table prints the mean over ranks next to the theoretical (p - 1) / (m + p - 1) for
@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshpar.models.llama import LLAMA_SIZES, Transformer
-from meshpar.pipeline import build_schedule, split
+from meshpar.parallel.pipeline import build_schedule, split
 from tests.distributed import run_distributed
 
 SEQ, MICRO, STEPS, WARMUP = 256, 2, 5, 2

@@ -22,7 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-from meshpar import recipe as recipelib
+from meshpar.config import recipe as recipelib
 from meshpar.planner import plan
 from meshpar.planner.cli import load_hardware
 

@@ -4,7 +4,7 @@
 
 Each layout trains the debug Llama (4 blocks, dim 256; vocabulary 8192 so the loss is a real
 part of the peak) on gloo ranks (``tests/distributed.py``) through meshpar's own code: the
-parallelize path (``meshpar.parallelize.build``), the pipeline schedule, ``meshpar.step.train_step``
+parallelize path (``meshpar.parallel.parallelize.build``), the pipeline schedule, ``meshpar.training.step.train_step``
 (the step ``meshpar train`` runs), fused AdamW. ``meshpar.profiling.memory.AllocationTracker``
 follows every tensor storage from before the first step; the measured peak is the second
 step's (the steady state: AdamW state exists, FSDP has recorded its prefetch order, the
@@ -23,17 +23,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshpar import mesh as meshlib
-from meshpar import recipe as recipelib
+from meshpar.config import recipe as recipelib
+from meshpar.distributed import mesh as meshlib
 from meshpar.models import get_family
-from meshpar.optim import build_optimizer
-from meshpar.parallelize import build
-from meshpar.pipeline import build_schedule
+from meshpar.parallel.parallelize import build
+from meshpar.parallel.pipeline import build_schedule
 from meshpar.planner import plan
 from meshpar.planner.cli import load_hardware
-from meshpar.preflight import _check_batch
 from meshpar.profiling.memory import AllocationTracker
-from meshpar.step import GradSync, Model, cross_entropy, train_step
+from meshpar.training.optim import build_optimizer
+from meshpar.training.preflight import _check_batch
+from meshpar.training.step import GradSync, Model, cross_entropy, train_step
 from tests.distributed import run_distributed
 
 BASE = ["--model.size=debug", "--model.vocab_size=8192", "--train.seq_len=256", "--metrics.hardware=cpu",
@@ -106,7 +106,7 @@ class Training:
 
 
 def build_training(recipe: recipelib.Recipe) -> Training:
-    """The parallelized model (``meshpar.parallelize.build``), its pipeline schedule, fused AdamW,
+    """The parallelized model (``meshpar.parallel.parallelize.build``), its pipeline schedule, fused AdamW,
     random batches and gradient sync, on this gloo rank (also tests/benchmarks/bench_moe.py's)."""
     t, p = recipe.train, recipe.parallel
     layout = meshlib.resolve(p, dist.get_world_size())

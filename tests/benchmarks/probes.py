@@ -5,7 +5,7 @@
     with PeakMemory(model, optimizer) as m: step()
     m.peak_bytes, persistent_bytes(model, optimizer)
 
-Both counters fill a ``meshpar.comm_record.CommCounter`` with the bytes meshpar/comm.py counts
+Both counters fill a ``meshpar.distributed.comm_record.CommCounter`` with the bytes meshpar/distributed/comm.py counts
 ([Note: bytes counted]): all-gather, reduce-scatter and all-to-all move (N-1)/N of the full
 buffer, all-reduce twice that; a broadcast counts its whole buffer.
 
@@ -47,7 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshpar.comm_record import CommCounter
+from meshpar.distributed.comm_record import CommCounter
 from meshpar.profiling.memory import AllocationTracker
 
 

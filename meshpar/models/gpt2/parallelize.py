@@ -6,14 +6,14 @@ vocabulary-parallel embedding and output. Two things differ:
 
 - ``attn.c_attn`` is one fused projection laid out [q | k | v]; ``FusedColwiseParallel(3)``
   gives rank r heads r*H/tp .. (r+1)*H/tp of each of q, k and v (see [Note: fused
-  projections] in meshpar/tp_styles.py), and its global view is the unsharded weight.
+  projections] in meshpar/parallel/tensor_parallel/styles.py), and its global view is the unsharded weight.
 - learned positions ``wpe`` and the tie of ``lm_head`` to ``wte``, see the notes below.
 
 Limits: n_heads and vocab_size must be divisible by tp (the published GPT-2 vocabulary,
 50257, is not: pad it with ``model.vocab_size``), and so must the training sequence length.
 tp > 1 does not compose with dp_shard > 1 yet ([Note: GPT-2 fused c_attn under FSDP]).
 
-``GPT2_TP_PLAN`` is data: meshpar.parallelize applies it; this module imports only leaf modules.
+``GPT2_TP_PLAN`` is data: meshpar.parallel.parallelize applies it; this module imports only leaf modules.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from meshpar.models.gpt2.model import GPT2Args
-from meshpar.tensor_parallel import TPPlan, vocab_parallel_output
-from meshpar.tp_checks import check_fsdp_over_tp, check_tp_degree
-from meshpar.tp_styles import FusedColwiseParallel, ReplicateParallel, VocabParallelEmbedding
+from meshpar.parallel.tensor_parallel.checks import check_fsdp_over_tp, check_tp_degree
+from meshpar.parallel.tensor_parallel.plan import TPPlan, vocab_parallel_output
+from meshpar.parallel.tensor_parallel.styles import FusedColwiseParallel, ReplicateParallel, VocabParallelEmbedding
 
 if TYPE_CHECKING:
-    from meshpar.mesh import Layout
+    from meshpar.distributed.mesh import Layout
 
 SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the residual stream is a DTensor]
 

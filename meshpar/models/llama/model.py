@@ -105,7 +105,7 @@ class Attention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """Causal (or ``mask``ed) attention of q[B, H, T, Dh] over k, v[B, Hkv, T, Dh]. Context
-        parallelism replaces it on the instance (meshpar/context_parallel.py)."""
+        parallelism replaces it on the instance (meshpar/parallel/context_parallel/apply.py)."""
         if mask is not None:  # [Note: masked grouped-query attention on CUDA]
             return masked_attention(q, k, v, mask)
         # query head i reads kv head i // (H / Hkv), as repeat_interleave of k, v would give
@@ -210,7 +210,7 @@ class Transformer(nn.Module):
     def rope_tables(self, seq_len: int) -> tuple[Tensor, Tensor]:
         """RoPE's cos, sin[seq_len, Dh/2] for the ``seq_len`` tokens of this forward: positions 0 ..
         seq_len - 1. Context parallelism replaces it on the instance with the positions of the
-        rank's slice of the sequence (meshpar/context_parallel.py)."""
+        rank's slice of the sequence (meshpar/parallel/context_parallel/apply.py)."""
         return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
 
     def document_tables(self, tokens: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -218,7 +218,7 @@ class Transformer(nn.Module):
         [B, 1, T, T] in ``dtype`` and RoPE's cos, sin[B, 1, T, Dh/2] at per-document positions
         ([Note: document-causal attention]). Context parallelism replaces it on the instance with
         the documents of the whole sequence, which a rank's slice alone does not show
-        (meshpar/context_parallel.py)."""
+        (meshpar/parallel/context_parallel/apply.py)."""
         mask, positions = document_mask(tokens, self.args.document_eos, dtype=dtype)
         return mask, self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
 

@@ -3,8 +3,8 @@
 Megatron-style tensor parallelism with sequence parallelism: in each block, q/k/v and the
 SwiGLU's w1/w3 are column-wise (each rank owns H/tp query heads, Hkv/tp kv heads, F/tp
 hidden units), wo and w2 row-wise; the norms run on sequence shards; the embedding and
-the output are sharded on the vocabulary. ``LLAMA_TP_PLAN`` is data: meshpar.parallelize
-applies it (``meshpar.tensor_parallel.apply_tp``); this module imports only leaf modules.
+the output are sharded on the vocabulary. ``LLAMA_TP_PLAN`` is data: meshpar.parallel.parallelize
+applies it (``meshpar.parallel.tensor_parallel.plan.apply_tp``); this module imports only leaf modules.
 
 Per block, with x[B, T/tp, D] (Shard(1)) on each rank:
 
@@ -27,12 +27,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from meshpar.models.llama.args import ModelArgs
-from meshpar.tensor_parallel import TPPlan, vocab_parallel_output
-from meshpar.tp_checks import check_tp_degree
-from meshpar.tp_styles import ReplicateParallel, VocabParallelEmbedding
+from meshpar.parallel.tensor_parallel.checks import check_tp_degree
+from meshpar.parallel.tensor_parallel.plan import TPPlan, vocab_parallel_output
+from meshpar.parallel.tensor_parallel.styles import ReplicateParallel, VocabParallelEmbedding
 
 if TYPE_CHECKING:
-    from meshpar.mesh import Layout
+    from meshpar.distributed.mesh import Layout
 
 SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the residual stream is a DTensor]
 
@@ -40,7 +40,7 @@ SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the resi
 def _gather_sequence(n_extra_inputs: int) -> PrepareModuleInput:
     """A block's sub-layer input: [B, T/tp, D] -> all-gather -> [B, T, D], kept a Replicate
     DTensor ([Note: one reduce-scatter per sub-layer input in backward] in
-    meshpar/tensor_parallel.py); the extra inputs (RoPE's cos, sin; the document mask or None: plain
+    meshpar/parallel/tensor_parallel/plan.py); the extra inputs (RoPE's cos, sin; the document mask or None: plain
     tensors, whole on every rank) pass untouched."""
     return PrepareModuleInput(input_layouts=(SEQ, *[None] * n_extra_inputs),
                               desired_input_layouts=(Replicate(), *[None] * n_extra_inputs), use_local_output=False)

@@ -30,7 +30,7 @@ from torch import Tensor
 from meshpar.models.llama import convert as llama
 from meshpar.models.moe.args import MoEArgs
 from meshpar.models.moe.parallelize import moe_tp_plan
-from meshpar.tensor_parallel import TPPlan
+from meshpar.parallel.tensor_parallel.plan import TPPlan
 
 # attention, norms, embedding, output and Qwen3-MoE's dense layers: the Llama family's names (no biases)
 _DENSE = {k: v for k, v in llama.KEYS.items() if not k.endswith(".bias")}

@@ -11,11 +11,11 @@ Like the dense families: no parallel code, built on meta then ``to_empty`` + ``i
 blocks in a ``ModuleDict`` keyed by index, forward passes through a missing embedding / norm / output.
 
 After each forward, ``model.aux_loss`` holds the weighted load-balancing loss of that forward (a
-scalar tensor in the graph) for the training step to add to the cross-entropy (meshpar/step.py),
+scalar tensor in the graph) for the training step to add to the cross-entropy (meshpar/training/step.py),
 and each ``MoE`` layer's ``tokens_per_expert`` the token slots each expert received.
 
 Limits: token-choice routing only; no router jitter or z-loss. Expert parallelism is applied from
-outside (meshpar/expert_parallel.py replaces ``Experts.forward`` on the instance).
+outside (meshpar/parallel/expert_parallel.py replaces ``Experts.forward`` on the instance).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from meshpar.models.moe.grouped import Kernel, grouped_mm
 # [Note: routing statistics over the whole forward]
 # The auxiliary loss, the token counts and the aux-free loads are statistics of every token of one
 # forward. Under tensor (sequence) parallelism a rank's MoE layer sees only its slice of the
-# sequence, so meshpar/expert_parallel.py replaces ``forward_totals`` on the instance with sums
+# sequence, so meshpar/parallel/expert_parallel.py replaces ``forward_totals`` on the instance with sums
 # over the tp ranks; the capacity drop stays per call (``_drop_over_capacity``).
 
 # [Note: aux-free balancing]
@@ -51,7 +51,7 @@ from meshpar.models.moe.grouped import Kernel, grouped_mm
 # for the top-k choice only; the gate weights stay the unbiased probabilities. After each optimizer
 # step, b_e += rate * sign(mean load - load_e), the loads counted over the step's forwards on every
 # data-parallel rank. b is a buffer (no gradient, saved in checkpoints) that the training step
-# updates (``update_expert_bias``, called from meshpar/step.py after it sums the loads over dp).
+# updates (``update_expert_bias``, called from meshpar/training/step.py after it sums the loads over dp).
 # Activation checkpointing recomputes a forward and counts its loads twice, every expert alike:
 # sign(mean - load) does not change under that scaling.
 
@@ -59,7 +59,7 @@ from meshpar.models.moe.grouped import Kernel, grouped_mm
 def swiglu_experts(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, counts: Tensor, kernel: Kernel = "auto") -> Tensor:
     """x[S, D] sorted by expert, counts[E]: run e @ w1[e]^T, w3[e]^T -> [S_e, F]; @ w2[e]^T -> [S_e, D].
     The experts' whole computation, for the stacked weights of all experts or of one rank's share
-    (meshpar/expert_parallel.py)."""
+    (meshpar/parallel/expert_parallel.py)."""
     h = F.silu(grouped_mm(x, w1.transpose(1, 2), counts, kernel))
     h = h * grouped_mm(x, w3.transpose(1, 2), counts, kernel)
     return grouped_mm(h, w2.transpose(1, 2), counts, kernel)

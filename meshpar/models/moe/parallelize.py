@@ -4,7 +4,7 @@ Attention, norms, embedding, output and the dense blocks' feed-forward: the Llam
 (meshpar/models/llama/parallelize.py: Megatron-style with sequence parallelism). A sparse block's
 ``moe`` takes its rank's slice of the sequence as a local tensor and returns one: each tp rank
 routes its own tokens through whole experts ([Note: the tp ranks are data-parallel for the experts]
-in meshpar/expert_parallel.py, which also sums the routing statistics over tp):
+in meshpar/parallel/expert_parallel.py, which also sums the routing statistics over tp):
 
     ffn_norm(x)                     -> [B, T/tp, D] (Shard(1))
     moe: local [B, T/tp, D] -> route, experts (all-to-all over ep when ep > 1) -> local [B, T/tp, D]
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from meshpar.errors import RecipeError
+from meshpar.config.errors import RecipeError
 from meshpar.models.llama.parallelize import LLAMA_TP_PLAN, check_llama_tp
-from meshpar.tensor_parallel import TPPlan
+from meshpar.parallel.tensor_parallel.plan import TPPlan
 
 if TYPE_CHECKING:
-    from meshpar.mesh import Layout
+    from meshpar.distributed.mesh import Layout
 
 SEQ = Shard(1)
 

@@ -1,4 +1,4 @@
-"""Expert parallelism's all-to-all time per MoE layer, from the ranges meshpar/expert_parallel.py sets.
+"""Expert parallelism's all-to-all time per MoE layer, from the ranges meshpar/parallel/expert_parallel.py sets.
 
 [Note: all-to-all per MoE layer]
 Each token exchange of an expert-parallel layer runs inside ``meshpar::moe.dispatch[<layer>]``
@@ -31,7 +31,7 @@ from typing import Any
 from meshpar.profiling.report.attribution import _COMM_LABEL
 from meshpar.profiling.report.intervals import Intervals, _intersect, _length, _subtract, _union
 
-_RANGE = re.compile(r"meshpar::moe\.(dispatch|combine)\[(\d+)\]")  # meshpar/expert_parallel.py
+_RANGE = re.compile(r"meshpar::moe\.(dispatch|combine)\[(\d+)\]")  # meshpar/parallel/expert_parallel.py
 _NODE = re.compile(r".*Backward\d*")  # an autograd node's op: _AllToAllRowsBackward, MulBackward0
 _ENGINE = "autograd::engine::evaluate_function:"
 PARTS = tuple(f"{p} {x}" for p in ("forward", "recompute", "backward") for x in ("dispatch", "combine"))

@@ -1,0 +1,1 @@
+"""Configuration: recipes (TOML -> typed sections), their keys, input errors, hardware profiles."""

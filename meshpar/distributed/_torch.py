@@ -1,0 +1,423 @@
+"""Every private PyTorch name meshpar relies on, looked up in this one module.
+
+PyTorch's underscore names (``_StridedShard``, ``DeviceMesh._flatten``, ``torch.utils._pytree``,
+``MemTracker`` internals, ...) carry no compatibility promise and move between releases. The
+rest of meshpar imports them from here, under a public meshpar name or behind a small
+function, so that a torch upgrade breaks in one file, and ``tests/test_torch_compat.py``
+resolves every entry of ``REQUIRED`` against the installed torch and names the meshpar
+feature that loses its footing when one is gone.
+
+Per name below: why meshpar needs it and the public alternative, if any. Written against
+torch 2.13.
+
+Import cost: the names used by FSDP, tensor parallelism and checkpoints are cheap (their
+modules are loaded by ``torch.distributed.tensor`` anyway) and bound at import. The memory
+tracker, the fake process group and fake tensors, DTensor's sharding-propagation module, the
+profiler ops, the CUDA allocator hooks and the pipeline schedules' point-to-point issue are
+imported on first use (module ``__getattr__`` or inside a function), so ``import meshpar``
+and ``import meshpar.fsdp`` pull in none of them.
+
+What cannot go through here: a meshpar subclass overriding a torch base class's private
+method (``AllocationTracker._track`` over ``MemTracker._track``, ``FSDPModule._apply`` over
+``nn.Module._apply``, the ``ParallelStyle._apply`` of meshpar's styles) or reading its own
+inherited private state (``self._WINFO``). Those names are in ``REQUIRED`` all the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+# --- DTensor placements ---------------------------------------------------------------------------
+# StridedShard(dim, split_factor): dim cut into split_factor chunks, each sharded over the mesh dim,
+# a rank's pieces concatenated. PyTorch's own fully_shard places a parameter that tensor parallelism
+# already shards on dim 0 this way, and GPT-2's fused q|k|v projection needs it ([Note: fused
+# projections] in meshpar/parallel/tensor_parallel/styles.py). Public alternative: none (it is not a Shard subclass
+# in every release, so isinstance checks name it explicitly).
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
+# --- pytrees --------------------------------------------------------------------------------------
+# The tensors in a module's nested inputs / outputs (the trace labels; FSDP walks them itself,
+# dataclasses included: meshpar/fsdp/tree.py). Public alternative: ``torch.utils.pytree`` is
+# announced but not in 2.13; ``optree`` would add a dependency.
+from torch.utils._pytree import tree_leaves
+
+# Bound at import; the names of _LAZY below (MemTracker, FakeTensorMode, FakeStore, ...) on first use.
+__all__ = [
+    "REQUIRED", "CUDA_ONLY", "StridedShard", "tree_leaves", "flatten_mesh",
+    "unflatten_mesh", "concatenate_meshes", "dtensor_like", "dtensor_where_it_is", "foreach_norm", "foreach_mul_",
+    "local_tensor",
+    "module_parameters", "forward_hook_dicts",
+    "queue_backward_callback", "post_accumulate_grad_hooks", "preserve_version_counter", "c10d_functional_ops",
+    "attention_ops",
+    "profiler_enabled", "record_function_enter", "record_function_exit", "record_cuda_memory_history",
+    "dump_cuda_memory_snapshot", "attach_cuda_oom_observer", "schedule_p2p", "set_schedule_p2p",
+    "clear_dtensor_caches", "resolve",
+]
+
+
+# --- device meshes --------------------------------------------------------------------------------
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s dims merged into one 1-D mesh named ``name`` (the flattened ``dp`` = dp_replicate x
+    dp_shard that data is sharded over), registered on the root mesh so ``root[name]`` finds it.
+    Public alternative: none; a fresh ``init_device_mesh`` would make new process groups and not
+    share the root's."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: DeviceMesh, dim: int | str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh`` with ``dim`` split into dims of ``sizes`` named ``names`` (FSDP's int
+    ``reshard_after_forward`` keeps shards within the inner groups). Public alternative: none."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh over the dims of ``meshes``, all slices of the same root (FSDP's data-parallel
+    dims beside tensor parallel's ``tp``, the 2-D mesh of a sharded TP parameter). Public
+    alternative: slicing the root by names, ``root["dp_shard", "tp"]``, which needs the root."""
+    return DeviceMesh._concatenate(meshes)
+
+
+# --- tensors and modules ----------------------------------------------------------------------------
+
+def dtensor_where_it_is(local: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape: torch.Size,
+                        stride: tuple[int, ...]) -> DTensor:
+    """A DTensor over ``local`` as it is, on its own device: ``DTensor.from_local`` moves a local tensor
+    to the mesh's device type, so a CPU-offloaded shard on a CUDA mesh came back on the GPU (found
+    on the first GPU run: tests/test_cuda.py's offload test). PyTorch's FSDP builds its offloaded
+    shards through DTensor's constructor and a spec, as here. No public alternative keeps the device."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor over ``local`` with ``like``'s mesh, placements, global shape and stride (``local`` has
+    ``like``'s local shape and dtype): a sharded gradient, every step for every parameter. Built
+    through DTensor's constructor with ``like``'s spec, as PyTorch's own FSDP builds its gradients;
+    the public ``DTensor.from_local`` runs an autograd function and rebuilds and validates the spec,
+    ~75 us a call on CPU (11 ms per step for the 147 parameters of a 16-block Llama). Public
+    alternative: ``DTensor.from_local(local, mesh, placements, run_check=False, shape=..., stride=...)``."""
+    return DTensor(local, like._spec, requires_grad=False)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each tensor's ``ord``-norm, accumulated in ``dtype``, in one multi-tensor kernel per device and
+    dtype (gradient clipping: one call where a loop over 147 gradients launched 147). Public
+    alternative: ``torch.linalg.vector_norm`` per tensor."""
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """``t.mul_(scalar)`` for every tensor (a 0-dim tensor on their device), in multi-tensor kernels.
+    Public alternative: a loop of ``mul_``."""
+    torch._foreach_mul_(tensors, scalar)
+
+
+def local_tensor(dt: DTensor) -> torch.Tensor:
+    """The DTensor's local storage itself, outside autograd (in-place gradient accumulation into
+    ``param.grad``). Public alternative: ``dt.to_local()``, which is autograd-aware and, under
+    grad mode, returns a view through an autograd function."""
+    return dt._local_tensor
+
+
+def module_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameter slots, the live dict: reading every slot (None ones too) and
+    swapping a Parameter in place without ``__setattr__``/``register_parameter`` (FSDP's and
+    tensor parallel's tied-parameter bookkeeping). Public alternative: ``named_parameters(recurse=
+    False)`` to read, ``register_parameter`` to write (which also runs the global registration hooks)."""
+    return module._parameters
+
+
+def forward_hook_dicts(module: nn.Module) -> tuple[dict[int, Callable], dict[int, Callable]]:
+    """``module``'s forward pre-hooks and forward hooks by handle id, live: the trace labels wrap the
+    hooks a ParallelStyle installed, keeping their ids and order. Public alternative: none (handles
+    can remove a hook, not replace it in place)."""
+    return module._forward_pre_hooks, module._forward_hooks
+
+
+# --- autograd ---------------------------------------------------------------------------------------
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends (FSDP's end of backward: wait for the
+    last reduce-scatters, reshard). Public alternative: none in 2.13 (a hook on the root's inputs
+    misses parameters whose gradients land later)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list[Callable[[torch.Tensor], None]]:
+    """The hooks ``register_post_accumulate_grad_hook`` put on ``tensor``. FSDP assigns a sharded
+    parameter's gradient itself (autograd only ever sees the unsharded one), so it runs them, as
+    autograd would: an optimizer stepped in backward. Public alternative: none."""
+    hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
+def preserve_version_counter(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Write into ``tensor`` without bumping the version counter autograd checks (FSDP refills an
+    unsharded parameter that forward already saved for backward). Public alternative: none."""
+    return torch.autograd._unsafe_preserve_version_counter(tensor)
+
+
+def c10d_functional_ops() -> Any:
+    """The functional collectives' op namespace (``reduce_scatter_tensor`` ...): DTensor's
+    redistributions issue these ops, which selective activation checkpointing keeps. Public
+    alternative: none for the op overloads (``torch.distributed._functional_collectives`` is private too)."""
+    return torch.ops._c10d_functional
+
+
+def attention_ops() -> tuple[Any, ...]:
+    """The aten kernels behind ``F.scaled_dot_product_attention`` (flash, memory-efficient, CPU
+    flash, cuDNN), whose outputs selective activation checkpointing keeps. Public alternative: none;
+    the public function dispatches to these underscore-named ops."""
+    aten = torch.ops.aten
+    return (aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_cudnn_attention.default)
+
+
+# --- the profiler --------------------------------------------------------------------------------------
+
+def profiler_enabled() -> bool:
+    """Whether an autograd profiler is recording: trace labels cost one check when it is not.
+    Public alternative: none (``torch.autograd.profiler`` keeps the state private)."""
+    return torch._C._autograd._profiler_enabled()
+
+
+def record_function_enter(name: str) -> Any:
+    """Open a profiler range that a later ``record_function_exit(handle)`` closes, possibly from another
+    autograd node (the trace labels' backward ranges). Public alternative: ``record_function``, a
+    context manager, which cannot span two callbacks."""
+    return torch.ops.profiler._record_function_enter_new(name, None)
+
+
+def record_function_exit(handle: Any) -> None:
+    """Close a range opened by ``record_function_enter``."""
+    torch.ops.profiler._record_function_exit._RecordFunction(handle)
+
+
+# --- the CUDA caching allocator -----------------------------------------------------------------------
+
+def record_cuda_memory_history(max_entries: int) -> None:
+    """Start recording the allocator's history (``[profile] profile_memory`` on CUDA). Public
+    alternative: none; it is what https://pytorch.org/memory_viz documents."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the allocator's snapshot (pickle, for https://pytorch.org/memory_viz)."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def attach_cuda_oom_observer(observer: Callable[[int, int, int, int], None]) -> None:
+    """Call ``observer(device, alloc, device_alloc, device_free)`` on a CUDA out-of-memory error
+    (meshpar dumps a snapshot). CUDA builds only. Public alternative: none."""
+    torch._C._cuda_attach_out_of_memory_observer(observer)
+
+
+# --- pipeline schedules ----------------------------------------------------------------------------------
+
+def schedule_p2p() -> Callable:
+    """The function torch's pipeline schedules issue point-to-point ops through (``schedules._batch_p2p``).
+    Public alternative: none; meshpar wraps it to label transfers in a trace
+    ([Note: labelling collectives meshpar does not issue])."""
+    from torch.distributed.pipelining import schedules
+
+    return schedules._batch_p2p
+
+
+def set_schedule_p2p(fn: Callable) -> None:
+    """Make torch's pipeline schedules issue point-to-point ops through ``fn``."""
+    from torch.distributed.pipelining import schedules
+
+    schedules._batch_p2p = fn
+
+
+# --- DTensor's caches -------------------------------------------------------------------------------------
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions and redistribution plans. They are keyed by
+    mesh, and meshes compare equal by shape and names: an entry cached in one world (``meshpar
+    plan``'s fake one, a real one) would hand the next world's DTensors the process groups of the
+    last, destroyed ones. Public alternative: none."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ fast path's own cache
+
+
+# --- imported on first use ------------------------------------------------------------------------------
+# name -> (module, attribute). Why meshpar needs each:
+# - MemTracker and its enums / weakref record (torch.distributed._tools.mem_tracker): the base of
+#   meshpar.profiling.memory.AllocationTracker (tensor memory per category on any device, the
+#   planner's simulated peaks). Public alternative: none that categorizes tensors on CPU.
+# - FakeTensorMode: the planner's memory simulation runs a step on fake tensors of the real sizes.
+#   Public alternative: none (torch.export uses it internally).
+# - FakeStore: ``meshpar plan``'s dry run joins a "fake" process group, whose collectives return at
+#   once. Public alternative: none outside torch.testing.
+# - dtensor_sharding_prop, the module: the simulation patches its ``detect_fake_mode`` so DTensor's
+#   global-shape propagation stays out of the tracked memory ([Note: DTensor's shape propagation is
+#   not memory] in meshpar/planner/simulate.py). Public alternative: none.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "MemTracker": ("torch.distributed._tools.mem_tracker", "MemTracker"),
+    "MemRefType": ("torch.distributed._tools.mem_tracker", "_MemRefType"),
+    "RefType": ("torch.distributed._tools.mem_tracker", "_RefType"),
+    "UpdateType": ("torch.distributed._tools.mem_tracker", "_UpdateType"),
+    "WeakRefInfo": ("torch.distributed._tools.mem_tracker", "_WeakRefInfo"),
+    "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    "dtensor_sharding_prop": ("torch.distributed.tensor._sharding_prop", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+# --- what the installed torch must provide -----------------------------------------------------------------
+_MT = "torch.distributed._tools.mem_tracker"
+_MEMORY = "tensor memory by category ([profile] profile_memory, meshpar plan's memory simulation)"
+_STAGE = "torch.distributed.pipelining.PipelineStage"
+_PIPELINE_FSDP = "pipeline parallelism with FSDP: one reduce-scatter per step (meshpar/parallel/pipeline/schedule.py)"
+_PIPELINE_LABELS = "pipeline transfers labelled in traces (meshpar/parallel/pipeline/schedule.py, profiling/labels.py)"
+
+# Every private (or non-public) torch name meshpar uses, dotted from an importable module, ->
+# the meshpar feature that needs it. ``X()`` instantiates X (instance attributes).
+# tests/test_torch_compat.py resolves each one.
+REQUIRED: dict[str, str] = {
+    "torch.distributed.tensor.placement_types._StridedShard":
+        "FSDP over tensor parallel, GPT-2's fused q|k|v (tensor_parallel/styles.py, fsdp/sharded_param.py, "
+        "checkpoints, init, clipping, conversion)",
+    "torch.utils._pytree.tree_leaves": "tensor-parallel trace labels (profiling/labels.py)",
+    "torch.distributed.device_mesh.DeviceMesh._flatten": "the flattened dp mesh (mesh.py)",
+    "torch.distributed.device_mesh.DeviceMesh._unflatten": "fully_shard with an int reshard_after_forward",
+    "torch.distributed.device_mesh.DeviceMesh._concatenate": "FSDP over tensor parallel (fsdp/sharded_param.py)",
+    "torch.distributed.tensor.DTensor._local_tensor": "FSDP gradient accumulation (fsdp/sharded_param.py)",
+    "torch.distributed.tensor.DTensor._spec": "FSDP's sharded gradients, built like their parameters (dtensor_like)",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec": "FSDP's CPU-offloaded shards (dtensor_where_it_is)",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta": "FSDP's CPU-offloaded shards (dtensor_where_it_is)",
+    "torch._foreach_norm": "gradient clipping (clip.py)",
+    "torch._foreach_mul_": "gradient clipping (clip.py)",
+    "torch.nn.Module()._parameters": "FSDP and tensor parallel: tied and replaced parameters",
+    "torch.nn.Module()._forward_pre_hooks": "tensor-parallel trace labels (profiling/labels.py)",
+    "torch.nn.Module()._forward_hooks": "tensor-parallel trace labels (profiling/labels.py)",
+    "torch.nn.Module._apply": "fully-sharded modules through to_empty / .to (fsdp/module.py overrides it)",
+    "torch.distributed.tensor.parallel.ParallelStyle._apply":
+        "meshpar's tensor-parallel styles: vocab-parallel embedding, fused and replicated parallel",
+    "torch.autograd.Variable._execution_engine": "FSDP's end-of-backward callback (fsdp/state.py)",
+    "torch.autograd._unsafe_preserve_version_counter": "FSDP's all-gather copy-out (fsdp/param_group.py)",
+    "torch.nn.Parameter()._post_accumulate_grad_hooks":
+        "optimizer-in-backward hooks on fully-sharded parameters (fsdp/sharded_param.py)",
+    "torch.ops._c10d_functional.reduce_scatter_tensor.default":
+        "selective activation checkpointing keeps tensor-parallel reduce-scatters",
+    "torch.ops.aten._scaled_dot_product_flash_attention.default": "selective activation checkpointing",
+    "torch.ops.aten._scaled_dot_product_efficient_attention.default": "selective activation checkpointing",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default": "selective activation checkpointing",
+    "torch.ops.aten._scaled_dot_product_cudnn_attention.default": "selective activation checkpointing",
+    "torch._C._autograd._profiler_enabled": "trace labels (profiling/labels.py)",
+    "torch.ops.profiler._record_function_enter_new": "tensor-parallel backward labels (profiling/labels.py)",
+    "torch.ops.profiler._record_function_exit._RecordFunction": "tensor-parallel backward labels",
+    "torch.cuda.memory._record_memory_history": "[profile] profile_memory on CUDA (profiling/capture.py)",
+    "torch.cuda.memory._dump_snapshot": "[profile] profile_memory on CUDA, out-of-memory snapshots",
+    "torch._C._cuda_attach_out_of_memory_observer": "out-of-memory snapshots on CUDA (profiling/capture.py)",
+    "torch.distributed.pipelining.schedules._batch_p2p": _PIPELINE_LABELS,
+    f"{_STAGE}.forward_one_chunk": _PIPELINE_LABELS,
+    f"{_STAGE}.backward_one_chunk": _PIPELINE_LABELS,
+    f"{_STAGE}.get_fwd_recv_ops": _PIPELINE_LABELS,
+    f"{_STAGE}.get_fwd_send_ops": _PIPELINE_LABELS,
+    f"{_STAGE}.get_bwd_recv_ops": _PIPELINE_LABELS,
+    f"{_STAGE}.get_bwd_send_ops": _PIPELINE_LABELS,
+    f"{_STAGE}.backward_maybe_with_nosync": _PIPELINE_FSDP,
+    f"{_STAGE}.perform_reduce_grad": _PIPELINE_FSDP,
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear":
+        "meshpar plan: a fresh DTensor cache per (fake) world (planner/dry_run.py)",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear":
+        "meshpar plan: a fresh DTensor cache per (fake) world",
+    "torch.distributed.tensor._redistribute._gen_transform_infos.cache_clear": "meshpar plan: a fresh DTensor cache",
+    "torch._C._clear_DTensor_sharding_propagator_cache": "meshpar plan: a fresh DTensor cache",
+    "torch.distributed.tensor._sharding_prop.detect_fake_mode": "meshpar plan's memory simulation",
+    "torch._subclasses.fake_tensor.FakeTensorMode": "meshpar plan's memory simulation (planner/simulate.py)",
+    "torch.testing._internal.distributed.fake_pg.FakeStore": "meshpar plan's dry run (planner/dry_run.py)",
+    f"{_MT}.MemTracker": _MEMORY,
+    f"{_MT}._MemRefType.PARAM": _MEMORY,
+    f"{_MT}._RefType": _MEMORY,
+    f"{_MT}._UpdateType.ADD": _MEMORY,
+    f"{_MT}._UpdateType.SIZE": _MEMORY,
+    f"{_MT}._WeakRefInfo.create_winfo": _MEMORY,
+    f"{_MT}._WeakRefInfo.update_mem_consumed": _MEMORY,
+    f"{_MT}.MemTracker._track": _MEMORY,
+    f"{_MT}.MemTracker._update_snap": _MEMORY,
+    f"{_MT}.MemTracker._pre_fw_hook": _MEMORY,
+    f"{_MT}.MemTracker._track_resize": _MEMORY,
+    f"{_MT}.MemTracker._delete_callback": _MEMORY,
+    f"{_MT}.MemTracker()._WINFO": _MEMORY,
+    f"{_MT}.MemTracker()._mod_tracker": _MEMORY,
+    f"{_MT}.MemTracker()._ref_class": _MEMORY,
+    f"{_MT}.MemTracker()._orig_resize": _MEMORY,
+    f"{_MT}.MemTracker()._peak_mem": _MEMORY,
+    f"{_MT}.MemTracker()._peak_mem_snap": _MEMORY,
+    f"{_MT}.MemTracker()._curr_mem_snap": _MEMORY,
+}
+
+CUDA_ONLY = frozenset({"torch._C._cuda_attach_out_of_memory_observer"})  # absent from CPU-only builds
+
+
+def resolve(dotted: str) -> Any:
+    """The object ``dotted`` names: the longest importable module prefix, then attributes (a part
+    ending in ``()`` is called with no arguments). Raises ImportError / AttributeError."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ImportError:
+            if i == 1:
+                raise
+    for part in parts[i:]:
+        call = part.endswith("()")
+        obj = getattr(obj, part.removesuffix("()"))
+        if call:
+            obj = obj()
+    return obj
+
+
+# --- the classes of a DCP checkpoint's metadata ------------------------------------------------------------
+# (module, name) of every class torch 2.13's FileSystemWriter pickles into ``.metadata`` (beside
+# torch dtypes, layouts and ``torch.Size``, and the ``pathlib`` path of ``StorageMeta.checkpoint_id``):
+# the allow-list of meshpar's restricted unpickler ([Note: loading never runs code from the file] in
+# meshpar/checkpoint/format.py). Two are private; REQUIRED checks that they still exist. Public
+# alternative: none (DCP's own reader unpickles without restriction).
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+DCP_METADATA_GLOBALS = frozenset({
+    *((_DCP_MD, name) for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
+                                   "TensorStorageMetadata", "BytesStorageMetadata", "StorageMeta",
+                                   "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+})
+REQUIRED.update({f"{module}.{name}": "loading DCP checkpoints: the allow-list of .metadata's unpickler "
+                 "(checkpoint/format.py)" for module, name in DCP_METADATA_GLOBALS if name.startswith("_")})
+__all__ += ["DCP_METADATA_GLOBALS"]

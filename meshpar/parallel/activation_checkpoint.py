@@ -1,0 +1,136 @@
+"""Activation checkpointing per transformer block: none, full, every k-th block, or selective.
+
+    apply_activation_checkpointing(model, mode="full", every=2)   # blocks 0, 2, 4, ... recompute
+
+``full`` keeps only a block's inputs and recomputes its whole forward in backward.
+``selective`` keeps the outputs of matrix multiplies, attention and tensor-parallel
+reduce-scatters and recomputes the cheap elementwise work around them (norms, RoPE,
+SiLU/GELU, residual adds): most of the memory saving for a fraction of the recompute.
+
+The block's ``forward`` is replaced on the instance, so parameter names do not change
+(no ``_checkpoint_wrapped_module`` in checkpoint keys). It runs after tensor parallelism
+and before ``fully_shard`` (docs/architecture.md): FSDP's hooks wrap ``__call__``, so a block's
+parameters are unsharded around the checkpointed forward and, in backward, before the
+recomputation starts.
+
+Limits: non-reentrant checkpointing only (``use_reentrant=False``); recomputation repeats
+a block's forward collectives (tensor-parallel all-gathers) in backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from meshpar.distributed._torch import attention_ops, c10d_functional_ops
+
+MODES = ("none", "full", "selective")
+
+# [Note: what selective checkpointing keeps]
+# Matmuls and attention are the FLOPs; everything else in a block is memory-bound
+# elementwise work whose recomputation costs little. Saving the outputs of the ops below
+# and recomputing the rest keeps per block about 2 x (q, k, v, o, w1, w3, w2 outputs)
+# instead of every intermediate (norm outputs, RoPE halves, SiLU, products). A
+# tensor-parallel reduce-scatter is kept too, so recomputation issues no collective
+# for it (torchtitan's selective policy keeps it for the same reason).
+_aten = torch.ops.aten
+_SAVE = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    *attention_ops(),
+    c10d_functional_ops().reduce_scatter_tensor.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | None) -> Callable:
+    side_outputs = any(hasattr(m, name) for m in block.modules() for name in _SIDE_OUTPUTS)
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+            return forward(*args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        if not side_outputs:  # nothing to let go of; and compiled (apply_compile), no counter for dynamo
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+        calls = 0
+
+        def once_then_recompute(*a, **k):
+            nonlocal calls
+            calls += 1
+            try:
+                return forward(*a, **k)
+            finally:  # also when the recompute stops early (torch raises out of it)
+                if calls > 1:
+                    _drop_side_outputs(block)
+
+        return checkpoint(once_then_recompute, *args, use_reentrant=False, preserve_rng_state=False, **extra,
+                          **kwargs)
+
+    run.side_outputs = side_outputs
+    return run
+
+
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether ``apply_activation_checkpointing`` wrapped ``block``'s forward."""
+    return hasattr(block.__dict__.get("forward"), "side_outputs")
+
+
+def sets_side_outputs_under_checkpoint(block: nn.Module) -> bool:
+    """Whether ``block`` is checkpointed and its forward sets module attributes (an MoE layer's
+    ``aux_loss``): a side effect dynamo refuses inside checkpoint, so compiling it would graph-break
+    ([Note: a recompute's side outputs])."""
+    return getattr(block.__dict__.get("forward"), "side_outputs", False)
+
+
+# [Note: a recompute's side outputs]
+# A block may leave results on its modules besides its return value: a mixture-of-experts layer
+# sets ``aux_loss``, a graph over the layer's input and router probabilities that the step adds
+# to the loss. The recompute in backward runs the same forward, so it sets ``aux_loss`` again,
+# and nothing consumes that second graph: held by the module, it kept every recomputed layer's
+# input and probabilities alive until the step dropped it after the whole backward (planned for
+# Qwen3-235B-A22B at 4096 tokens: most of a 110 GiB peak). The wrapper drops them as soon as the
+# recompute returns; the forward's own (first call) stay for the loss. Under torch.compile the setting
+# of aux_loss inside checkpoint is a side effect dynamo refuses: such a block would graph-break and
+# run eagerly without this wrapper, so apply_compile leaves it uncompiled instead (parallelize.py).
+_SIDE_OUTPUTS = ("aux_loss",)
+
+
+def _drop_side_outputs(block: nn.Module) -> None:
+    for module in block.modules():
+        for name in _SIDE_OUTPUTS:
+            if getattr(module, name, None) is not None:
+                setattr(module, name, None)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) -> nn.Module:
+    """Checkpoint the blocks of ``model.layers`` whose global index is a multiple of ``every``.
+
+    ``mode``: ``none`` (no change), ``full`` or ``selective``. Blocks are chosen by their key in
+    ``model.layers`` (the index in the whole model), so a pipeline stage checkpoints the same
+    blocks the whole model would.
+    """
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode '{mode}': choose one of {', '.join(MODES)}")
+    if every < 1:
+        raise ValueError(f"activation checkpointing every = {every}: must be >= 1")
+    if mode == "none":
+        return model
+    context_fn = _selective_contexts if mode == "selective" else None
+    for key, block in model.layers.items():
+        if int(key) % every == 0:
+            # no dropout in meshpar's models, so the RNG state need not be replayed
+            block.forward = _checkpointed(block, block.forward, context_fn)
+    return model

@@ -1,0 +1,1 @@
+"""Context parallelism: the sequence split and the all-gather attention (apply), the ring attention (ring)."""

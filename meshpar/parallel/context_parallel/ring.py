@@ -1,0 +1,265 @@
+"""Ring attention over the ``cp`` ranks: K/V passed from rank to rank, partial results merged exactly.
+
+    out = ring_attention(q, k, v, cp_mesh, balanced=True)   # q[B, H, T/cp, Dh], k, v[B, Hkv, T/cp, Dh]
+
+The other of context parallelism's two attentions (``parallel.cp_attention = "ring"``; the
+default gathers K and V: [Note: all-gather of K and V] in meshpar/parallel/context_parallel/apply.py).
+
+[Note: ring attention]
+Rank r holds its queries and its own chunk(s) of K and V. Forward runs cp steps: at step s it
+holds the K/V of rank (r - s) mod cp, posts the hop that sends them on to rank r + 1 while
+receiving rank r - s - 1's from rank r - 1 (``comm.send_recv``: isend and irecv posted before
+the step's attention, waited after it, so the transfer runs beside the compute), and attends its
+queries to the keys it holds. Each (query chunk, key chunk) pair yields a partial output o and
+its log-sum-exp l over those keys; partials merge exactly (online softmax):
+``L = logaddexp(L, l); O = O exp(L_old - L) + o exp(l - L)``. O accumulates in float32 (float64
+for float64 inputs), the matmuls run in the input dtype, L is float32 or float64.
+
+Causality by chunk, not by mask: a key chunk entirely before a query chunk is attended in full,
+the same chunk causally (the diagonal mask, the only mask built), a later one not at all. With
+the balanced split (rank r holds chunks r and 2cp - 1 - r of 2cp: [Note: balanced sequence
+split]) every rank computes, at each step from another rank, exactly two full c x c pairs
+(c = T / 2cp): from a rank s < r its front chunk against both of r's chunks, from s > r both
+of s's chunks against r's back chunk; at its own step one full pair and two diagonals. So each
+rank does 2cp c^2 + c pairs, and every step is the same work on every rank, which is what lets
+a hop hide behind it. The contiguous split (rank r holds slice r of cp) skips every key slice
+after its own: rank 0 computes one diagonal, rank cp - 1 all of them.
+
+Backward (exact: the flash-attention backward from the saved q, k, v, out and L, scores
+recomputed per pair) circulates K/V again; a dK/dV accumulator for each K/V chunk travels one
+step behind it, every rank adding its contribution, and reaches the chunk's owner after cp - 1
+hops, where the owner adds its own step's. Per layer and microbatch a rank sends, per hop,
+2 x B x Hkv x T/cp x Dh elements: (cp - 1) hops forward, 2 (cp - 1) backward (K/V and dK/dV),
+the all-gather's volume forward and twice it backward ([Note: all-gather of K and V]).
+
+Memory: a rank holds two K/V chunks at a time (the one it attends to and the one arriving; in
+backward also three dK/dV chunks: in hand, arriving, leaving), not the gathered T; it saves q,
+its own k and v, the output and L, the same as one attention; scores exist per block of queries
+against one key chunk (at most ``score_elements`` of them, two such tensors at a time in
+backward), during that block's computation only. The attention itself is explicit matmuls (the
+fused ``scaled_dot_product_attention`` returns no log-sum-exp to merge by), far slower on a GPU than
+the fused kernels the all-gather calls ([Note: the ring on a GPU]). Selective checkpointing keeps none of it
+(``_mm``): a block's recomputation runs the ring's forward again, hops included, one more
+attention forward per block than the all-gather, whose fused attention's output selective
+checkpointing keeps (the planner counts it: [Note: the ring's overlap] in
+meshpar/planner/cost.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshpar.distributed import comm
+
+SCORE_ELEMENTS = 2**22  # scores per block, B x H x queries x keys (16 MiB in fp32): a block's queries are set by it
+SCORE_ELEMENTS_CUDA = 2**26  # 256 MiB in fp32: [Note: the ring on a GPU]
+
+# [Note: the ring on a GPU]
+# Measured on one H200 (torch 2.11, bf16, 2026-11-26; tests/benchmarks/bench_cp_attention.py: cp
+# rank 0's attention forward + backward, its hops local copies), ms, at the recipes' shapes:
+#     recipe (B H/Hkv T, cp)             gather   ring 2^22   ring 2^24   ring 2^26   peak MiB gather / ring 2^22 / 2^26
+#     llama3_8b_128k  (1 8/2 131072, 4)    92.7      4736.6      1346.3       788.8   802 / 522 / 1188
+#     llama3_70b_128k (1 8/1 131072, 16)   24.4      1034.1       234.4       196.3   584 / 125 / 852
+# The gather's chunks run the flash kernel at 0.27-0.29 of the bf16 peak; the ring's explicit
+# matmuls and online-softmax merges, launched block by block from Python, reach 0.006 of it with
+# 2^22 scores per block and 0.034 with 2^26, where each block is large enough that launches no longer
+# dominate. So on CUDA a block holds up to 2^26 scores (transient: +0.7 GiB of peak at 8B), and the
+# ring stays 8x the gather's time: the planner charges it so (``RING_ATTENTION_SLOWDOWN`` in
+# meshpar/planner/cost.py). On the CPU the ring's step is 0.99-1.20x the gather's (bench_cp, README).
+# A ring as fast as the gather needs a fused kernel that returns each pair's log-sum-exp: torch's
+# public ``flex_attention`` does (``return_lse``; a Triton kernel once compiled, causal and document
+# masks as block masks), as do its underscore-named flash / cuDNN ops; not built. Compiled, it ran the
+# gather's chunks at the shapes above in 77.6 / 20.8 ms (0.34 / 0.32 of peak; bench_cp_attention --flex).
+
+
+def score_elements(device: torch.device) -> int:
+    """The most scores a block of queries against one key chunk holds on ``device``."""
+    return SCORE_ELEMENTS_CUDA if device.type == "cuda" else SCORE_ELEMENTS
+
+# The planner (meshpar/planner/simulate.py) runs one block per (query chunk, key chunk) pair: on fake
+# tensors the values do not matter, a block's scores are transient (the peak holds one block at a
+# time) and the hops do not depend on the blocks, so memory and bytes are the same; at 131072 tokens
+# every block would be ~10^5 fake matmuls per layer (a 2-layer Llama 3 8B plan ran past 8 minutes).
+_one_block_per_pair = False
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, *, balanced: bool,
+                   documents: Tensor | None = None) -> Tensor:
+    """Causal attention of this cp rank's q[B, H, T/cp, Dh] over the whole sequence's keys, its own
+    k, v[B, Hkv, T/cp, Dh] passed around ``mesh`` (1-D, ``cp``): [Note: ring attention]. With
+    ``documents`` (doc[B, cp, T/cp]: row r the documents of the tokens cp rank r holds) a query sees
+    only its own document's keys ([Note: documents under context parallelism] in
+    meshpar/parallel/context_parallel/apply.py)."""
+    return _RingAttention.apply(q, k, v, documents, _Ring(mesh, balanced))
+
+
+class _Ring:
+    """This rank's place in the cp ring and the chunks every rank holds."""
+
+    def __init__(self, mesh: DeviceMesh, balanced: bool) -> None:
+        self.group, self.cp, self.rank, self.balanced = mesh.get_group(), mesh.size(), mesh.get_local_rank(), balanced
+        self.next, self.prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+
+    def chunks(self, rank: int, local_len: int) -> list[tuple[int, int, int]]:
+        """(chunk index in the sequence, first local token, tokens) of each chunk ``rank`` holds."""
+        if not self.balanced:
+            return [(rank, 0, local_len)]
+        c = local_len // 2
+        return [(rank, 0, c), (2 * self.cp - 1 - rank, c, c)]
+
+    def pairs(self, src: int, local_len: int, heads: int, elements: int):
+        """(query slice, key slice, diagonal) of every pair causality needs, this rank's queries
+        against ``src``'s keys, in blocks of queries whose scores over the key chunk (``heads``:
+        B x H of them per query and key) fit ``elements``; the diagonal's key slice ends at its
+        block's last query, and its mask starts there."""
+        for qi, q0, n in self.chunks(self.rank, local_len):
+            for ki, k0, m in self.chunks(src, local_len):
+                if ki > qi:
+                    continue
+                block = max(1, elements // (heads * m))
+                starts = range(0, n, block)
+                if _one_block_per_pair:  # the planner's simulation: the pair's largest block
+                    starts = [max(starts, key=lambda a: min(block, n - a) * (a + min(block, n - a) if ki == qi else m))]
+                for a in starts:
+                    rows = min(block, n - a)
+                    keys = a + rows if ki == qi else m
+                    yield slice(q0 + a, q0 + a + rows), slice(k0, k0 + keys), (a if ki == qi else None)
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """a[N, n, k] @ b[N, k, m], as a baddbmm with beta 0: selective checkpointing keeps the output of
+    every aten.bmm ([Note: what selective checkpointing keeps] in meshpar/parallel/activation_checkpoint.py),
+    which here would keep every score block; the ring's forward is recomputed whole instead."""
+    return torch.baddbmm(a.new_zeros(()), a, b, beta=0)
+
+
+def _block(x: Tensor, qs: slice) -> Tensor:
+    """Rows ``qs`` of x[B Hkv, G, T/cp, ...] as [B Hkv, G rows, ...]: a block's queries of every head
+    sharing a kv head, against which one matmul takes that kv head's keys."""
+    return x[:, :, qs].flatten(1, 2)
+
+
+def _scores(q: Tensor, k: Tensor, diagonal: int | None, acc: torch.dtype, docs: tuple[Tensor, Tensor] | None) -> Tensor:
+    """q[B Hkv, G n, Dh] / sqrt(Dh) @ k[B Hkv, m, Dh]^T -> [B Hkv, G n, m] in ``acc``; on the diagonal
+    block starting at query ``diagonal`` of its chunk, key j > query i + diagonal is -inf; with
+    ``docs`` (the documents of the block's queries [B, n] and keys [B, m]) so is every key of
+    another document."""
+    s = _mm(q * q.shape[-1] ** -0.5, k.transpose(-1, -2)).to(acc)
+    m = s.shape[-1]
+    if diagonal is not None:
+        n = k.shape[-2] - diagonal  # the block's queries: its keys end at its last query
+        mask = ~torch.ones(n, m, dtype=torch.bool, device=s.device).tril(diagonal)
+        s.view(s.shape[0], -1, n, m).masked_fill_(mask, float("-inf"))
+    if docs is not None:
+        q_doc, k_doc = docs
+        b, n = q_doc.shape
+        other = (q_doc.unsqueeze(2) != k_doc.unsqueeze(1)).view(b, 1, 1, n, m)  # over kv heads and their G
+        s.view(b, -1, s.shape[1] // n, n, m).masked_fill_(other, float("-inf"))
+    return s
+
+
+def _merge(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
+    """Online softmax, in place: O, L over the keys so far and o, l over more keys -> O, L over all.
+    A row that has seen no key yet (L = l = -inf: with documents) stays O = 0, L = -inf."""
+    merged = torch.logaddexp(lse, part_lse)
+    shift = _finite(merged)
+    out.mul_(torch.exp(lse - shift).unsqueeze(-1)).add_(part * torch.exp(part_lse - shift).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def _finite(lse: Tensor) -> Tensor:
+    """``lse`` with -inf (a row whose keys are all masked) as 0, so that exp(s - lse) is 0, not nan."""
+    return lse.masked_fill(lse == float("-inf"), 0)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Shapes inside: q, O [B Hkv, G, T/cp, Dh] (G = H / Hkv: query head i reads kv head i // G), L
+    [B Hkv, G, T/cp], the K/V chunk in hand [2, B Hkv, T/cp, Dh]."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None, ring: _Ring) -> Tensor:
+        acc = torch.promote_types(q.dtype, torch.float32)
+        b, h, tl, dh = q.shape
+        qg = q.reshape(b * k.shape[1], -1, tl, dh)
+        out = torch.zeros(qg.shape, dtype=acc, device=q.device)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).flatten(1, 2)
+        for step in range(ring.cp):
+            if step < ring.cp - 1:  # the next chunk arrives while this one is attended
+                arriving = torch.empty_like(kv)
+                hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
+            src = (ring.rank - step) % ring.cp
+            docs = _Documents(doc, ring.rank, src)
+            for qs, ks, diagonal in ring.pairs(src, tl, b * h, score_elements(q.device)):
+                s = _scores(_block(qg, qs), kv[0, :, ks], diagonal, acc, docs(qs, ks))  # [B Hkv, G rows, keys]
+                part_lse = torch.logsumexp(s, dim=-1)
+                shift = part_lse if doc is None else _finite(part_lse)
+                part = _mm(s.sub_(shift.unsqueeze(-1)).exp_().to(q.dtype), kv[1, :, ks])  # softmax(s) @ v
+                rows = (*qg.shape[:2], -1)
+                _merge(out[:, :, qs], lse[:, :, qs], part.view(*rows, dh), part_lse.view(rows))
+            if step < ring.cp - 1:
+                hop.wait()
+                kv = arriving
+        out = out.to(q.dtype).view(q.shape)
+        ctx.ring, ctx.doc = ring, doc
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        acc, (b, h, tl, dh) = lse.dtype, q.shape
+        qg, dog = q.reshape(lse.shape + (dh,)), grad.reshape(lse.shape + (dh,))
+        delta = (dog.to(acc) * out.view(dog.shape).to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
+        dq = torch.zeros(qg.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).flatten(1, 2)
+        arriving = hop = carried = returning = None  # the next K/V and its hop; the dK/dV accumulator, its hop
+        for step in range(ring.cp):
+            if step > 0:
+                hop.wait()
+                kv = arriving
+            if step < ring.cp - 1:
+                arriving = torch.empty_like(kv)
+                hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
+            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # dK, dV of the chunk in hand
+            src = (ring.rank - step) % ring.cp
+            docs = _Documents(ctx.doc, ring.rank, src)
+            for qs, ks, diagonal in ring.pairs(src, tl, b * h, score_elements(q.device)):
+                kb, vb, qb, dout = kv[0, :, ks], kv[1, :, ks], _block(qg, qs), _block(dog, qs)
+                # P [B Hkv, G rows, keys]; every row saw a key (itself), so L is finite and masked P is 0
+                p = _scores(qb, kb, diagonal, acc, docs(qs, ks)).sub_(_block(lse.unsqueeze(-1), qs)).exp_()
+                dkv[1, :, ks] += _mm(p.to(q.dtype).transpose(-1, -2), dout)  # summed over the G heads
+                # dS = P * (dO V^T - rowsum(dO * O)), then through the scale into dQ and dK
+                ds = _mm(dout, vb.transpose(-1, -2)).to(acc).sub_(_block(delta, qs))
+                ds = ds.mul_(p).mul_(dh ** -0.5).to(q.dtype)
+                del p
+                dq[:, :, qs] += _mm(ds, kb).view(*qg.shape[:2], -1, dh)
+                dkv[0, :, ks] += _mm(ds.transpose(-1, -2), qb)
+            if step == 0:
+                own = dkv  # the owner adds its own step's share when the accumulator returns
+                continue
+            if returning is not None:
+                returning.wait()
+                dkv += carried
+            sent, carried = dkv.to(q.dtype), torch.empty(kv.shape, dtype=q.dtype, device=q.device)
+            returning = comm.send_recv(sent, carried, ring.group, to=ring.next, frm=ring.prev, dim="cp", tag=1)
+        if returning is not None:  # after cp - 1 hops, this rank's own chunk's dK/dV from every other rank
+            returning.wait()
+            own += carried
+        dk, dv = own.to(q.dtype).view(2, *k.shape)
+        return dq.to(q.dtype).view(q.shape), dk, dv, None, None
+
+
+class _Documents:
+    """The documents of a pair's queries and keys, this rank's against ``src``'s, or None (causal)."""
+
+    def __init__(self, doc: Tensor | None, rank: int, src: int) -> None:
+        self.doc = doc
+        if doc is not None:  # doc[B, cp, T/cp]
+            self.q_doc, self.k_doc = doc[:, rank], doc[:, src]
+
+    def __call__(self, qs: slice, ks: slice) -> tuple[Tensor, Tensor] | None:
+        return None if self.doc is None else (self.q_doc[:, qs], self.k_doc[:, ks])

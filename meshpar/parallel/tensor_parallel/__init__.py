@@ -1,0 +1,1 @@
+"""Tensor / sequence parallelism: plans as tables, meshpar's styles, degree checks."""

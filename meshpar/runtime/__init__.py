@@ -1,0 +1,1 @@
+"""The process runtime: launching local ranks, a rank's lifetime (signals, restarts), fault handling."""

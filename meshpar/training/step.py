@@ -1,0 +1,369 @@
+"""One training step, written once: what ``meshpar train`` runs and ``meshpar plan`` simulates.
+
+    sync = GradSync.of(mesh, recipe.parallel, recipe.optim)
+    done = train_step(model, loader.next_step, accum, sync, device, optimizer, scheduler)
+    done.loss, done.grad_norm, done.lr        # this rank's loss (a tensor: no host sync), the norm, the LR
+    done.aux_loss                             # a mixture-of-experts model's auxiliary loss, or None
+    done.expert_load                          # and its expert loads [2, L_sparse, E], or None
+
+A flat function, in the order it runs, each phase labelled for the profiler
+(``meshpar::step``, ``data``, ``forward``, ``backward``, ``optimizer``):
+
+    batch -> forward/backward per microbatch, each loss / accum   (or the pipeline schedule's step)
+          -> replicas all-reduce, tensor-parallel partial gradients reduce   (without FSDP)
+          -> clip the gradient norm across every mesh dim (pp groups included)
+          -> optimizer step, LR schedule step, zero_grad
+
+FSDP reduce-scatters during the last microbatch's backward, or every microbatch's with
+``parallel.grad_reduce = "microbatch"``; under pipelining the stage switches sync itself
+([Note: one reduce-scatter per step under pipelining]).
+
+The planner (``meshpar/planner/simulate.py``) runs this same function on fake tensors, so
+the simulated step cannot drift from the real one. It passes what only it needs:
+``phase`` (the default labels phases for the profiler; the planner measures live bytes per
+phase instead), a ``model.pipeline`` that runs the schedule's work one microbatch at a time,
+and no optimizer ([Note: what the simulation leaves to arithmetic]).
+
+[Note: losses do not depend on the layout]
+Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
+is a mean over its tokens divided by the accumulation depth, and gradients are averaged
+over the data-parallel ranks, so the gradient is the mean over the whole global batch for
+any split of it across ranks and microbatches.
+
+[Note: auxiliary losses]
+A model may set ``aux_loss`` in its forward (mixture of experts: the weighted load-balancing loss,
+[Note: load-balancing loss] in meshpar/models/moe/model.py). The step backpropagates
+cross-entropy + aux_loss, each divided by ``accum`` (the auxiliary loss through ``_JoinAux`` on the
+logits, as under pipelining below: a plain scalar added to a tensor-parallel loss, a DTensor, would
+mix the two kinds in backward), and reports them apart: ``loss`` is the
+cross-entropy alone (comparable with dense models and with validation), ``aux_loss`` the auxiliary
+term. Under activation checkpointing the recomputed forward, inside backward, sets each MoE layer's
+``aux_loss`` again: a graph over that recompute's activations which nothing consumes. The checkpoint
+wrapper drops it as soon as the recompute returns ([Note: a recompute's side outputs] in
+meshpar/parallel/activation_checkpoint.py); the step also lets go of the layers' ``aux_loss`` after each
+backward, so that nothing of a step outlives it (tests/test_moe_metrics.py). A model with
+``update_expert_bias`` (aux-free balancing) has it called after each optimizer step with its expert
+loads summed over the data-parallel ranks.
+
+[Note: auxiliary losses under pipelining]
+A pipeline schedule backpropagates the last stage's loss and, on every other stage, the gradient
+its output receives; a stage's ``aux_loss`` is in neither. While the schedule runs, each stage's
+forward output passes through ``_JoinAux`` (a forward hook, ``stage_tally``): the identity in
+forward, and in backward it also hands ``aux_loss`` the gradient 1/accum, so each microbatch's
+auxiliary loss joins the backward that reaches its stage's output, whichever schedule (split
+backward passes included: one graph). The hook also sums each microbatch's auxiliary loss and
+expert loads on this rank; train.py adds them over the pp ranks (the expert loads are sized for
+the whole model, zero for layers on other stages) before the data-parallel mean.
+
+[Note: expert load]
+After each microbatch's forward, each mixture-of-experts layer holds the token slots its router
+sent to each expert (``MoE.tokens_per_expert``, before any capacity drop). The step sums them
+over its microbatches into ``expert_load[0]`` ([L_sparse, E], this rank), and into
+``expert_load[1]`` the slots over each expert's capacity ceil(capacity_factor * slots / E) in
+that forward: those the model dropped (``MoE._drop_over_capacity`` keeps counts.clamp(max=
+capacity)). Device tensors, no host sync: train.py sums them over the data-parallel ranks and
+reads them on the steps it logs, with the loss (meshpar.training.metrics.expert_load_fields). They are
+counted after each forward, not read from the aux-free ``expert_load`` buffers, which activation
+checkpointing's recompute counts twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from meshpar.config.recipe import OptimConfig, ParallelConfig
+from meshpar.distributed import comm
+from meshpar.distributed.clip import clip_grad_norm_
+from meshpar.distributed.mesh import Mesh
+from meshpar.fsdp import FSDPModule
+from meshpar.parallel.context_parallel.apply import shard_sequence
+from meshpar.parallel.data_parallel import all_reduce_gradients
+from meshpar.parallel.tensor_parallel.plan import loss_parallel_context, reduce_partial_grads
+from meshpar.profiling.capture import label
+from meshpar.profiling.labels import run_labelled
+from meshpar.training.nonfinite import NonFiniteGuard
+
+Microbatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [micro_batch, seq_len]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # logits[B, T, V] targets[B, T] -> mean over B*T tokens, computed in fp32 (fp64 logits, a float64
+    # model's, stay fp64); with loss parallel logits are a DTensor sharded on V and the loss is
+    # computed on the shards
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(x.flatten(0, 1).to(torch.promote_types(x.dtype, torch.float32)), targets.flatten())
+
+    if isinstance(logits, DTensor):  # its all-reduces (max, sum) run on the tp mesh
+        return run_labelled("tp.loss_parallel", "cross_entropy", loss, logits)
+    return loss(logits)
+
+
+def plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under loss parallel it is a replicated DTensor scalar)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+class Schedule(Protocol):
+    """What a step needs of a pipeline: ``meshpar.parallel.pipeline.Pipeline`` (or the planner's stand-in)."""
+
+    stages: Sequence[Any]  # this rank's ``meshpar.parallel.pipeline.Stage``s
+
+    def step_microbatches(self, microbatches: Sequence[Microbatch]) -> torch.Tensor | None: ...
+
+
+@dataclass
+class Model:
+    """This rank's part of the model: its pipeline stages (one, the whole model, when pp = 1)."""
+
+    stages: torch.nn.ModuleList
+    pipeline: Schedule | None  # the schedule when pp > 1
+    loss_parallel: bool  # logits are vocab-sharded DTensors: the loss runs under loss_parallel
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameter names of the whole model: stages hold disjoint blocks under their global names."""
+        out: dict[str, Any] = {}
+        for stage in self.stages:
+            out.update(stage.state_dict())
+        return out
+
+
+@dataclass(frozen=True)
+class GradSync:
+    """How a step reduces and clips this rank's gradients (from the layout, ``[parallel]``, ``[optim]``)."""
+
+    replicate: DeviceMesh  # Mesh.replicas (dp_replicate, x cp): replicas all-reduce when FSDP does not shard
+    tp: bool  # tensor parallel: replicated parameters' partial gradients reduce (FSDP does it itself)
+    every_microbatch: bool  # parallel.grad_reduce = "microbatch": FSDP reduce-scatters after each
+    max_norm: float  # optim.grad_clip; inf when 0 (clipping off: the norm is still measured)
+    pp_groups: list[dist.ProcessGroup] = field(default_factory=list)  # the norm sums over stages
+    dp: DeviceMesh | None = None  # mesh["dp"]: expert loads sum over it ([Note: auxiliary losses])
+    cp: DeviceMesh | None = None  # mesh["cp"] when context parallel: each rank takes its tokens of every sequence
+
+    @classmethod
+    def of(cls, mesh: Mesh, parallel: ParallelConfig, optim: OptimConfig) -> GradSync:
+        return cls(mesh.replicas, mesh.layout.tp > 1, parallel.grad_reduce == "microbatch",
+                   optim.grad_clip if optim.grad_clip > 0 else math.inf,
+                   [mesh["pp"].get_group()] if mesh.layout.pp > 1 else [], mesh["dp"],
+                   mesh["cp"] if mesh.layout.cp > 1 else None)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's loss (zero on pipeline ranks without the last stage)
+    grad_norm: torch.Tensor  # before clipping, over the whole model
+    lr: float | None  # the learning rate the optimizer stepped with (None without an optimizer)
+    skipped: bool = False  # the optimizer did not step: a non-finite gradient ([Note: non-finite steps])
+    aux_loss: torch.Tensor | None = None  # this rank's auxiliary loss, not in ``loss`` ([Note: auxiliary losses])
+    expert_load: torch.Tensor | None = None  # [2, L_sparse, E] slots routed / dropped, this rank ([Note: expert load])
+
+
+def labelled(name: str, microbatch: int | None = None) -> AbstractContextManager:
+    """The default ``phase``: ``meshpar::<name>`` in a profiler trace."""
+    return label(name)
+
+
+def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], accum: int, sync: GradSync,
+               device: torch.device, optimizer: torch.optim.Optimizer | None = None,
+               scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *,
+               phase: Callable[..., AbstractContextManager] = labelled,
+               guard: NonFiniteGuard | None = None) -> StepResult:
+    """One optimizer step over the microbatches ``next_batch()`` returns (``accum`` per step;
+    the planner runs fewer, still dividing by ``accum``). ``phase(name, microbatch=None)`` wraps
+    each phase: "step", "data", "forward" and "backward" (with the microbatch index), "optimizer".
+    Without ``optimizer`` the step ends after clipping; ``scheduler`` steps with the optimizer.
+    ``guard`` (``train.on_nonfinite``) may skip the optimizer step or stop the run after clipping."""
+    with phase("step"):
+        loss_sum = torch.zeros((), device=device)
+        aux_sum: torch.Tensor | None = None
+        load: torch.Tensor | None = None  # [Note: expert load]
+        with loss_parallel_context(model.loss_parallel):
+            with phase("data"):
+                microbatches = next_batch()
+                if sync.cp is not None:  # this cp rank's tokens of every sequence ([Note: balanced sequence split])
+                    microbatches = [(shard_sequence(x, sync.cp), shard_sequence(y, sync.cp)) for x, y in microbatches]
+            if model.pipeline is not None:  # the schedule runs every microbatch, forward and backward
+                with stage_tally(model.pipeline.stages, accum, microbatches[0][0].numel()) as tally:
+                    loss = model.pipeline.step_microbatches(microbatches)
+                if loss is not None:
+                    loss_sum = loss_sum + plain(loss)
+                aux_sum, load = tally.aux, tally.load
+            else:
+                stage = model.stages[0]
+                sharded = isinstance(stage, FSDPModule)
+                experts = [moe for _, moe in sparse_layers(stage)]
+                for i, (inputs, targets) in enumerate(microbatches):
+                    if sharded:  # FSDP reduce-scatters in the last microbatch's backward (or in each)
+                        stage.set_requires_gradient_sync(sync.every_microbatch or i == len(microbatches) - 1)
+                    with phase("data"):
+                        inputs, targets = inputs.to(device), targets.to(device)
+                    with phase("forward", i):
+                        out = stage(inputs)
+                        aux = getattr(stage, "aux_loss", None)  # [Note: auxiliary losses]
+                        if aux is not None:  # its backward joins the loss's (logits may be DTensors)
+                            out = _JoinAux.apply(out, aux, 1.0 / accum)
+                        loss = cross_entropy(out, targets) / accum
+                        del out  # the logits: backward needs the loss's saved tensors only
+                    with phase("backward", i):
+                        loss.backward()
+                    loss_sum += plain(loss.detach())
+                    if aux is not None:
+                        aux_sum = aux.detach() / accum + (0 if aux_sum is None else aux_sum)
+                    if experts:
+                        count = count_expert_load(stage, inputs.numel())
+                        load = count if load is None else load + count
+                        for moe in experts:  # [Note: auxiliary losses]: a recompute's graph, let go
+                            moe.aux_loss = None
+        with phase("optimizer"):
+            maybe_reduce_replicas(model.stages, sync)
+            params = [q for q in model.stages.parameters() if q.requires_grad]
+            grad_norm = clip_grad_norm_(params, sync.max_norm, extra_groups=sync.pp_groups)
+            if guard is not None and not guard.allows_step(grad_norm):
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                return StepResult(loss_sum, grad_norm, None, skipped=True, aux_loss=aux_sum, expert_load=load)
+            lr = maybe_optimizer_step(optimizer, scheduler)
+            if optimizer is not None:
+                maybe_update_expert_bias(model.stages, sync)
+    return StepResult(loss_sum, grad_norm, lr, aux_loss=aux_sum, expert_load=load)
+
+
+def sparse_layers(stage: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(block index, ``MoE`` module) of each mixture-of-experts layer of ``stage``; [] for a dense model."""
+    blocks = getattr(stage, "layers", {})
+    return [(int(i), block.moe) for i, block in blocks.items() if getattr(block, "moe", None) is not None]
+
+
+class _JoinAux(torch.autograd.Function):
+    """``output`` unchanged; its backward also sends the gradient ``scale`` into ``aux`` (a scalar):
+    [Note: auxiliary losses under pipelining]."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux = scale, (aux.dtype, aux.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dtype, device = ctx.aux
+        return grad, torch.tensor(ctx.scale, dtype=dtype, device=device), None
+
+
+@dataclass
+class StageTally:
+    """A pipeline step's auxiliary losses and expert loads on this rank, summed over its microbatches
+    and stages (``aux`` / ``load`` as ``StepResult``'s; None for a dense model)."""
+
+    aux: torch.Tensor | None = None
+    load: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def stage_tally(runners: Sequence[Any], accum: int, tokens: int) -> Iterator[StageTally]:
+    """While a pipeline schedule runs: every stage's auxiliary loss joins its backward, and is summed
+    with its expert loads ([Note: auxiliary losses under pipelining]); ``runners``: the schedule's
+    ``meshpar.parallel.pipeline.Stage``s, ``tokens`` per microbatch."""
+    tally = StageTally()
+    moe_runners = [r for r in runners if model_sparse_layers(r.submod)]
+    moe_stages = [r.submod for r in moe_runners]
+    if moe_stages:  # zeros on a rank whose stages hold no sparse layer: train.py reduces over pp
+        first = next(iter(moe_stages[0].parameters()))
+        tally.aux = torch.zeros((), device=first.device)
+        tally.load = torch.zeros((2, len(model_sparse_layers(moe_stages[0])), moe_stages[0].args.n_experts),
+                                 device=first.device, dtype=torch.int64)
+
+    def join(stage: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
+        aux = getattr(stage, "aux_loss", None)
+        if not torch.is_grad_enabled():
+            return output
+        if sparse_layers(stage):
+            tally.load += count_expert_load(stage, tokens)
+        if aux is None:
+            return output
+        tally.aux += aux.detach().to(tally.aux.dtype) / accum
+        return _JoinAux.apply(output, aux, 1.0 / accum)
+
+    for runner in moe_runners:  # [Note: forwards outside the schedule]: only the schedule's own
+        runner.on_output = join
+    try:
+        yield tally
+    finally:
+        for runner in moe_runners:
+            runner.on_output = None
+        for stage in moe_stages:  # [Note: auxiliary losses]: a recompute's graph, let go
+            stage.aux_loss = None
+            for _, moe in sparse_layers(stage):
+                moe.aux_loss = None
+
+
+def model_sparse_layers(stage: torch.nn.Module) -> list[int]:
+    """The block index of every mixture-of-experts layer of the whole model ``stage`` is part of
+    (every pipeline stage keeps the model's args); [] for a dense model."""
+    args = getattr(stage, "args", None)
+    if not hasattr(args, "is_sparse"):
+        return []
+    return [i for i in range(args.n_layers) if args.is_sparse(i)]
+
+
+def count_expert_load(stage: torch.nn.Module, tokens: int) -> torch.Tensor:
+    """[2, L, E] after a forward of ``stage`` over ``tokens`` tokens, L the whole model's sparse
+    layers (``model_sparse_layers``): [0] the token slots each layer's router sent to each expert,
+    [1] those over the expert's capacity, dropped ([Note: expert load]). Layers on other pipeline
+    stages stay zero. The layers share one MoEArgs, so one capacity."""
+    experts = sparse_layers(stage)
+    moe = experts[0][1]
+    routed = torch.stack([m.tokens_per_expert for _, m in experts])  # [L_stage, E]
+    where = {layer: j for j, layer in enumerate(model_sparse_layers(stage))}
+    rows = [where[i] for i, _ in experts]
+    full = routed.new_zeros((2, len(where), routed.shape[1]))
+    full[0, rows] = routed
+    if moe.capacity_factor > 0:
+        capacity = math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.n_experts)  # as MoE._drop_over_capacity
+        full[1, rows] = (routed - capacity).clamp(min=0)
+    return full
+
+
+def maybe_reduce_replicas(stages: torch.nn.ModuleList, sync: GradSync) -> None:
+    """Without FSDP, average gradients over the replicas and reduce tensor-parallel partial
+    gradients; FSDP units did both in their reduce-scatter."""
+    if isinstance(stages[0], FSDPModule):
+        return
+    all_reduce_gradients(stages, sync.replicate)
+    if sync.tp:
+        reduce_partial_grads(stages)
+
+
+def maybe_update_expert_bias(stages: torch.nn.ModuleList, sync: GradSync) -> None:
+    """Aux-free balancing ([Note: auxiliary losses]): sum each stage's expert loads over the
+    data-parallel ranks, so every replica moves its biases alike, then update them."""
+    for stage in stages:
+        if not getattr(getattr(stage, "args", None), "aux_free_bias", False):
+            continue
+        loads = stage.expert_loads()
+        if sync.dp is not None and sync.dp.size() > 1:
+            comm.all_reduce(loads, sync.dp.get_group(), dim="dp")
+        stage.update_expert_bias(loads)
+
+
+def maybe_optimizer_step(optimizer: torch.optim.Optimizer | None,
+                         scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> float | None:
+    """Step the optimizer (and the LR schedule) and zero the gradients; the LR stepped with.
+    The planner passes no optimizer: [Note: what the simulation leaves to arithmetic]."""
+    if optimizer is None:
+        return None
+    lr = scheduler.get_last_lr()[0] if scheduler is not None else None
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr
