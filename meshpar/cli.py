@@ -37,7 +37,8 @@ EPILOG = ("Override any recipe key as --section.key=value (e.g. --train.steps=50
           "see `meshpar recipe --keys`. Precedence: command line > recipe file > defaults.")
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """``meshpar``'s argument parser (``meshpar plan`` has its own: meshpar/planner/cli.py)."""
     parser = argparse.ArgumentParser(prog="meshpar", description="Train large transformers with N-D parallelism "
                                      "(FSDP, TP, PP) described in one TOML recipe.", epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -179,16 +180,16 @@ def main(argv: list[str] | None = None) -> None:
         from meshpar.planner.cli import main as plan_main
 
         sys.exit(plan_main(argv[1:]))
-    parser = _parser()
-    args, extra = parser.parse_known_args(argv)
+    cli = parser()
+    args, extra = cli.parse_known_args(argv)
     if args.command in ("convert", "checkpoint", "profile", "data"):
         if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            cli.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "data":
             from meshpar.data import prepare_cli
             sys.exit(prepare_cli.run(args))
         sys.exit(run_profile(args) if args.command == "profile" else run_convert(args))
-    overrides = _split_overrides(parser, extra)
+    overrides = _split_overrides(cli, extra)
     try:
         if args.command == "train":
             sys.exit(_train(args, overrides))

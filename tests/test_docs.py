@@ -178,7 +178,7 @@ def _meshpar(args: list[str]) -> None:
             _recipe(ns.recipe, overrides, ns.world)
         return
     with _argparse_errors():
-        ns, extra = cli._parser().parse_known_args(args)  # meshpar/cli.py builds the parser here
+        ns, extra = cli.parser().parse_known_args(args)  # meshpar/cli.py builds the parser here
     if ns.command == "train":
         overrides = _overrides(extra) + (["--profile.enable=true"] if ns.profile else [])
         _recipe(ns.recipe, overrides, ns.nproc)
