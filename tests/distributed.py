@@ -38,8 +38,8 @@ from typing import Any
 # [Note: ports under pytest-xdist]
 # A rank-0 store binds the port the test chose a moment earlier. Picked by binding port 0, that port
 # is an ephemeral one, and with two pytest workers (.ci/run) the other worker's gloo connections take
-# ephemeral ports all the time: one took a chosen port before its store bound it (EADDRINUSE, in
-# one of the first three whole-suite runs on two workers, 2026-11-26). So a test's ports come from
+# ephemeral ports all the time, and one can take a chosen port before its store binds it
+# (EADDRINUSE). So a test's ports come from
 # below the ephemeral range (Linux's 32768-60999 by default), a disjoint slice per xdist worker, each
 # checked free by binding it: nothing else picks ports there, and within a worker tests run one at
 # a time.

@@ -1,17 +1,15 @@
 """``python -m tests.benchmarks.bench_cp --smoke --cp 4`` runs: the debug Llama with 2 blocks at
 T 1024, one process against cp 4 with the balanced and the contiguous split, each with K/V
-all-gathered and passed around the ring, one timed step each (35 s here: spawning 4 ranks
-dominates). The K/V bytes meshpar.distributed.comm counted on the cp dim equal the analytic figure, the
-ring's 1.5 times the all-gather's (forward the same, backward K/V again and dK/dV); the
-balanced split gives every rank the same
-attention work, contiguous slices about 2cp - 1 times more to the last rank than to the first; and
-issue 18's acceptance, peak activation per rank at cp 4 at most 0.3 x one process's, holds at
-this size.
+all-gathered and passed around the ring, one timed step each (spawning 4 ranks dominates). The
+K/V bytes meshpar.distributed.comm counted on the cp dim equal the analytic figure, the ring's 1.5
+times the all-gather's (forward the same, backward K/V again and dK/dV); the balanced split gives
+every rank the same attention work, contiguous slices about 2cp - 1 times more to the last rank than to the first; and
+the goal, peak activation per rank at cp 4 at most 0.3 x one process's, holds at this size.
 
 It does not hold at every size on CPU: a rank also keeps the gathered K/V (linear in T) and the
 float masks the CPU attention kernel is handed for each chunk with more keys than queries
-(quadratic in T: bench_cp's [Note: masks on CPU]), so the ratio grows with T; the README gives
-the full benchmark's figures (0.315 at T 2048 with 4 blocks). T 1024 is the longest the test
+(quadratic in T: bench_cp's [Note: masks on CPU]), so the ratio grows with T (the full
+benchmark's figures: docs/performance.md#memory-and-balance-per-rank). T 1024 is the longest the test
 affords. Less the masks it holds at every T, and the test checks that too.
 """
 

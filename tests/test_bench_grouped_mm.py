@@ -1,5 +1,5 @@
 """``python -m tests.benchmarks.bench_grouped_mm --cases debug`` runs: both expert kernels at the debug
-model's shape, forward and backward, the same numbers (~10 s here)."""
+model's shape, forward and backward, the same numbers."""
 
 from __future__ import annotations
 

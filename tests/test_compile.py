@@ -2,7 +2,7 @@
 
 Compiling replaces each block's ``forward`` on the instance, so parameter names do not change
 and hooks on ``__call__`` (FSDP's) stay outside the compiled graph. One small model, one step:
-compilation dominates the time (~10 s here).
+compilation dominates the time.
 
 In float32, the dtype compile serves, not float64: inductor's float64 CPU code does not
 compile under ATEN_CPU_CAPABILITY=default (``at::vec`` undeclared) and gives NaN under avx2
@@ -25,7 +25,7 @@ from meshpar.parallel.activation_checkpoint import apply_activation_checkpointin
 from meshpar.parallel.parallelize import apply_compile
 from tests.helpers import build_model
 
-pytestmark = pytest.mark.slow  # inductor builds C++ kernels: ~10 s a test, out of the inner loop
+pytestmark = pytest.mark.slow  # inductor builds C++ kernels: seconds a test, out of the inner loop
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=128, max_seq_len=32)
 

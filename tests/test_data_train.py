@@ -1,4 +1,4 @@
-"""Issue 16's acceptance: training a Hugging Face model folder, with its own tokenizer, on corpora in
+"""Training a Hugging Face model folder, with its own tokenizer, on corpora in
 the formats they come in (JSON Lines gzip, Parquet), as a mixture, on 2 FSDP ranks, resumed on 4;
 ``meshpar data prepare``; and the one-line errors before any process starts."""
 

@@ -13,8 +13,8 @@ float64]): a document alone and the same document inside a packed sequence add t
 numbers in other orders (attention over T keys, masked ones adding exp(-inf) = 0), which
 moves a float64 result by ~1e-15; a token that sees another document moves its logits by ~1.
 The models are the debug sizes cut to 2 layers; one spawned job of 2 ranks runs every
-distributed case. torch.compile with the mask is not run here (compiling costs ~30 s on two
-shared cores); tests/test_compile.py covers the compiled block, whose mask is one more input.
+distributed case. torch.compile with the mask is not run here (compiling costs tens of seconds on
+two shared cores); tests/test_compile.py covers the compiled block, whose mask is one more input.
 """
 
 from __future__ import annotations

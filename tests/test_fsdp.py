@@ -715,11 +715,11 @@ def _case_one_rank_forced(ctx: Ctx) -> None:
 
 
 def _case_local_cast(ctx: Ctx) -> None:
-    """[Note: a local unsharded parameter keeps its identity too]: parameters whose whole value is
-    local (replicated below shard_threshold; all of them on one rank) and cast for compute still get
-    their gradients when their unit reshards after forward (a new parameter object per unshard lost
-    them). Every unit's parameters are cast float64 -> float32 here, against the model in float32:
-    the same float32 arithmetic, summed over the ranks' halves of the batch in another order, so
+    """[Note: the unsharded parameter keeps its identity] in meshpar/fsdp/sharded_param.py: parameters
+    whose whole value is local (replicated below shard_threshold; all of them on one rank) and cast for
+    compute still get their gradients when their unit reshards after forward. Every unit's parameters
+    are cast float64 -> float32 here, against the model in float32: the same float32 arithmetic,
+    summed over the ranks' halves of the batch in another order, so
     1e-5 relative (float32's 6e-8 per addition over a few hundred terms) bounds the difference."""
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))

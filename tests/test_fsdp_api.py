@@ -1,8 +1,8 @@
 """``meshpar.fsdp`` is a drop-in for the FSDP2 API of the installed torch's ``torch.distributed.fsdp``.
 
 Checked by reading both APIs with ``inspect`` (no process group), so a torch upgrade that
-adds or changes a name fails here until meshpar follows; the whole file takes about 4 s, most
-of it the one 1-rank gloo job that the exceptions' test spawns:
+adds or changes a name fails here until meshpar follows; most of the file's time is the one
+1-rank gloo job that the exceptions' test spawns:
 
 - every FSDP2 public name (the package's public names, submodules included, minus the
   ``FSDP1`` list below) exists in ``meshpar.fsdp`` and in its ``__all__``, as a class where

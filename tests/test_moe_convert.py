@@ -144,7 +144,7 @@ def test_hf_to_meshpar_to_hf_logits_and_every_tensor(hf_folders, tmp_path, famil
 
 
 def test_trained_debug_moe_exports_and_loads_in_transformers(tmp_path, capsys):
-    """Issue 17's acceptance line: a checkpoint of ``meshpar train recipes/qwen3_moe_debug.toml``
+    """A checkpoint of ``meshpar train recipes/qwen3_moe_debug.toml``
     (2 steps; SMALL's 2 blocks: layer 0 sparse, layer 1 dense) converts to a Hugging Face folder
     that transformers loads with logits within LOGITS_TOL of meshpar's; training starts from it
     (checkpoint.hf_weights) at the trained weights' loss, not the initial one."""

@@ -1,4 +1,4 @@
-"""Mixture-of-experts recipe keys and expert-load metrics (issue 17, items 2 and 7).
+"""Mixture-of-experts recipe keys and expert-load metrics.
 
 (a) the [model] keys aux_loss_coef, capacity_factor, aux_free_bias, bias_update_rate reach MoEArgs
     of both families, and bad values stop before launch with the key and the fix; (b) the expert
@@ -265,7 +265,7 @@ def _aux_losses_after_a_checkpointed_step(recipe_path: str, overrides: list[str]
 def test_a_checkpointed_step_lets_go_of_the_recomputed_aux_losses(tmp_path):
     """[Note: auxiliary losses] in meshpar/training/step.py: under full activation checkpointing the recompute
     in backward sets each layer's aux_loss again, a graph of that recompute's activations; the step
-    drops them (they lived until the next forward: ~0.3 GiB a layer for Qwen3-30B-A3B at 4096 tokens)."""
+    drops them, where they would otherwise live until the next forward."""
     from tests.distributed import run_distributed
 
     overrides = ["--model.n_layers=2", "--model.vocab_size=256", "--train.seq_len=32", "--train.global_batch=2",

@@ -14,8 +14,8 @@ numbers and the checkpoint files are equal bit for bit. The c10d rendezvous igno
 ``--node-rank``: it orders agents by (host, agent pid), so the test reads which agent got
 ranks 0-1 from torchrun's rank-prefixed output instead of assuming it.
 
-The SLURM script runs here too, under stand-ins for srun and scontrol. Measured on the 2-core
-machine: 60 s for the two runs, 28 s for the script, 90 s for the file.
+The SLURM script runs here too, under stand-ins for srun and scontrol. How long the file takes:
+docs/performance.md#test-suite-and-set-up.
 """
 
 import fcntl

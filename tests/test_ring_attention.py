@@ -151,7 +151,8 @@ def test_plan_prices_the_ring():
     attention = a.n_layers * 12 * a.n_heads * a.resolved_head_dim * t.seq_len * tokens  # forward + backward
     recomputed = attention / 3
     flops = planlib.load_hardware("h100_sxm")[0].peak_flops(torch.float32) * ring.time.efficiency
-    # on a GPU every attention FLOP of the ring, the recomputed forward's too, counts 8x ([Note: the ring on a GPU])
+    # on a GPU every attention FLOP of the ring, the recomputed forward's too, counts RING_ATTENTION_SLOWDOWN times
+    # ([Note: the ring on a GPU])
     slowdown = costlib.RING_ATTENTION_SLOWDOWN["cuda"]
     extra = recomputed + (slowdown - 1) * (attention + recomputed)
     assert ring.time.compute_s - gather.time.compute_s == pytest.approx(extra / flops, rel=1e-9)

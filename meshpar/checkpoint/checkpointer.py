@@ -1,61 +1,19 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): save, resume, reshard.
 
-A checkpoint is a folder ``<dir>/step_<N>/``::
-
-    .metadata, __<rank>_<i>.distcp   DCP: every tensor as the chunks the saving ranks held
-    crc/<rank>.json                  a CRC-32 per chunk, written by the rank that wrote it
-    recipe.toml                      the resolved recipe of the run that saved it
-    tokenizer.json, tokenizer_config.json   the run's tokenizer, when it has one (Hugging Face form:
-                                     ``meshpar convert --to hf`` copies them; meshpar/data/tokenizer.py)
-    meshpar.json                     step, model, layout saved from; written last
-
-and holds one nested state dict (DCP flattens it to dotted keys)::
-
-    model.<fqn>                      every parameter (a DTensor when sharded), names of the unsplit model
-    optim.<fqn>.{exp_avg,exp_avg_sq,step}
-    lr_schedule.*, data.*, train.*   non-tensor state (DCP pickles it)
-    rng.rank<r>                      each rank's CPU (and CUDA) generator state
+A checkpoint is a folder ``<dir>/step_<N>/``: DCP's ``.metadata`` and ``.distcp`` chunks,
+``crc/<rank>.json``, ``recipe.toml``, the run's tokenizer files and ``meshpar.json`` (written
+last). It holds one nested state dict: ``model.*``, ``optim.*``, ``lr_schedule.*``, ``data.*``,
+``train.*``, ``rng.rank<r>``. File by file: docs/checkpoints.md#what-a-checkpoint-holds.
 
 Saving writes this rank's shards only: no collective beyond DCP's own plan and metadata
 exchange. Loading reads, on every rank, exactly the pieces of each tensor its own DTensors
 cover, so a checkpoint saved on any layout loads on any other (``model.*`` and ``optim.*``
-by global name and shape; the data position by global sample count, see meshpar/data.py).
+by global name and shape; the data position by global sample count, see meshpar/data/).
+The files themselves (per-chunk CRCs, fused projections as chunks): format.py; finding
+checkpoints on disk: folders.py; a run's tensors by global name: state.py.
 
-[Note: a checkpoint is complete or invisible]
-Every rank writes into ``<dir>/.step_<N>.partial/``. DCP's last step runs on the coordinator
-(rank 0) only after every rank has reported its writes; there it writes ``.metadata``, then
-(``_Writer.publish``) ``recipe.toml``, the tokenizer files and ``meshpar.json``, and renames the folder to
-``step_<N>`` (one ``os.replace``); DCP then tells every rank the outcome, so once ``save``
-(``wait``, when async) returns on any rank, ``step_<N>`` exists. An error on any rank or in
-any of these (a full disk, a folder gone read-only) fails the save on every rank with a
-CheckpointError naming the step, and rank 0 removes the ``.partial`` folder; a crash or kill
-leaves it, and no loader looks at it (the next run removes it). ``latest()`` (folders.py) takes the newest
-folder that has both ``meshpar.json`` and ``.metadata``. Older checkpoints are removed only
-after the rename ([Note: what checkpoint.keep deletes]), so the last good checkpoint is never
-at risk.
-
-[Note: the checkpoint folder is probed before the first step]
-A run that saves would otherwise learn that ``checkpoint.dir`` is read-only, full or not a
-folder at its first save, hours in. So the Checkpointer, when ``checkpoint.every > 0``,
-creates the folder and a small file in it (written, fsynced, removed) as it is built, before
-the first step, and raises a CheckpointError naming the folder, the OS's reason and the fix.
-Every rank probes (``.write_probe.rank<r>``), without a collective: each rank writes its own
-shard files into that folder, and on a cluster the folder is a mount that one node may lack
-or see read-only, which rank 0's probe alone would not notice. A failed probe fails that
-rank at once, as any error before the first step does, and the launcher stops the others.
-A disk that fills later still fails at save time, cleanly (above).
-
-[Note: what checkpoint.keep deletes]
-After publishing step N, rank 0 keeps the newest ``keep`` complete checkpoints with steps up
-to N and deletes the older ones, except the checkpoint a restart of this run would resume
-from (``resume_path()``: ``checkpoint.load_from``'s, else the newest in ``dir``): a run
-resumed from ``load_from = <dir>/step_4`` resumes from it again when restarted, so it stays.
-Checkpoints above N (an earlier, longer run's, in the same ``dir``) are neither deleted nor
-counted: this run did not write them and has nothing newer to replace them with.
-
-The files themselves (per-chunk CRCs, fused projections as chunks): meshpar/checkpoint/format.py;
-finding checkpoints on disk: meshpar/checkpoint/folders.py; a run's tensors by global name:
-meshpar/checkpoint/state.py.
+Notes: [Note: a checkpoint is complete or invisible],
+[Note: the checkpoint folder is probed before the first step], [Note: what checkpoint.keep deletes].
 """
 
 from __future__ import annotations
@@ -95,6 +53,41 @@ from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it 
 )
 from meshpar.checkpoint.state import _rng_state, optimizer_state, param_names
 from meshpar.config.recipe import CheckpointConfig, RecipeError
+
+# [Note: a checkpoint is complete or invisible]
+# Every rank writes into ``<dir>/.step_<N>.partial/``. DCP's last step runs on the coordinator
+# (rank 0) only after every rank has reported its writes; there it writes ``.metadata``, then
+# (``_Writer.publish``) ``recipe.toml``, the tokenizer files and ``meshpar.json``, and renames the folder to
+# ``step_<N>`` (one ``os.replace``); DCP then tells every rank the outcome, so once ``save``
+# (``wait``, when async) returns on any rank, ``step_<N>`` exists. An error on any rank or in
+# any of these (a full disk, a folder gone read-only) fails the save on every rank with a
+# CheckpointError naming the step, and rank 0 removes the ``.partial`` folder; a crash or kill
+# leaves it, and no loader looks at it (the next run removes it). ``latest()`` (folders.py) takes the newest
+# folder that has both ``meshpar.json`` and ``.metadata``. Older checkpoints are removed only
+# after the rename ([Note: what checkpoint.keep deletes]), so the last good checkpoint is never
+# at risk.
+
+# [Note: the checkpoint folder is probed before the first step]
+# A run that saves would otherwise learn that ``checkpoint.dir`` is read-only, full or not a folder
+# at its first save, hours in. So the Checkpointer, when ``checkpoint.every > 0``, creates the folder
+# and a small file in it (written, fsynced, removed) as it is built, and raises a CheckpointError
+# naming the folder, the OS's reason and the fix. Every rank probes (``.write_probe.rank<r>``),
+# without a collective: each rank writes its own shards there, and on a cluster one node may lack
+# the mount or see it read-only. A failed probe fails that rank at once, and the launcher stops the
+# others. A disk that fills later still fails at save time, cleanly.
+
+# [Note: what checkpoint.keep deletes]
+# After publishing step N, rank 0 keeps the newest ``keep`` complete checkpoints with steps up
+# to N and deletes the older ones, except the checkpoint a restart of this run would resume
+# from (``resume_path()``: ``checkpoint.load_from``'s, else the newest in ``dir``): a run
+# resumed from ``load_from = <dir>/step_4`` resumes from it again when restarted, so it stays.
+# Checkpoints above N (an earlier, longer run's, in the same ``dir``) are neither deleted nor
+# counted: this run did not write them and has nothing newer to replace them with.
+#
+# The files themselves (per-chunk CRCs, fused projections as chunks): meshpar/checkpoint/format.py;
+# finding checkpoints on disk: meshpar/checkpoint/folders.py; a run's tensors by global name:
+# meshpar/checkpoint/state.py.
+
 
 FORMAT = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a tokenizer as Hugging Face folders hold it

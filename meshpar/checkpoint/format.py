@@ -5,27 +5,7 @@ what a checkpoint holds and when it becomes visible. This module is the layer be
 planner and file writer that record a CRC-32 per chunk, a load planner that checks the chunks
 a rank reads, and the chunk protocol for DTensors DCP cannot describe on its own.
 
-[Note: corrupt and truncated files]
-DCP stores no checksums. Each rank, after writing its files, records the CRC-32 of every
-chunk it wrote (``crc/<rank>.json``), before it reports to the coordinator, so the record
-is part of the checkpoint before it becomes visible. On load each rank checks the chunks it
-is about to read, and only those: a truncated file or a changed byte is an error naming the
-file and the tensor, never silently wrong weights. The CRC reads each chunk once more (from
-the page cache when just written): 100M Llama + AdamW, 1.2 GB, one rank: save 1.9-2.0 s
-with CRCs against 1.6 s without, load 1.0 s against 0.53 s. Checkpoints without ``crc/``
-(written by ``meshpar convert`` or by other DCP users) are checked for missing and
-truncated files only.
-
-[Note: loading never runs code from the file]
-A checkpoint may come from someone else, and three of its parts are pickles, which can run
-any code as they load. torch 2.13's DCP reads tensors with ``torch.load(weights_only=True)``
-(safe), but ``FileSystemReader.read_metadata`` is a plain ``pickle.load`` of ``.metadata`` and
-``DefaultLoadPlanner.load_bytes`` is ``torch.load(weights_only=False)`` of each non-tensor
-entry (lr_schedule.*, data.*, train.*). So meshpar reads ``.metadata`` through ``SafeReader``,
-whose unpickler resolves only the classes DCP's metadata is made of
-(``meshpar.distributed._torch.DCP_METADATA_GLOBALS``, torch dtypes and layouts, paths), and loads the
-non-tensor entries with ``weights_only=True`` (numbers, strings, lists, dicts, tensors). A
-file that names anything else is refused with a CheckpointError before the object is built.
+Notes: [Note: corrupt and truncated files], [Note: loading never runs code from the file].
 """
 
 from __future__ import annotations
@@ -54,6 +34,27 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from meshpar.checkpoint.atomic import write_atomic
 from meshpar.distributed._torch import DCP_METADATA_GLOBALS, StridedShard
+
+# [Note: corrupt and truncated files]
+# DCP stores no checksums. Each rank, after writing its files, records the CRC-32 of every
+# chunk it wrote (``crc/<rank>.json``), before it reports to the coordinator, so the record
+# is part of the checkpoint before it becomes visible. On load each rank checks the chunks it
+# is about to read, and only those: a truncated file or a changed byte is an error naming the
+# file and the tensor, never silently wrong weights. The CRC reads each chunk once more (from
+# the page cache when just written; docs/performance.md#checkpoints-and-conversion).
+# Checkpoints without ``crc/`` (written by ``meshpar convert`` or by other DCP users) are
+# checked for missing and truncated files only.
+
+# [Note: loading never runs code from the file]
+# A checkpoint may come from someone else, and three of its parts are pickles, which can run
+# any code as they load. torch 2.13's DCP reads tensors with ``torch.load(weights_only=True)``
+# (safe), but ``FileSystemReader.read_metadata`` is a plain ``pickle.load`` of ``.metadata`` and
+# ``DefaultLoadPlanner.load_bytes`` is ``torch.load(weights_only=False)`` of each non-tensor
+# entry (lr_schedule.*, data.*, train.*). So meshpar reads ``.metadata`` through ``SafeReader``,
+# whose unpickler resolves only the classes DCP's metadata is made of
+# (``meshpar.distributed._torch.DCP_METADATA_GLOBALS``, torch dtypes and layouts, paths), and loads the
+# non-tensor entries with ``weights_only=True`` (numbers, strings, lists, dicts, tensors). A
+# file that names anything else is refused with a CheckpointError before the object is built.
 
 
 class CheckpointError(RuntimeError):
@@ -173,8 +174,8 @@ class _Writer(FileSystemWriter):
     collective step, so an error there (a full disk) fails the save on every rank."""
 
     def __init__(self, path: Path, rank: int, publish: Callable[[], None] | None = None):
-        # two writer threads: 100M Llama + AdamW (1.2 GB) on one rank saves in 1.6 s instead of
-        # 2.4-3.5 s with DCP's default of one
+        # two writer threads, not DCP's default of one: a rank's save is faster
+        # (docs/performance.md#checkpoints-and-conversion)
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=2)
         self.rank, self.publish = rank, publish
 

@@ -67,19 +67,14 @@ def boxes(idx: Sequence[Sequence[int]]) -> Iterator[tuple[tuple[int, ...], tuple
 # DCP -> DCP for a layout writes each tensor as the chunks the layout's ranks hold, so a job at
 # that layout reads exactly its own chunks, each from its own rank's file __<rank>_0.distcp.
 # A parameter (and its exp_avg, exp_avg_sq) is placed as meshpar's engine and PyTorch's
-# fully_shard place it: the family's TP plan table gives the tp placement (column-wise
-# Shard(0), row-wise Shard(1), GPT-2's fused c_attn StridedShard(0, 3), the rest replicated),
-# then FSDP cuts dim 0 of the TP-local tensor in dp_shard torch.chunk pieces (for a Shard(0)
-# TP weight that is DTensor's StridedShard(0, tp) on dp_shard: tp-major, then dp; equal to it
-# where tp divides the dim, which meshpar checks before launch; dp pieces may be uneven). A
-# non-contiguous local shard (fused c_attn) is written as one chunk per contiguous run.
-# Replicas (dp_replicate, replicated tp) are written once, like DCP's dedup, in the file of
-# the least-loaded rank holding them. pp moves whole tensors only: they go to the files of the
-# stage of an even split, one stage per pp rank (meshpar.parallel.pipeline.stage_layers); virtual stages
-# or explicit boundaries change only which file, not the chunks. Other tensors (0-d optimizer
-# steps, RNG states) keep the source's chunks, or are written whole. Under context parallelism
-# FSDP shards over dp_shard x cp flattened, cp inner (meshpar.distributed.mesh.Mesh.fsdp): dp_shard x cp
-# pieces, piece s x cp + c on the rank at (dp_shard s, cp c).
+# fully_shard place it: the family's TP plan table gives the tp placement, then FSDP cuts dim 0
+# of the TP-local tensor in torch.chunk pieces over dp_shard (x cp, cp inner: Mesh.fsdp), which
+# for a Shard(0) TP weight is StridedShard(0, tp) on dp_shard. A non-contiguous local shard
+# (GPT-2's fused c_attn) is written as one chunk per contiguous run. Replicas (dp_replicate,
+# replicated tp) are written once, like DCP's dedup, in the file of the least-loaded rank holding
+# them. pp moves whole tensors only, to the files of an even split's stages
+# (meshpar.parallel.pipeline.stage_layers). Other tensors (0-d optimizer steps, RNG states) keep
+# the source's chunks, or are written whole.
 
 def parse_layout(layout: Mapping[str, int] | None) -> dict[str, int]:
     """All five degrees (missing ones 1), checked: positive integers, known dims."""

@@ -37,12 +37,9 @@ TARGETS = ("hf", "torch", "dcp")
 # come. DCP output is written item by item in DCP's own format (torch.save per chunk,
 # appended to __<rank>_0.distcp, offsets recorded in .metadata by FileSystemWriter.finish),
 # not through dcp.save, whose writer keeps every tensor of a file referenced until that file
-# is closed. Measured (tests/benchmarks/bench_convert.py: 2.72 GB of fp32, largest tensor
-# 1.07 GB, this 2-core VM), peak RSS above the start: DCP -> HF 2.00x the largest tensor (the
-# tensor and its chunk), HF -> DCP 1.02x, DCP -> DCP for dp_shard 4 x tp 2 2.07x (the tensor
-# and one cloned chunk), against 3.55x for DCP -> torch, which holds the model. 0.20-0.26 GB/s
-# with the output fsynced; torch.save's zip writer (a CRC32 per record) alone writes DCP at
-# ~0.36 GB/s here. tests/test_convert.py asserts <= 2.5x the largest tensor + 64 MB.
+# is closed. So the peak above the start is about the largest tensor plus one chunk in every
+# direction but DCP -> torch, which holds the model (tests/test_convert.py asserts <= 2.5x the
+# largest tensor + 64 MB; measured: docs/performance.md#checkpoints-and-conversion).
 
 
 def open_checkpoint(path: str | os.PathLike) -> DCPSource | HFSource | TorchSource:

@@ -7,10 +7,8 @@ where the hash covers the text and the tokenizer settings and <cache> is ``data.
 with one ``os.replace``, so it is complete or absent. Builders serialize on ``<key>.lock``
 (fcntl.flock): when every rank of a host calls prepare() at once, one trains and tokenizes while
 the others wait, then all read the same entry (meta.json's ``built_by``: host, pid, torchrun rank).
-Measured on 2 shared CPU cores, built-in corpus, bpe 2048: cold 1.9-3.7 s (BPE training
-0.6-1.2 s, tokenizing 1.2-2.6 s in parallel chunks), warm 0.03 s; 0.367 tokens per byte (1.83 M
-tokens from 4.99 MB). BPE training is deterministic (the same tokenizer.json with 1 or 2
-threads), so hosts with separate caches agree on the tokens.
+BPE training is deterministic (the same tokenizer.json whatever the thread count), so hosts with
+separate caches agree on the tokens. Cold and warm times: docs/performance.md#the-token-cache.
 
 [Note: a cache per node or one for all]
 Under torchrun every rank runs prepare() (in preflight, before any process group), so who

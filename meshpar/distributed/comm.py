@@ -4,33 +4,7 @@ Every collective meshpar issues goes through here, so one place decides how it r
 each backend and one place counts it: each call reports its op, mesh dim and bytes to
 meshpar/distributed/comm_record.py (``comm_record.count()`` blocks, the flight recorder).
 
-[Note: reduce-scatter on gloo]
-gloo implements reduce-scatter as an all-reduce of the whole input followed by a local
-slice: every rank receives N times what it keeps. ``all_to_all_single`` sends each rank
-exactly its chunk from every peer, and a local sum over the N received chunks gives the
-same result (bitwise at 2 ranks; at 4 the local sum adds in rank order where gloo's
-all-reduce uses its own order, so the last bit may differ). Median of 6, 1 thread/rank:
-
-    elements   ranks   reduce_scatter   all_to_all + sum
-    64 Ki        2        2.95 ms           0.46 ms
-    1 Mi         2        4.06 ms           3.23 ms
-    4 Mi         2       20.1 ms            7.1 ms
-    64 Ki        4       10.2 ms            1.2 ms
-    1 Mi         4       12.2 ms            6.0 ms
-    4 Mi         4       39.2 ms           19.7 ms
-
-NCCL has a native reduce-scatter and keeps it.
-
-No rank sends its own row to itself: with split sizes that skip it, this rank's row goes
-straight into the output and the send and receive buffers hold N - 1 rows each. FSDP keeps
-one reduction in flight under the next unit's backward, so that is (2N - 1)/N of a unit's
-gradient instead of (2N + 1)/N: debug Llama, 4 gloo ranks, peak 50.8 -> 49.6 MiB.
-
-[Note: bytes counted]
-``bytes`` is the per-rank wire volume of a ring implementation, the figure the FSDP
-literature states its ideal in: all-gather and reduce-scatter move ``(N-1)/N`` of the
-full (padded) buffer, all-reduce twice that. So a fully sharded step of Psi parameters
-ideally counts ``3 * Psi * (N-1)/N * element_size`` bytes.
+Notes: [Note: reduce-scatter on gloo], [Note: bytes counted].
 """
 
 from __future__ import annotations
@@ -44,6 +18,22 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from meshpar.distributed.comm_record import FlightEntry, comm_buffers, forced, record_collective
+
+# [Note: reduce-scatter on gloo]
+# gloo implements reduce-scatter as an all-reduce of the whole input followed by a local slice:
+# every rank receives N times what it keeps. ``all_to_all_single`` sends each rank exactly its
+# chunk from every peer, and a local sum over the N received chunks gives the same result
+# (bitwise at 2 ranks; at more, the local sum adds in rank order where gloo's all-reduce uses its
+# own, so the last bit may differ), and faster (docs/performance.md#reduce-scatter-on-gloo). NCCL
+# keeps its native reduce-scatter. No rank sends its own row to itself: its row goes straight into
+# the output, so the send and receive buffers hold N - 1 rows each, and FSDP, with one reduction
+# in flight under the next unit's backward, holds (2N - 1)/N of a unit's gradient, not (2N + 1)/N.
+
+# [Note: bytes counted]
+# ``bytes`` is the per-rank wire volume of a ring implementation, the figure the FSDP literature
+# states its ideal in: all-gather and reduce-scatter move ``(N-1)/N`` of the full (padded) buffer,
+# all-reduce twice that. So a fully sharded step of Psi parameters ideally counts
+# ``3 * Psi * (N-1)/N * element_size`` bytes.
 
 # torch 2.13 renamed the tensor-in / tensor-out collectives; older releases have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

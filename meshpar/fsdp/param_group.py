@@ -38,16 +38,11 @@ from meshpar.fsdp.unshard import GroupUnshard
 # Unless parameters are cast for compute, the group then aliases: the unsharded parameter is a
 # view of the shard's local tensor (nothing freed at reshard) and the unsharded gradient
 # becomes the sharded gradient as it is (divided only when a divide factor says so). Placements
-# stay Shard(0), so checkpoints are those of any other layout. Measured (debug Llama, 1 rank,
-# bench_fsdp, foreach AdamW): step time meshpar/plain 1.14 -> 1.075 (PyTorch's engine 1.12);
-# with fused AdamW, whose one DTensor dispatch replaces a dozen, 1.027 (PyTorch's 1.08).
-# With a cast (bf16 compute on one GPU: parallelize.one_device_fsdp) the group is ``single`` but
-# not ``alias``: each unshard casts every shard straight into its unsharded parameter (one copy
-# kernel each, no all-gather buffer, no copy-out), and gradients are cast back as the alias path
-# hands them over. Going through the collective path's copies instead (copy-in, a one-rank
-# all-gather, copy-out, the reduce-scatter's copies and a divide by 1) cost the first GPU run
-# 15 ms of copies per step and about as much again in launching them (Llama 1B, seq 4096,
-# compiled, H200: 135 ms per step against plain PyTorch's 88); figures after it in the README.
+# stay Shard(0), so checkpoints are those of any other layout. With a cast (bf16 compute on one
+# GPU: parallelize.one_device_fsdp) the group is ``single`` but not ``alias``: each unshard casts
+# every shard straight into its unsharded parameter (one copy kernel each, no all-gather buffer,
+# no copy-out), and gradients are cast back as the alias path hands them over, so a one-rank step
+# issues none of the collective path's copies and launches (docs/performance.md#gpu-speed-against-plain-pytorch).
 
 
 class ParamGroup(GroupUnshard, GroupReduce):

@@ -29,19 +29,14 @@ if TYPE_CHECKING:
     from meshpar.fsdp.param_group import ParamGroup
 
 # [Note: one reduction in flight]
-# A unit's reduce-scatter holds up to two buffers of the unit's full gradient size until it
-# is awaited (the flat input and, on gloo, the all-to-all's receive buffer). Awaiting each
-# unit's reduction only at the end of backward kept every unit's buffers alive at once:
-# debug Llama at 4 ranks peaked at 56.3 MiB against 48.8 MiB for PyTorch's engine. So the
-# units of one root share a ReduceQueue, and a unit starting its reduction first finishes
-# the one before it (which ran under this unit's backward compute), as PyTorch's engine
-# does: at most one reduction's buffers beside the current one's. Measured (debug Llama,
-# 4 gloo ranks, bench_fsdp): peak 56.3 -> 52.1 MiB; step time unchanged within noise
-# (0.79 x PyTorch's engine after, 0.70 before, run beside two other jobs). Resharding before
-# the reduction starts (the unsharded parameters are not needed for it) and gathering in
-# place (the input is this rank's slot of the output) took it to 50.8 MiB (PyTorch: 48.8);
-# buffering N - 1 rows, not N ([Note: reduce-scatter on gloo]), to 49.6; completing our own
-# unshard before prefetching ([Note: prefetch after our own unshard]) to 48.8.
+# A unit's reduce-scatter holds up to two buffers of the unit's full gradient size until it is
+# awaited (the flat input and, on gloo, the all-to-all's receive buffer). Awaiting every unit's
+# reduction only at the end of backward would keep all of them alive at once. So the units of one
+# root share a ReduceQueue, and a unit starting its reduction first finishes the one before it
+# (which ran under this unit's backward compute), as PyTorch's engine does: at most one
+# reduction's buffers beside the current one's. The unsharded parameters are resharded before the
+# reduction starts (it does not need them). Peak memory against PyTorch's engine:
+# docs/performance.md#peak-memory-against-pytorchs-engine.
 
 
 class ReduceQueue:
@@ -66,17 +61,11 @@ class ReduceQueue:
 # Without gradient sync a unit keeps each parameter's unsharded gradient until the microbatch that
 # reduces, summed across microbatches. PyTorch's engine sums in reduce_dtype, which with bf16
 # compute and fp32 reduction doubles those gradients' memory: every unit's full gradient in fp32,
-# held for the whole step. meshpar does the same by default (it is the API's documented
-# behaviour), and its own trainer passes ``accumulate_dtype`` = the compute dtype, as before.
-# ``meshpar plan``, gradients at the peak (GiB per rank) and the peak, compute dtype vs fp32:
-#
-#     recipe        gradients      peak             (usable 74.51)
-#     gpt2_xl       2.90 / 5.80    52.11 / 55.01
-#     llama3_8b    14.96 / 29.92   65.34 / 80.30    (fp32 does not fit)
-#
-# The rounding the compute dtype adds is one bf16 rounding per microbatch and element, beside the
-# bf16 rounding of every gradient itself; ``grad_reduce = "microbatch"`` reduce-scatters each
-# microbatch instead and keeps only sharded fp32 gradients.
+# held for the whole step. meshpar does the same by default (the API's documented behaviour); its
+# own trainer passes ``accumulate_dtype`` = the compute dtype, which adds one bf16 rounding per
+# microbatch and element beside the bf16 rounding of every gradient itself (what it saves at target
+# size: docs/performance.md#planned-figures-quoted-in-the-docs). ``grad_reduce = "microbatch"``
+# reduce-scatters each microbatch instead and keeps only sharded fp32 gradients.
 
 
 class GroupReduce:
@@ -88,21 +77,19 @@ class GroupReduce:
 
         [Note: hook the object, not its id]
         A new unsharded parameter is made whenever the old one cannot serve (``model.to(dtype)``,
-        a replicated parameter cast for mixed precision). Remembering hooked parameters by
-        ``id()`` once skipped hooking such a new one whenever CPython gave it the address of a
-        dead, hooked one: that rank then reduced the group at the end of backward instead of
-        from the hook, the ranks issued their collectives in different orders, and gloo failed
-        with "Received data size doesn't match expected size" (one rank in 2, a few dtype flips
-        in; tests/test_fsdp.py::test_hooks_survive_new_unsharded). A weak reference to the
-        hooked parameter itself cannot be confused with a newcomer.
+        a replicated parameter cast for mixed precision), and CPython may give it the address of a
+        dead, hooked one. Remembered by ``id()``, the newcomer would go unhooked: that rank would
+        reduce the group at the end of backward instead of from the hook, and the ranks would issue
+        their collectives in different orders. A weak reference to the hooked parameter itself
+        cannot be confused with a newcomer (tests/test_fsdp.py::test_hooks_survive_new_unsharded).
         """
         if not p.requires_grad or (p.hooked is not None and p.hooked() is p.unsharded):
             return
         p.hooked = weakref.ref(p.unsharded)
         # the hook holds its group weakly: the parameter's hook dict -> this closure -> the group -> the
         # parameter is a cycle through a tensor, which Python's collector cannot see into while C++ also
-        # holds the tensor, so a strong reference kept every model alive after its last use (one fp32
-        # copy of the parameters per model built; bench_gpu's later cases found 4.6 GiB per 1B model)
+        # holds the tensor, so a strong reference would keep every model alive after its last use (one
+        # fp32 copy of the parameters per model built)
         group = weakref.ref(self)
 
         def on_grad(_: torch.Tensor, key: int = id(p)) -> None:

@@ -10,31 +10,8 @@ each chunk has ``c = ceil(rows / N)`` rows, rank r owns rows ``[r*c, min((r+1)*c
 so the last ranks may own fewer rows or none. Collectives need equal sizes, so every rank
 sends ``c`` rows ("padded"); the padding rows are never read back.
 
-[Note: sharding on another dim]
-``shard_placement_fn`` may return ``Shard(d)``, d > 0. The dim must divide evenly by N (as in
-PyTorch's engine), so there is no padding: rank r holds ``chunk(N, dim=d)[r]``, contiguous,
-and sends it whole. Every collective still moves ``[N, n]`` rows of flat chunks; only the
-copies differ: ``rows_of`` cuts a full tensor into them (a view on dim 0, a strided copy
-on d) and ``write_unsharded`` puts them back, viewing the full tensor as
-``[..., N, S[d]/N, ...]`` with the rank dim moved to the front.
-
-[Note: FSDP on a tensor-parallel parameter]
-A parameter that is already a DTensor on a ``tp`` mesh is sharded on dim 0 of its TP-local
-tensor; the sharded DTensor lives on the joint mesh ``(dp..., tp)`` (one parent mesh).
-When TP splits dim 0 too (column-wise), rank (d, t) holds rows ``d*c`` of TP shard t: in
-global terms, dp's chunks interleave with tp's, which is ``StridedShard(0,
-split_factor=tp)`` (meshpar.distributed._torch) on the dp dim, the placement PyTorch's fully_shard uses, so the two
-engines' checkpoints stay interchangeable. Unsharding rebuilds the TP-local tensor and
-hands the module the TP DTensor over it.
-
-[Note: the unsharded parameter keeps its identity]
-Autograd saves the unsharded weight (e.g. for ``linear``'s backward). Freeing it by
-dropping our reference would not free memory, since autograd still holds it. So the
-unsharded parameter is created once, over its own storage, and is freed with
-``storage.resize_(0)`` and refilled in place before backward: the tensor autograd saved is
-the one we refill. The refill is a copy into a view of the same storage, which bumps the
-version counter autograd checks, so it runs under ``preserve_version_counter``:
-the values written are the ones forward used.
+Notes: [Note: sharding on another dim], [Note: FSDP on a tensor-parallel parameter],
+[Note: the unsharded parameter keeps its identity].
 """
 
 from __future__ import annotations
@@ -62,6 +39,35 @@ from meshpar.distributed._torch import (
     preserve_version_counter,
 )
 from meshpar.fsdp.policies import CPUOffloadPolicy
+
+# [Note: sharding on another dim]
+# ``shard_placement_fn`` may return ``Shard(d)``, d > 0. The dim must divide evenly by N (as in
+# PyTorch's engine), so there is no padding: rank r holds ``chunk(N, dim=d)[r]``, contiguous,
+# and sends it whole. Every collective still moves ``[N, n]`` rows of flat chunks; only the
+# copies differ: ``rows_of`` cuts a full tensor into them (a view on dim 0, a strided copy
+# on d) and ``write_unsharded`` puts them back, viewing the full tensor as
+# ``[..., N, S[d]/N, ...]`` with the rank dim moved to the front.
+
+# [Note: FSDP on a tensor-parallel parameter]
+# A parameter that is already a DTensor on a ``tp`` mesh is sharded on dim 0 of its TP-local
+# tensor; the sharded DTensor lives on the joint mesh ``(dp..., tp)`` (one parent mesh).
+# When TP splits dim 0 too (column-wise), rank (d, t) holds rows ``d*c`` of TP shard t: in
+# global terms, dp's chunks interleave with tp's, which is ``StridedShard(0,
+# split_factor=tp)`` (meshpar.distributed._torch) on the dp dim, the placement PyTorch's fully_shard uses, so the two
+# engines' checkpoints stay interchangeable. Unsharding rebuilds the TP-local tensor and
+# hands the module the TP DTensor over it.
+
+# [Note: the unsharded parameter keeps its identity]
+# Autograd saves the unsharded weight (e.g. for ``linear``'s backward), so dropping our reference
+# would not free it, and a second parameter object made for backward would not get the gradient
+# autograd accumulates into the first. So the unsharded parameter is created once, over its own
+# storage, freed with ``storage.resize_(0)`` and refilled in place before backward: the tensor
+# autograd saved is the one we refill. The refill bumps the version counter autograd checks, so it
+# runs under ``preserve_version_counter``: the values written are the ones forward used. A
+# parameter whose whole value is local (replicated below shard_threshold, or every one on one
+# rank) is a view of its shard when it computes in the shard's dtype on the shard's device;
+# otherwise (cast for mixed precision, copied from a CPU-offloaded shard) it too is written into
+# its own storage in place and freed at reshard (tests/test_fsdp.py's local_cast case).
 
 
 class ParamState(Enum):

@@ -13,35 +13,8 @@ the end-of-backward callback.
               post: when the group's last gradient accumulates: reduce-scatter, reshard
     end of backward: reduce what was not reduced (unused parameters), wait, reshard all
 
-[Note: overlap on CPU and GPU]
-Prefetches are asynchronous collectives whose results are awaited just before the unit
-runs. gloo executes them on its own threads, so on CPU the all-gather of unit i+1 runs
-while unit i computes; NCCL runs them on its own stream likewise.
-
-[Note: prefetch after our own unshard]
-A unit first completes its own unshard (usually prefetched already: wait, copy out, free the
-all-gather buffer), then issues the next unit's all-gather. Issuing the prefetch before
-our own copy-out held three buffers of a unit's size at once (our gathered buffer, the
-unsharded parameters being filled, the prefetch's buffer) where PyTorch's engine holds two:
-debug Llama, 4 gloo ranks, peak 49.6 MiB against PyTorch's 48.8; after, 48.8 against 48.8.
-Step time did not move (median ms over 16 steps, two runs each, bench_fsdp):
-
-    ranks   prefetch first   ours first   PyTorch's engine
-      2      190.7, 194.1    189.0, 192.7    220.7-230.1
-      4      287.4, 276.3    271.0, 286.9    348.4-361.0
-
-On gloo the prefetch queues behind our own all-gather on the same group anyway.
-
-[Note: a group of several modules]
-``fully_shard([norm, head])`` makes one unit of several modules: one all-gather, one
-reduction. Every module's forward pre-hook unshards (a no-op once unsharded) and casts its
-inputs; the unit's post-forward work (reshard, backward hooks) runs when the last of its
-modules has run in this pass. A pass may run only some of them (a chunked loss: the model's
-forward runs ``norm``, the loss calls ``head`` per chunk): the root's post-forward then
-completes the unit, hooking the root's output so backward unshards it again, and the later
-standalone calls leave it unsharded until its backward, as PyTorch's engine does. Autograd
-accumulates a parameter's gradient from every call before its hook fires, so the unit still
-reduces once.
+Notes: [Note: overlap on CPU and GPU], [Note: prefetch after our own unshard],
+[Note: a group of several modules], [Note: units inside a unit].
 """
 
 from __future__ import annotations
@@ -59,6 +32,29 @@ from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.reduce import ReduceQueue
 from meshpar.fsdp.streams import CudaStreams, streams_for
 from meshpar.fsdp.tree import cast_floats, iter_tensors
+
+# [Note: overlap on CPU and GPU]
+# Prefetches are asynchronous collectives whose results are awaited just before the unit runs.
+# gloo executes them on its own threads, so on CPU the all-gather of unit i+1 runs while unit i
+# computes; NCCL runs them on its own stream likewise.
+
+# [Note: prefetch after our own unshard]
+# A unit first completes its own unshard (usually prefetched already: wait, copy out, free the
+# all-gather buffer), then issues the next unit's all-gather. Prefetching before our own copy-out
+# would hold three buffers of a unit's size at once (our gathered buffer, the unsharded parameters
+# being filled, the prefetch's buffer) where PyTorch's engine holds two. No overlap is lost: on
+# gloo the prefetch queues behind our own all-gather on the same group anyway
+# (docs/performance.md#peak-memory-against-pytorchs-engine).
+
+# [Note: a group of several modules]
+# ``fully_shard([norm, head])`` makes one unit of several modules: one all-gather, one reduction.
+# Every module's forward pre-hook unshards (a no-op once unsharded) and casts its inputs; the
+# unit's post-forward work (reshard, backward hooks) runs when the last of its modules has run in
+# this pass. A pass may run only some of them (a chunked loss: the model's forward runs ``norm``,
+# the loss calls ``head`` per chunk): the root's post-forward then completes the unit, hooking the
+# root's output so backward unshards it again, and later standalone calls leave it unsharded until
+# its backward, as PyTorch's engine does. Autograd accumulates a parameter's gradient from every
+# call before its hook fires, so the unit still reduces once.
 
 
 class CommContext:
@@ -231,16 +227,15 @@ class FSDPState:
 
     # [Note: units inside a unit]
     # A mixture-of-experts block is one unit with its experts (or whole sparse layer) a unit inside it,
-    # sharded over other ranks (meshpar/parallel/parallelize.py). In forward, the order's prefetch issues the
-    # inner unit's all-gather from the block's pre-forward, outside the block's own forward; under
-    # activation checkpointing the recompute runs the block's forward alone (no hooks of the block),
-    # so the inner unit gathered inside it. Selective checkpointing replays the forward's ops in
-    # order and failed on the first it had not recorded ("aten.copy_ encountered during backward
-    # but not found in storage"). So a unit's pre-backward, which runs before its recompute, also
-    # gathers the units inside it: in backward, as in forward, the inner gather starts outside the
-    # block's forward and only its wait runs inside; and marks them in backward, so that inside the
-    # recompute they neither prefetch the next block (the forward's order) nor reshard. The root
-    # does not: every block is inside it.
+    # sharded over other ranks (meshpar/parallel/parallelize.py). In forward, the order's prefetch issues
+    # the inner unit's all-gather from the block's pre-forward, outside the block's own forward. Under
+    # activation checkpointing the recompute runs the block's forward alone (no hooks of the block), and
+    # selective checkpointing replays the forward's ops in order, so an all-gather issued inside the
+    # recompute would be an op it never recorded. So a unit's pre-backward, which runs before its
+    # recompute, also gathers the units inside it (in backward, as in forward, only the inner wait runs
+    # inside the block's forward), and marks them in backward, so that inside the recompute they
+    # neither prefetch the next block (the forward's order) nor reshard. The root does not: every
+    # block is inside it.
     def _nested(self) -> list[FSDPState]:
         if self.is_root or self.iteration is None:
             return []

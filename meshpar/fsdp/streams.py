@@ -3,46 +3,20 @@
 On CPU (gloo) there are none: collectives are async work handles run by gloo's threads, and
 a handle's ``wait()`` orders them (state.py, [Note: overlap on CPU and GPU]). On CUDA every
 root's units share one ``CudaStreams``.
+The timeline and each buffer's lifetime: docs/fsdp.md#cuda-streams.
 
 [Note: CUDA streams in FSDP]
-Kernels on one stream run in order, and the CPU runs ahead of the GPU, often by several
-units. If the next unit's copy-in were queued on the compute stream, its all-gather could
-start only once the GPU had worked through everything queued before it: no overlap. So the
-copy-in and the all-gather run on their own streams, and the reduce-scatter on a third, in
-the layout PyTorch's own engine uses::
-
-    compute    |fwd i-1 ...........|co i| fwd i ..........|co i+1| fwd i+1 .....
-    copy-in       W ci i                     W ci i+1
-    all-gather         [all-gather i]  E          [all-gather i+1]  E
-                                       '--> compute waits E before co i
-
-    compute    ... | bwd i ........| rs copy-in i | bwd i-1 .............| W   (post-reduce i)
-    reduce-scatter                      W [reduce-scatter i]  E              '-- waits E
-
-    W: the stream waits for everything queued on the compute stream so far
-    E: an event recorded on the stream, that the compute stream waits on
-    ci / co: copy-in (the shards into the flat all-gather buffer) / copy-out (the gathered
-    rows into each unsharded parameter)
-
-Ordering is by ``wait_stream`` and ``wait_event``; nothing synchronizes the device. The
-collectives are issued with ``async_op=False`` under their stream (stream-ordered on NCCL: the
-CPU does not block), so no tensor crosses to the NCCL stream unordered and nothing needs
-``record_stream``.
-
-Buffers are freed only when no stream can still use them. The caching allocator reuses a
-freed block at once for later allocations on the stream that allocated it, so:
-
-- The all-gather buffer is allocated on the copy-in stream, after that stream has waited on
-  the compute stream (W). It is dropped after copy-out on the compute stream; the next
-  allocation that can reuse it is another copy-in's, queued behind that copy-in's own W,
-  hence behind the copy-out. A prefetch nobody used makes the compute stream wait on its
-  all-gather before it is dropped, so the same holds.
-- The reduce-scatter's input and output are allocated on the compute stream and kept until
-  the compute stream has waited on the reduce-scatter's event (``ParamGroup.wait_for_reduce``,
-  at most one reduction in flight: [Note: one reduction in flight]); only then are they freed.
-- The unsharded parameters and gradients never leave the compute stream.
-
-So reserved memory does not grow from step to step (tests/test_cuda.py measures it).
+Kernels on one stream run in order and the CPU runs ahead of the GPU, so a copy-in queued on the
+compute stream could start its all-gather only after everything queued before it: no overlap.
+So the copy-in and the all-gather run on their own streams and the reduce-scatter on a third, as
+in PyTorch's engine, ordered by ``wait_stream`` and ``wait_event`` only (nothing synchronizes the
+device). Collectives are issued with ``async_op=False`` under their stream (stream-ordered on
+NCCL), so no tensor reaches the NCCL stream unordered and nothing needs ``record_stream``. A
+buffer is freed only when no stream can still use it: the all-gather buffer is allocated on the
+copy-in stream after it waited on compute, so its reuse queues behind the copy-out; the
+reduce-scatter's buffers live on the compute stream until it has waited on the reduction's event
+([Note: one reduction in flight]). So reserved memory does not grow from step to step
+(tests/test_cuda.py measures it).
 """
 
 from __future__ import annotations

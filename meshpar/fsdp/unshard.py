@@ -24,19 +24,6 @@ from meshpar.distributed.comm_record import comm_buffers
 from meshpar.fsdp.sharded_param import ParamState
 from meshpar.fsdp.streams import _wait
 
-# [Note: a local unsharded parameter keeps its identity too]
-# A parameter whose whole value is local (replicated below shard_threshold, or every one on one
-# rank) is a view of its shard when it computes in the shard's dtype on the shard's device.
-# Otherwise (cast for mixed precision, or copied from a CPU-offloaded shard) it is written into
-# its own storage in place and freed at reshard, exactly as a gathered one ([Note: the unsharded
-# parameter keeps its identity] in sharded_param.py). It used to be a new tensor per unshard, so
-# a unit that resharded after forward unsharded a second parameter object in backward: autograd
-# accumulated the gradient into the forward's, the hook read the new one's, and the gradient was
-# lost. Every replicated parameter of a bf16 block went untrained that way (a debug Llama with
-# shard_threshold above every size: 18 of 21 parameters got no gradient), and on a GPU every
-# CPU-offloaded parameter of a one-rank run (tests/test_cuda.py's offload test, off by 0.8% at
-# step 2). tests/test_fsdp.py's local_cast_and_offload case pins it on CPU.
-
 
 class GroupUnshard:
     """A parameter group's all-gather side: ``unshard``, ``wait_for_gather``, ``reshard``."""
@@ -108,7 +95,7 @@ class GroupUnshard:
                         piece = piece.view(self.compute_dtype(p))[:, :p.padded_numel]
                     p.write_unsharded(piece, world)
         # the local tensor is the whole parameter: replicated ones, and all on one rank ([Note: one
-        # data-parallel rank]); [Note: a local unsharded parameter keeps its identity too]
+        # data-parallel rank]); [Note: the unsharded parameter keeps its identity] in sharded_param.py
         with record_function("meshpar::fsdp.cast"), torch.no_grad():
             for p in self.replicated + (self.params if self.single else []):
                 dtype = self.compute_dtype(p)

@@ -13,8 +13,7 @@ the base seed from the global RNG and keys each parameter by its name in the mod
 
 Limits: placements must be ``Shard``, ``StridedShard`` or ``Replicate`` (a parameter is never
 ``Partial``); values are generated in float32 on the CPU, then cast and copied to the
-tensor's dtype and device, so they are the same on every device but cost CPU time
-(about 1M elements per 5 ms per rank).
+tensor's dtype and device, so they are the same on every device but cost CPU time.
 """
 
 from __future__ import annotations
@@ -30,25 +29,18 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshpar.distributed._torch import StridedShard
 
 # [Note: layout-independent init]
-# Drawing from one generator per rank (what nn.init does on a DTensor's local shard) makes
-# the global tensor a function of the layout, so no sharded run could match a single
-# process. Here a tensor of global shape [R, ...] is cut along dim 0 into blocks of
-# ``block_rows = max(1, BLOCK_NUMEL // row_numel)`` rows; block i is sampled whole, in
-# float32 on the CPU, from its own torch.Generator seeded with
-# blake2b(base seed, key, i) (63 bits), and only then sliced. A value therefore depends on
-# (seed, key, global position) alone, bit for bit: the sampled block and the arithmetic on
-# it (erfinv, scale, shift) are the same whichever rank computes it and whatever part it
-# keeps. A rank computes only the blocks its rows overlap (one block, ~4 MiB, in memory at
-# a time) and takes its columns out of each; a shard on dim 1 (tensor parallel row-wise)
-# computes full-width blocks for its rows, so tp ranks repeat each other's work, not
-# memory. Which global rows and columns a DTensor's local tensor holds is replayed from its
-# placements left to right as DTensor defines them: Shard(d) keeps its torch.chunk piece of
-# dim d (uneven: the last ranks get fewer or none), StridedShard(d, sf) keeps its piece of
-# each of sf chunks (FSDP over a column-wise tp shard: not contiguous), Replicate keeps all.
-# Keys are parameter names in the whole model with wrapper components removed (see
-# ``canonical_name``), so a pipeline stage, a compiled or checkpoint-wrapped block draws
-# what the plain model draws. BLOCK_NUMEL and the hashing are part of the values' contract:
-# changing either changes every model's initial weights.
+# Drawing from one generator per rank (what nn.init does on a DTensor's local shard) makes the
+# global tensor a function of the layout. Here a tensor of global shape [R, ...] is cut along dim 0
+# into blocks of ``max(1, BLOCK_NUMEL // row_numel)`` rows; block i is sampled whole, in float32 on
+# the CPU, from its own generator seeded with blake2b(base seed, key, i), and only then sliced. So a
+# value depends on (seed, key, global position) alone, bit for bit. A rank computes only the blocks
+# its rows overlap (one block in memory at a time) and keeps the rows and columns its placements
+# select, replayed left to right as DTensor defines them (Shard: its torch.chunk piece; StridedShard:
+# its piece of each of sf chunks; Replicate: all); a dim-1 shard computes full-width blocks, so tp
+# ranks repeat work, not memory. Keys are parameter names with wrapper components removed
+# (``canonical_name``), so a pipeline stage or a compiled or checkpoint-wrapped block draws what the
+# plain model draws. BLOCK_NUMEL and the hashing are part of the values' contract: changing either
+# changes every model's initial weights.
 
 BLOCK_NUMEL = 1 << 20  # elements per generated block (rounded to whole rows, at least one)
 

@@ -73,8 +73,8 @@ def parser() -> argparse.ArgumentParser:
                     "recipe's metrics.hardware, h100_sxm when it is auto")
     ap.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the profile's)")
     ap.add_argument("--efficiency", type=float, default=None,
-                    help="share of the dense peak a step's compute reaches (default: 0.43 eager and 0.52 compiled "
-                    "on one device, x 0.80 beside collectives on more; measured on a GPU: [Note: the efficiency "
+                    help="share of the dense peak a step's compute reaches (default: measured on a GPU, eager or "
+                    "compiled, scaled down beside collectives on more than one device: [Note: the efficiency "
                     "constants] in meshpar/planner/cost.py)")
     ap.add_argument("--all-params", action="store_true", help="print the parameter table of every stage's rank")
     search = ap.add_argument_group("search (instead of a recipe)")

@@ -4,57 +4,13 @@
                   links=LinkDefaults())
     t.step_s, t.tokens_per_s, t.mfu, t.comm   # per mesh dim: bytes, link, seconds
 
-[Note: the time model]
-- Compute: the model FLOPs of each pipeline stage's blocks (``flops_per_token``'s 6 per
-  weight plus attention, split per block; the output projection on the last stage), plus
-  one more forward of every checkpointed block under ``activation_checkpoint = "full"``
-  ("selective" keeps matmul and attention outputs, so it recomputes no matmul FLOPs),
-  on the stage's tokens divided over tp, at ``efficiency`` x the profile's dense peak for
-  the compute dtype; then the optimizer step ([Note: the efficiency constants]).
-- Context parallelism divides that work by cp: a rank runs every weight on its T/cp tokens,
-  and its attention, T/cp queries over the keys up to each of its chunks, is 1/cp of the
-  sequence's causal attention exactly under the balanced split ([Note: balanced sequence
-  split] in meshpar/parallel/context_parallel/apply.py: 2cp x (T/2cp)^2 of T^2/2 (query, key) pairs on every
-  rank), whatever convention counts the whole (``flops_per_token``'s, without the causal
-  halving, as calibrated). Its K/V all-gathers (and their reduce-scatters in backward) sit on
-  the critical path of every block: the attention waits for them. Under ``parallel.cp_attention
-  = "ring"`` the cp bytes are the ring's hops, each beside one step's attention:
-  [Note: the ring's overlap].
-- ``efficiency`` stands for everything a step's compute does besides ideal matmuls;
-  ``default_efficiency`` gives it from [Note: the efficiency constants]. The published
-  figure it was first calibrated on: torchtitan's Llama 3.1 8B with FSDP on 8 H100s (its
-  docs/performance.md: 5,762 tokens/s per GPU at local batch 2, sequence 8192, selective
-  checkpointing, eager) is 0.342 of the 16,869 this model predicts at efficiency 1. Out of
-  sample, the same figure predicts torchtitan's Llama 3.1 405B at FSDP 16 x TP 8 on 128 H100s
-  (local batch 2, full checkpointing: 109 tokens/s per GPU published) at 90, 17% low; larger
-  matmuls run closer to peak. Two differences from torchtitan sit inside the 0.34: its selective
-  checkpointing recomputes every second matmul (its op-count policy) where meshpar's keeps
-  every matmul output, so torchtitan executes up to a sixth more matmul FLOPs (half of
-  each block's forward matmuls again) than counted here and predictions for meshpar's
-  "selective" lean slow; and by the same token meshpar's selective keeps
-  more: the 8B configuration above plans at 87.5 GiB here, over an H100's 74.5 usable, which
-  torchtitan ran.
-- Tensor parallel and pipeline transfers sit on the critical path of every microbatch
-  (sequence-parallel all-gathers and reduce-scatters run between the matmuls that need
-  them; a stage waits for its input), and so do expert parallelism's all-to-alls (the
-  experts wait for their token slots, the block for their outputs; bytes of a balanced step,
-  [Note: the planner routes tokens evenly] in planner/moe.py: per sparse layer and microbatch,
-  forward and backward each, and the forward again under full checkpointing, 2 x tokens x
-  top_k x (ep - 1) / ep x D x itemsize);
-  data-parallel collectives (FSDP all-gathers and reduce-scatters, replica all-reduces)
-  overlap with compute through prefetching, except the first unit's all-gather and the
-  last unit's reduce-scatter of a step (over FSDP's mesh: dp_shard, x cp when context parallel).
-- The pipeline runs ``n + p - 1`` microbatch slots for n microbatches on p stages (1F1B
-  and GPipe), so its bubble is ``(p - 1) / (n + p - 1)`` of the step.
-- Links: a mesh dim's groups stay inside a node when the dim's degree times the degrees
-  of every dim inside it divides the GPUs per node (tp innermost, so it is the first to
-  stay inside; tp 3 on nodes of 8 would put a group across two nodes; ep is the innermost
-  part of dp_shard, so its span is ep x cp x tp; cp's is cp x tp, so cp stays inside a node
-  when cp x tp divides its GPUs); otherwise they
-  cross nodes and run at the inter-node bandwidth, per GPU per direction. Bytes are ring
-  volumes per rank ([Note: bytes counted] in meshpar/distributed/comm.py), counted in the simulated
-  step, at the full link bandwidth, which collectives do not reach: communication times
-  are lower bounds.
+Limits: collectives run at the full link bandwidth, so communication times are lower bounds; a
+step bound by the host (Python and launches slower than the GPU) and the interleaved and
+zero-bubble pipeline schedules are not modelled. The model in words:
+docs/planner.md#the-time-model.
+
+Notes: [Note: the time model], [Note: the efficiency constants], [Note: flattened dims],
+[Note: the ring's overlap].
 """
 
 from __future__ import annotations
@@ -70,28 +26,37 @@ from meshpar.config.hardware import HardwareProfile
 from meshpar.config.recipe import Recipe
 from meshpar.distributed.mesh import DIMS, Layout
 
+# [Note: the time model]
+# A step is the slowest pipeline stage's (compute + critical communication) per microbatch times
+# the n + p - 1 slots of n microbatches on p stages, plus the data-parallel communication compute
+# does not hide, the step's first all-gather and last reduce-scatter, and the optimizer step.
+# Compute: the stage's model FLOPs (``flops_per_token``: 6 per weight plus attention), one more
+# forward per checkpointed block under "full" (selective keeps matmul and attention outputs), over
+# tp and cp (the balanced split gives each cp rank 1/cp of the causal attention exactly), at
+# ``efficiency`` x the dense peak. Critical: tp, pp, ep and cp transfers (a matmul, stage, expert
+# or attention waits for them; the ring's hops: [Note: the ring's overlap]). Hidden: FSDP and
+# replica collectives, by prefetching. A dim is intra-node when its group (the dim times every dim
+# inside it) divides the GPUs per node; bytes are the ring volumes per rank counted in the
+# simulated step ([Note: bytes counted] in meshpar/distributed/comm.py).
+
 # [Note: the efficiency constants]
-# Measured with meshpar on one GPU (H200, torch 2.11, bf16, tests/benchmarks/bench_gpu.py and
-# calibrate_gpu.py, 2026-11-26): the compute of a step runs at 0.41-0.45 of the dense bf16 peak
-# eager (Llama 1B, sequence 4096) and 0.49-0.53 compiled per block (1B at batch 1 and 2; 0.60
-# for 3B with full checkpointing, its recomputation counted), once the optimizer step is taken
-# out: fused AdamW plus clipping read and write ~40 bytes per local parameter, memory-bound
-# (``OPTIMIZER_BYTES_PER_PARAM`` at the profile's bandwidth: 10 ms of the 1B model's 86 ms step;
-# the batch-1 and batch-2 steps imply the same compute efficiency only with that term). So one
-# device computes at EFFICIENCY[compiled]. With collectives running beside the compute (any
-# layout of more than one rank) the published 8-GPU figure above (0.342, eager) is 0.80 of the
-# one-GPU eager one: NCCL's kernels take SMs and memory bandwidth from the matmuls they overlap,
-# which the communication model (overlapped collectives cost nothing) does not see; that ratio is
-# BESIDE_COLLECTIVES. Before this calibration the planner used 0.34 everywhere and predicted the
-# one-GPU compiled 1B step 27% slow; calibrate_gpu prints every layout's error. A step bound by
-# the host (1B at sequence 2048: the GPU waits for kernel launches) is not modeled.
+# ``efficiency`` is the share of the dense peak a step's compute reaches, everything besides ideal
+# matmuls included. EFFICIENCY is meshpar's own step on one GPU, eager and compiled per block,
+# with the optimizer step taken out: fused AdamW plus clipping read and write
+# OPTIMIZER_BYTES_PER_PARAM bytes per local parameter, memory-bound, so it is costed at the
+# profile's memory bandwidth. BESIDE_COLLECTIVES scales it for any layout of more than one rank:
+# NCCL's kernels take SMs and memory bandwidth from the matmuls they overlap, which the
+# communication model (overlapped collectives cost nothing) does not see; it is a published 8-GPU
+# figure's efficiency over the one-GPU eager one. The measurements and each layout's error:
+# docs/performance.md#gpu-the-planner-calibrated; the published figures:
+# docs/performance.md#against-torchtitans-published-figures.
 EFFICIENCY = {False: 0.43, True: 0.52}  # one device, by parallel.compile
 BESIDE_COLLECTIVES = 0.80
 OPTIMIZER_BYTES_PER_PARAM = 40  # fp32 AdamW: param, grad, 2 moments read, 3 written (28 B); clip 12 B
-# The ring's attention (``parallel.cp_attention = "ring"``), forward and backward, takes this many times
-# the gather's on a device of the kind: 8.5x (Llama 3 8B at 131072 tokens, cp 4 x tp 4) and 7.9-8.0x
-# (70B, cp 16 x tp 8) on one H200 ([Note: the ring on a GPU] in meshpar/parallel/context_parallel/ring.py); on the CPU
-# the two steps are within 20% of each other (bench_cp), which the model leaves out.
+# The ring's attention (``parallel.cp_attention = "ring"``), forward and backward, takes this many
+# times the gather's on a device of the kind, as measured ([Note: the ring on a GPU] in
+# meshpar/parallel/context_parallel/ring.py; docs/performance.md#context-parallel-attention-on-a-gpu).
+# On the CPU the two are close, and the model leaves the difference out.
 RING_ATTENTION_SLOWDOWN = {"cuda": 8.0}
 
 
@@ -229,40 +194,18 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
 
 
 # [Note: the ring's overlap]
-# Ring attention ([Note: ring attention] in meshpar/parallel/context_parallel/ring.py) posts each hop of one K/V chunk,
-# h = 2 x mb x Hkv/tp x T/cp x Dh x itemsize bytes, before the attention of the chunk in hand, so a hop
-# costs only what it takes beyond that step's attention: a forward step is 1/cp of a block's attention
-# forward (a = the forward's share of ``flops_per_token``'s attention term, on the rank's T/cp tokens,
-# over tp), the same on every rank and step under the balanced split; a backward step does twice that
-# work beside two hops (K/V, and the dK/dV accumulator a step behind). The last dK/dV hop of each
-# block's backward, back to the chunk's owner, has no compute left beside it. With H hops counted on cp
-# in the simulated step (every forward run, recomputation included) over n = blocks x microbatches:
+# Ring attention ([Note: ring attention] in meshpar/parallel/context_parallel/ring.py) posts each
+# hop of one K/V chunk, h = 2 x mb x Hkv/tp x T/cp x Dh x itemsize bytes, before the attention of
+# the chunk in hand, so a hop costs only what it takes beyond that step's attention a (1/cp of a
+# block's attention forward on the rank's tokens, over tp: the same on every rank and step under
+# the balanced split; a backward step does twice the work beside two hops). The last dK/dV hop of
+# each block's backward has no compute beside it. With H hops on cp in the simulated step
+# (recomputation included) over n = blocks x microbatches:
 #     exposed = (H - n) x max(0, h/bw - a) + n x h/bw
-# Selective checkpointing keeps nothing of the ring's forward (meshpar/parallel/context_parallel/ring.py), so a
-# checkpointed block recomputes its attention forward too: a third of the attention term more
-# compute per block (``_stage_flops_per_token(ring=True)``), where the gather's fused attention
-# output is kept. On a GPU the ring's explicit matmuls take 8x the gather's fused kernels
-# (``RING_ATTENTION_SLOWDOWN``): its attention FLOPs, and so each step ``a`` below, count 8x.
-# The arithmetic at 131072 tokens, bf16, micro_batch 1, efficiency 0.344 of 989 TFLOP/s, links 450 GB/s
-# in a node and 50 GB/s across, per block and microbatch (G: the gather's critical path under selective
-# checkpointing, 3 (cp - 1) h/bw; R: the ring's exposed time; C: the block's forward and backward):
-#     model, layout          hop h    step a    in a node: G / R      across nodes: G / R     C
-#     8B, cp 4 x tp 4         34 MB   12.9 ms   0.67 / 0.075 ms       6.0 / 0.67 ms          187 ms
-#     8B, cp 8 x tp 1         67 MB   12.9 ms   3.1 / 0.15 ms         28 / 1.3 ms            373 ms
-#     70B, cp 16 x tp 8      4.2 MB   0.81 ms   0.42 / 0.009 ms       3.8 / 0.084 ms          54 ms
-#     70B, cp 2 x tp 4        67 MB    103 ms   0.45 / 0.15 ms        4.0 / 1.3 ms           867 ms
-# A hop is far shorter than a step's attention (h/bw << a) in every case, so the ring hides all but
-# its last dK/dV hop. For the recipes (8B: cp 4 x tp 4, a cp group across two nodes; 70B: cp 16 x
-# tp 8, across 16), from their planned all-gather steps (8B 25.57 s with 0.77 s of cp on the critical
-# path, 70B 19.51 s with 1.21 s): the ring's exposed hops are 0.09 s and 0.03 s, but with selective
-# checkpointing its recomputed attention forward adds 6.6 s and 4.1 s at the gather's rate. Where
-# nothing of the attention is kept either way (checkpointing none or full) the ring would save the
-# gather's cp time less its last hops: 0.68 s (2.7%) and 1.18 s (6%) across nodes, under 1% inside a
-# node (G / 9), if its attention ran as fast as the gather's. It does not: on a GPU it takes 8x
-# (``RING_ATTENTION_SLOWDOWN``), and ``meshpar plan`` of llama3_8b_128k with the ring plans 216.7 s
-# per step (4,838 tokens/s) against the gather's 25.6 s (41,013), llama3_70b_128k 138.2 s (7,585)
-# against 19.5 s (53,760). ``allgather`` stays the default;
-# the ring is for a gathered K/V that does not fit (it holds two chunks, not the sequence).
+# Selective checkpointing keeps nothing of the ring's forward, so a checkpointed block recomputes
+# its attention forward (``_stage_flops_per_token(ring=True)``), and on CUDA every attention FLOP
+# of the ring counts ``RING_ATTENTION_SLOWDOWN`` times, a included. Worked figures for the 128k
+# recipes: docs/performance.md#the-rings-overlap-at-131072-tokens.
 def _ring_hidden(comm: DimComm, recipe: Recipe, layout: Layout, args, blocks: int, accum: int,
                  flops: float) -> float:
     """[Note: the ring's overlap]: of the cp dim's ``comm.seconds``, what hides behind the attention

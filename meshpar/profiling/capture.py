@@ -11,38 +11,12 @@ every mesh dim, its pipeline stage, the steps covered, and the communication mes
 engine counted over those steps: calls and bytes per collective and mesh dim). The
 ``meshpar profile`` commands (meshpar/profiling/report/) read these files.
 
-Names in a trace follow the design (every label starts ``meshpar::``)::
+Every label starts ``meshpar::`` (step, data, forward / backward, optimizer, pipeline stages and
+transfers, collectives with their mesh dim, FSDP phases, tensor-parallel redistributions, the
+checkpoint save); the list: docs/profiling.md#labels. The tp and pp labels come from
+meshpar/profiling/labels.py (the collectives are PyTorch's own).
 
-    meshpar::step              one optimizer step          meshpar::data       loading a batch
-    meshpar::forward / backward   a microbatch (no pipeline)  meshpar::optimizer  clip + step
-    meshpar::pp.forward[s,m] / pp.backward[s,m]  stage s, microbatch m under pipelining
-    meshpar::comm.<op>[<dim>]  a collective issued by meshpar (FSDP, replicate), with its mesh dim
-    meshpar::fsdp.*            FSDP phases (copy_in, all_gather_wait, copy_out, reduce_scatter_wait, ...)
-    meshpar::tp.input[<module>] / tp.output[<module>]   a tensor-parallel style's redistribution of
-                               a module's inputs / outputs; ``..._grad[<module>]`` its backward
-    meshpar::tp.loss_parallel[cross_entropy], tp.partial_grad   the vocab-parallel loss; FSDP
-                               reducing a replicated tp parameter's partial gradient
-    meshpar::pp.<send|recv>_<forward|backward>[s,m]  a pipeline transfer of stage s, microbatch m
-                               (``+``-joined when torch batches several); ``....wait`` waiting on it
-    meshpar::checkpoint.save   a checkpoint save (the synchronous part)
-
-The tp and pp labels come from meshpar/profiling/labels.py (the collectives are PyTorch's own).
-
-[Note: memory in the profiled steps]
-With ``profile.profile_memory``, each traced window also gets a memory record, on any device:
-``<stem>.memory.json``, live tensor bytes per category (parameters, buffers, gradients,
-activations, temporaries, optimizer state, communication buffers) at the peak and over
-time, from ``meshpar.profiling.memory.AllocationTracker`` (it slows the traced steps: it sees every
-op). On CUDA also the caching allocator's own history, ``<stem>.cuda_memory_snapshot.pickle``
-(open it in https://pytorch.org/memory_viz: blocks, segments, fragmentation, the stack of
-every allocation), recorded from the first step so that an out-of-memory error also leaves
-``rank<r>.oom_memory_snapshot.pickle``.
-
-[Note: the size cap]
-A trace of a 70B step holds millions of events and viewers fail on files of a few hundred
-MB. ``profile.max_trace_mb`` caps each file (uncompressed JSON): past it, the shortest
-events are dropped first, never ``meshpar::`` labels, until the file fits, and the trace
-records how many were dropped and below which duration.
+Notes: [Note: memory in the profiled steps], [Note: the size cap].
 """
 
 from __future__ import annotations
@@ -63,6 +37,22 @@ from meshpar.distributed import comm_record
 from meshpar.distributed._torch import attach_cuda_oom_observer, dump_cuda_memory_snapshot, record_cuda_memory_history
 from meshpar.distributed.mesh import DIMS, Mesh
 from meshpar.profiling.memory import AllocationTracker
+
+# [Note: memory in the profiled steps]
+# With ``profile.profile_memory``, each traced window also gets a memory record, on any device:
+# ``<stem>.memory.json``, live tensor bytes per category (parameters, buffers, gradients,
+# activations, temporaries, optimizer state, communication buffers) at the peak and over
+# time, from ``meshpar.profiling.memory.AllocationTracker`` (it slows the traced steps: it sees every
+# op). On CUDA also the caching allocator's own history, ``<stem>.cuda_memory_snapshot.pickle``
+# (open it in https://pytorch.org/memory_viz: blocks, segments, fragmentation, the stack of
+# every allocation), recorded from the first step so that an out-of-memory error also leaves
+# ``rank<r>.oom_memory_snapshot.pickle``.
+
+# [Note: the size cap]
+# A trace of a 70B step holds millions of events and viewers fail on files of a few hundred
+# MB. ``profile.max_trace_mb`` caps each file (uncompressed JSON): past it, the shortest
+# events are dropped first, never ``meshpar::`` labels, until the file fits, and the trace
+# records how many were dropped and below which duration.
 
 
 def label(name: str):

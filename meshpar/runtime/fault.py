@@ -10,20 +10,16 @@ readable failures of collectives.
 
 [Note: stopping on a signal]
 A scheduler that preempts a job sends SIGTERM (SLURM: SIGUSR1 ``--signal`` seconds before the
-time limit) and kills it after a grace period. A signal lands on each rank at a different
-point of its step, or on one rank only, so a rank must not stop on its own: its peers would
-wait for it in their next collective. The handler only records the signal; after a step
-every rank adds its flag to one all-reduce (MAX of one int64 over every rank, on the CPU
-group: no device sync), and when any rank has a signal every rank stops after that same
-step, saves a checkpoint synchronously and exits with ``EXIT_PREEMPTED``. The all-reduce
-is the price: measured on 2 gloo ranks ~0.1 ms a step (``fault.agree_every`` spreads it).
-A second signal of the same kind, more than 5 s after the first, restores the default action
-and re-sends it: a user who means "now" gets it. Sooner it is the same signal twice (SLURM
-and SIGTERM at job end reach every process of the job, and the torchrun agent forwards its
-own copy to its ranks a moment later), and is ignored. Once the stop checkpoint is committed
-(every rank past the barrier that follows rank 0's commit), further signals are ignored:
-under torchelastic the first rank to exit makes the agent SIGTERM the others, which must not
-die with a code that hides the clean stop.
+time limit) and kills it after a grace period. A signal lands on each rank at a different point
+of its step, or on one rank only, so a rank must not stop on its own: its peers would wait for it
+in their next collective. The handler only records the signal; after a step every rank adds its
+flag to one all-reduce (MAX of one int64 on the CPU group: no device sync; ``fault.agree_every``
+spreads its cost), and when any rank has a signal every rank stops after that same step, saves a
+checkpoint synchronously and exits with ``EXIT_PREEMPTED``. The same signal again within
+``REPEAT_AFTER_S`` is a duplicate (SLURM and the torchrun agent both deliver it) and is ignored;
+later, it restores the default action and re-sends it: a user who means "now" gets it. Once the
+stop checkpoint is committed, further signals are ignored, so that the agent's SIGTERM after the
+first rank exits cannot hide the clean stop.
 """
 
 from __future__ import annotations

@@ -82,10 +82,9 @@ def _attempt_store(timeout: datetime.timedelta | None) -> dist.Store | None:
     [Note: one store, many attempts]
     The agent's store outlives its workers, and torch 2.13's ``env://`` rendezvous gives every
     attempt the same keys. After a restart, gloo could read a dead rank's listening address
-    left by the previous attempt before the new rank wrote its own: "connectFullMesh failed ...
-    Connection refused", or a hang (seen in 2 of 4 restarts on a loaded machine,
-    tests/test_preemption.py). Prefixing the keys with the attempt number
-    (``TORCHELASTIC_RESTART_COUNT``) gives each attempt a clean namespace.
+    left by the previous attempt before the new rank wrote its own ("connectFullMesh failed ...
+    Connection refused", or a hang). Prefixing the keys with the attempt number
+    (``TORCHELASTIC_RESTART_COUNT``) gives each attempt a clean namespace (tests/test_preemption.py).
     """
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -100,13 +99,12 @@ def leave(code: int) -> NoReturn:
 
     [Note: a rank leaves without finalization]
     ``destroy_process_group`` does not end gloo's groups: DTensor's caches keep every mesh, and
-    so every group, alive (after a training run, five groups and their 15 gloo threads are still
-    running). Their C++ destructors then run during interpreter and static teardown, where gloo's
-    threads race the objects they use: a rank that had finished its run aborted with "terminate
-    called without an active exception" once in CI (tests/test_preemption.py; 0 of 19 exits in a
-    local loop, so rare), and torchelastic reported the rank failed. Everything a rank must leave behind is written
-    and closed before this (metrics, checkpoints, traces), so the process flushes its output
-    and ends with ``os._exit``, as multiprocessing's children do.
+    so every group and its gloo threads, alive. Their C++ destructors would then run during
+    interpreter and static teardown, where gloo's threads race the objects they use: a finished
+    rank can abort ("terminate called without an active exception"), rarely, and torchelastic
+    reports it failed. Everything a rank must leave behind is written and closed before this
+    (metrics, checkpoints, traces), so the process flushes its output and ends with
+    ``os._exit``, as multiprocessing's children do.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -4,17 +4,11 @@ corpus preparation.
 [Note: progress bars in terminals and log files]
 What a user sees: on a terminal, a live bar with the ETA under the log lines; in a log file
 (stdout and stderr redirected, as under SLURM, read with ``tail -f``), the log lines only.
-``metrics.progress = "auto"`` turns the bar on when stderr is a terminal. The bar is tqdm's,
-chosen over rich's by running both on a 100-step loop (tqdm 4.70, rich 15.0):
-  terminal       both draw a live bar under the log lines.
-  file           tqdm, if not disabled, writes a carriage-return frame per update into the
-                 file (1.8 KB per 100 steps); rich draws nothing live and writes its bar once,
-                 at the end. Disabled ("auto" off a terminal), both leave the log lines alone.
-  `> train.log`  stdout a file, stderr a terminal: ``tqdm.write`` lifts the bar, writes the
-                 line to the file and redraws the bar; rich's Live redirects stdout into its
-                 console, so the log file stayed empty (0 bytes) and the lines went to stderr.
-rich also reads ``[...]`` in a line as markup and wraps lines at the terminal's width; tqdm
-writes lines as they are, and has no dependencies.
+``metrics.progress = "auto"`` turns the bar on when stderr is a terminal. The bar is tqdm's:
+with stdout a file and stderr a terminal (``> train.log``), ``tqdm.write`` lifts the bar, writes
+the line to the file and redraws the bar, and it writes lines as they are. rich's Live would
+redirect stdout into its console (the log file would stay empty), read ``[...]`` in a line as
+markup and wrap lines at the terminal's width.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ loss makes non-finite gradients, so the loss needs no check of its own), and cli
 leaves the gradients unscaled (meshpar/distributed/clip.py). The norm is not quite the same number on
 every rank: a gradient replicated over tp is counted from each rank's own copy, and a NaN in
 one copy reaches only the ranks that sum it. So the ranks agree first, with one all-reduce
-(MAX) of one flag over every rank on the CPU group, after one host read of the norm: ~0.1 ms
-a step on 2 gloo ranks, next to steps of tens of milliseconds on the debug model.
+(MAX) of one flag over every rank on the CPU group, after one host read of the norm, small
+next to a step (docs/performance.md#faults-and-preemption).
 
 - ``stop``: every rank raises ``NonFiniteError`` before the optimizer steps, so neither the
   parameters, the optimizer state nor any checkpoint ever holds the bad step. The message

@@ -18,53 +18,12 @@ FSDP reduce-scatters during the last microbatch's backward, or every microbatch'
 ``parallel.grad_reduce = "microbatch"``; under pipelining the stage switches sync itself
 ([Note: one reduce-scatter per step under pipelining]).
 
-The planner (``meshpar/planner/simulate.py``) runs this same function on fake tensors, so
-the simulated step cannot drift from the real one. It passes what only it needs:
-``phase`` (the default labels phases for the profiler; the planner measures live bytes per
-phase instead), a ``model.pipeline`` that runs the schedule's work one microbatch at a time,
-and no optimizer ([Note: what the simulation leaves to arithmetic]).
+The planner (``meshpar/planner/simulate.py``) runs this same function on fake tensors, so the
+simulated step cannot drift from the real one; it passes ``phase``, a ``model.pipeline`` that runs
+one microbatch at a time, and no optimizer ([Note: what the simulation leaves to arithmetic]).
 
-[Note: losses do not depend on the layout]
-Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
-is a mean over its tokens divided by the accumulation depth, and gradients are averaged
-over the data-parallel ranks, so the gradient is the mean over the whole global batch for
-any split of it across ranks and microbatches.
-
-[Note: auxiliary losses]
-A model may set ``aux_loss`` in its forward (mixture of experts: the weighted load-balancing loss,
-[Note: load-balancing loss] in meshpar/models/moe/model.py). The step backpropagates
-cross-entropy + aux_loss, each divided by ``accum`` (the auxiliary loss through ``_JoinAux`` on the
-logits, as under pipelining below: a plain scalar added to a tensor-parallel loss, a DTensor, would
-mix the two kinds in backward), and reports them apart: ``loss`` is the
-cross-entropy alone (comparable with dense models and with validation), ``aux_loss`` the auxiliary
-term. Under activation checkpointing the recomputed forward, inside backward, sets each MoE layer's
-``aux_loss`` again: a graph over that recompute's activations which nothing consumes. The checkpoint
-wrapper drops it as soon as the recompute returns ([Note: a recompute's side outputs] in
-meshpar/parallel/activation_checkpoint.py); the step also lets go of the layers' ``aux_loss`` after each
-backward, so that nothing of a step outlives it (tests/test_moe_metrics.py). A model with
-``update_expert_bias`` (aux-free balancing) has it called after each optimizer step with its expert
-loads summed over the data-parallel ranks.
-
-[Note: auxiliary losses under pipelining]
-A pipeline schedule backpropagates the last stage's loss and, on every other stage, the gradient
-its output receives; a stage's ``aux_loss`` is in neither. While the schedule runs, each stage's
-forward output passes through ``_JoinAux`` (a forward hook, ``stage_tally``): the identity in
-forward, and in backward it also hands ``aux_loss`` the gradient 1/accum, so each microbatch's
-auxiliary loss joins the backward that reaches its stage's output, whichever schedule (split
-backward passes included: one graph). The hook also sums each microbatch's auxiliary loss and
-expert loads on this rank; train.py adds them over the pp ranks (the expert loads are sized for
-the whole model, zero for layers on other stages) before the data-parallel mean.
-
-[Note: expert load]
-After each microbatch's forward, each mixture-of-experts layer holds the token slots its router
-sent to each expert (``MoE.tokens_per_expert``, before any capacity drop). The step sums them
-over its microbatches into ``expert_load[0]`` ([L_sparse, E], this rank), and into
-``expert_load[1]`` the slots over each expert's capacity ceil(capacity_factor * slots / E) in
-that forward: those the model dropped (``MoE._drop_over_capacity`` keeps counts.clamp(max=
-capacity)). Device tensors, no host sync: train.py sums them over the data-parallel ranks and
-reads them on the steps it logs, with the loss (meshpar.training.metrics.expert_load_fields). They are
-counted after each forward, not read from the aux-free ``expert_load`` buffers, which activation
-checkpointing's recompute counts twice.
+Notes: [Note: losses do not depend on the layout], [Note: auxiliary losses],
+[Note: auxiliary losses under pipelining], [Note: expert load].
 """
 
 from __future__ import annotations
@@ -93,6 +52,47 @@ from meshpar.parallel.tensor_parallel.plan import loss_parallel_context, reduce_
 from meshpar.profiling.capture import label
 from meshpar.profiling.labels import run_labelled
 from meshpar.training.nonfinite import NonFiniteGuard
+
+# [Note: losses do not depend on the layout]
+# Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
+# is a mean over its tokens divided by the accumulation depth, and gradients are averaged
+# over the data-parallel ranks, so the gradient is the mean over the whole global batch for
+# any split of it across ranks and microbatches.
+
+# [Note: auxiliary losses]
+# A model may set ``aux_loss`` in its forward (mixture of experts: [Note: load-balancing loss] in
+# meshpar/models/moe/model.py). The step backpropagates cross-entropy + aux_loss, each divided by
+# ``accum``, the auxiliary loss joined through ``_JoinAux`` on the logits (a plain scalar added to
+# a tensor-parallel loss, a DTensor, would mix the two kinds in backward), and reports them apart:
+# ``loss`` is the cross-entropy alone, comparable with dense models and with validation. A
+# recompute under activation checkpointing sets each layer's ``aux_loss`` again, a graph nothing
+# consumes: the checkpoint wrapper drops it ([Note: a recompute's side outputs] in
+# meshpar/parallel/activation_checkpoint.py), and the step lets go of the layers' ``aux_loss``
+# after each backward, so nothing of a step outlives it (tests/test_moe_metrics.py). A model with
+# ``update_expert_bias`` (aux-free balancing) has it called after each optimizer step with its
+# expert loads summed over the data-parallel ranks.
+
+# [Note: auxiliary losses under pipelining]
+# A pipeline schedule backpropagates the last stage's loss and, on every other stage, the gradient
+# its output receives; a stage's ``aux_loss`` is in neither. While the schedule runs, each stage's
+# forward output passes through ``_JoinAux`` (a forward hook, ``stage_tally``): the identity in
+# forward, and in backward it also hands ``aux_loss`` the gradient 1/accum, so each microbatch's
+# auxiliary loss joins the backward that reaches its stage's output, whichever schedule (split
+# backward passes included: one graph). The hook also sums each microbatch's auxiliary loss and
+# expert loads on this rank; train.py adds them over the pp ranks (the expert loads are sized for
+# the whole model, zero for layers on other stages) before the data-parallel mean.
+
+# [Note: expert load]
+# After each microbatch's forward, each mixture-of-experts layer holds the token slots its router
+# sent to each expert (``MoE.tokens_per_expert``, before any capacity drop). The step sums them
+# over its microbatches into ``expert_load[0]`` ([L_sparse, E], this rank), and into
+# ``expert_load[1]`` the slots over each expert's capacity ceil(capacity_factor * slots / E) in
+# that forward: those the model dropped (``MoE._drop_over_capacity`` keeps counts.clamp(max=
+# capacity)). Device tensors, no host sync: train.py sums them over the data-parallel ranks and
+# reads them on the steps it logs, with the loss (meshpar.training.metrics.expert_load_fields). They are
+# counted after each forward, not read from the aux-free ``expert_load`` buffers, which activation
+# checkpointing's recompute counts twice.
+
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [micro_batch, seq_len]
 

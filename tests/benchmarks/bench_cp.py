@@ -1,4 +1,4 @@
-"""Context parallelism's step time, memory per rank, K/V traffic and attention balance (issue 18 item 6).
+"""Context parallelism's step time, memory per rank, K/V traffic and attention balance.
 
     python -m tests.benchmarks.bench_cp [--lengths 2048,4096,8192] [--cp 2,4] [--warmup 1] [--steps 2]
                                         [--json runs/bench_cp.json] [--smoke]
@@ -11,7 +11,7 @@ balanced split and with contiguous slices ([Note: balanced sequence split]). A s
 cross-entropy over the rank's tokens, backward, the gradients averaged over cp by one all-reduce
 (``meshpar.parallel.data_parallel.all_reduce_gradients``: the parameters are replicated here, the same bytes in
 every layout, where ``meshpar train`` shards them with FSDP over dp_shard x cp), fused AdamW.
-About 8 minutes here. Per layout it prints
+The full run takes minutes (docs/performance.md#memory-and-balance-per-rank). Per layout it prints
 
 - step time: median over the timed steps (after warmup) of the slowest rank's step, ranks starting
   each step together at a barrier; its ratio to one process;
@@ -22,7 +22,7 @@ About 8 minutes here. Per layout it prints
   they are live, and constant, throughout the step), the AdamW state, the RoPE tables and the
   batch's token ids. It is everything the step itself adds at its worst moment: the activations
   saved for backward, the gathered K/V, masks, temporaries, gradients in flight; its ratio to one
-  process (issue 18's acceptance: at most 0.3 at cp 4);
+  process (the goal: at most 0.3 at cp 4);
 - K/V traffic per step and rank on the ``cp`` dim as ``meshpar.distributed.comm_record.count()`` recorded it, next to
   the analytic figure: per layer the forward all-gathers K and V, each a [B, Hkv, T, Dh] buffer of
   which a rank receives (cp - 1) / cp ([Note: all-gather of K and V]), and the backward
@@ -41,8 +41,8 @@ About 8 minutes here. Per layout it prints
 ``_attend`` hands each query chunk ``causal_lower_right(n, keys)``. On CUDA the flash or
 memory-efficient kernel applies that mask without building it (torch/nn/attention/bias.py); on
 the CPU torch materializes it (a bool [n, keys]), SDPA turns it into a float [n, keys] and the
-flash kernel saves it for backward (measured: 32 MiB for 1024 queries over 8192 keys, against
-1 MiB of output). A square chunk (rank 0's first) runs ``is_causal``, unmasked. So a rank keeps,
+flash kernel saves it for backward (32 MiB for 1024 queries over 8192 keys, against 1 MiB of
+output). A square chunk (rank 0's first) runs ``is_causal``, unmasked. So a rank keeps,
 per layer, n x keys x 4 bytes per other chunk: with the balanced split about (2cp + 1) c^2 x 4
 (c = T / 2cp), quadratic in T where all else it keeps is linear, and the kernel computes every
 pair of those rectangles, the masked ones too. ``kept_bytes`` gives the figure per rank; the
@@ -358,7 +358,7 @@ def ratio_table(ratios: list[dict]) -> list[str]:
 
 
 def acceptance(rows: list[dict]) -> list[str]:
-    """Issue 18: peak activation per rank at cp 4 at most 0.3 x one process's, per length."""
+    """The goal: peak activation per rank at cp 4 at most 0.3 x one process's, per length."""
     return [f"  T {r['seq_len']}, cp 4 {r['attention']} {r['split']}: {r['activation_vs_1']:.3f} (goal <= 0.3)  "
             f"{'met' if r['activation_vs_1'] <= 0.3 else 'NOT MET'}" for r in rows if r["cp"] == 4]
 

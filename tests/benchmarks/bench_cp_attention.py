@@ -1,6 +1,6 @@
 """One cp rank's attention at a recipe's shape, timed on one device: the all-gather's fused chunks
 against the ring's explicit matmuls, beside one attention over the whole sequence, and against what
-the planner charges for it (issue 18: "choose between [the ring and the all-gather] by measuring").
+the planner charges for it.
 
     python -m tests.benchmarks.bench_cp_attention [--cases llama3_8b_128k,llama3_70b_128k]
         [--device cuda|cpu] [--dtype bfloat16] [--score-elements 4194304,67108864] [--repeats 3]
@@ -19,7 +19,7 @@ attention work under it) runs, forward and backward:
   alternative: more bytes read, perhaps a faster kernel);
 - ``gather-flex`` (``--flex``, CUDA only: flex_attention has no backward on the CPU): the gather's
   chunks through ``torch.compile``d ``flex_attention`` with a bottom-right causal block mask, the
-  Triton kernel the flash kernel's 0.27-0.29 of peak is set against;
+  Triton kernel the flash kernel's share of the peak is set against;
 - ``ring@E``: ``ring_attention``'s forward and backward with blocks of at most E scores (one
   block of queries against one key chunk; ``ring_attention.score_elements``), its hops replaced by
   local copies of the K/V chunk the ring would receive (so the forward and dQ are exact; the dK/dV
@@ -38,8 +38,8 @@ difference of its output and dQ from the ``whole`` rows relative to their larges
 attention kernels it ran (the profiler's aten op names: flash, efficient, cudnn, cpu-flash, math).
 
 ``--smoke`` (tests/test_bench_cp_attention.py): recipes/llama_debug_cp.toml on the CPU in float64.
-Measured on one H200 (``scripts/gpu_checks.sh cp``): the README's Context parallelism section and
-[Note: the ring on a GPU] in meshpar/parallel/context_parallel/ring.py.
+Results (``scripts/gpu_checks.sh cp``): docs/performance.md#context-parallel-attention-on-a-gpu;
+what they set: [Note: the ring on a GPU] in meshpar/parallel/context_parallel/ring.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training speed on one GPU: meshpar's step next to the same step in plain PyTorch (issue 19 item 3).
+"""Training speed on one GPU: meshpar's step next to the same step in plain PyTorch .
 
     python -m tests.benchmarks.bench_gpu [--cases a,b,...] [--steps 6] [--warmup 3] [--batch 1]
                                          [--budget 220] [--profile [CASES]] [--dtype auto]
@@ -41,23 +41,16 @@ judged by the longest earlier case of its kind (compiled or eager), is recorded 
 Default cases, most important first, so that a run cut short still answers the goals (MFU >=
 45% for 1B, meshpar within 3% of plain): meshpar and plain at 1b/4096/compile, 1b/4096/eager,
 1b/2048/eager, 3b/4096/compile+ac, then meshpar 1b/4096/compile+ac, then both at
-1b/2048/compile. Time on an H100, estimated (no GPU where this was written): a step is 0.05-0.4 s,
-so 9 steps and the build take ~5 s a case; compiling one block graph (forward and backward) from a
-cold inductor cache ~20-40 s, and every compiled case compiles its own graph (bf16 parameters vs
-autocast, AC, shapes differ); start-up ~15 s. So 15 + 11 x 5 + 7 x ~25 s is about 4 min, and with
-the default ``--budget 220`` slower compiles drop the last cases first.
-
-Measured (to be filled in: GPU, torch, date, the table, the goal lines and the profile):
-
-    (not yet run on a GPU)
+1b/2048/compile. Compiling dominates a run: every compiled case compiles its own block graph
+(bf16 parameters vs autocast, AC, shapes differ), so with the default ``--budget`` slower compiles
+drop the last cases first. Results: docs/performance.md#gpu-speed-against-plain-pytorch.
 
 [Note: bf16 on one rank]
 meshpar's mixed precision acts through FSDP. ``parallelize_transformer`` gives a one-rank run
-with a lower param_dtype FSDP units (``one_device_fsdp``); a meshpar from before that made no
-unit at ``dp_shard = 1`` (and preflight refused bfloat16 there), so when ``build`` returns no
-FSDP module the engine applies ``apply_fsdp`` on the 1-rank ``dp_shard`` mesh itself (after
-compile and AC, as the fixed order has it: both replace a block's ``forward`` and FSDP's hooks
-wrap ``__call__``, so the module is the same).
+with a lower param_dtype FSDP units (``one_device_fsdp``); when ``build`` returns no FSDP module
+(a meshpar that makes no unit at ``dp_shard = 1``) the engine applies ``apply_fsdp`` on the
+1-rank ``dp_shard`` mesh itself (after compile and AC, as the fixed order has it: both replace a
+block's ``forward`` and FSDP's hooks wrap ``__call__``, so the module is the same).
 """
 
 from __future__ import annotations
@@ -161,8 +154,8 @@ class Settings:
 
 
 # [Note: initial values]
-# meshpar's layout-independent init draws every value on the CPU (about 5 ms per million on one
-# core: ~7 s for 1B and ~18 s for 3B, per case, a third of the run's budget in all). The
+# meshpar's layout-independent init draws every value on the CPU (docs/performance.md#initialization:
+# seconds per case at 1B and 3B, a large share of the run's budget). The
 # comparison needs identical values in both engines, not layout independence, so both build
 # this subclass, whose init draws the same scheme (normal, std 0.02, 0.02 / sqrt(2 L) for the
 # projections into the residual stream; norms 1) on the device from the same seed, parameter
@@ -263,8 +256,8 @@ def _run_case(case: Case, s: Settings, mesh: meshlib.Mesh, peak_flops: float,
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     if s.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(s.device)
-    # what earlier cases left allocated (the second GPU run's later cases measured up to 25 GiB of
-    # it): the case's peak is counted above it
+    # what earlier cases left allocated (tens of GiB after several cases): the case's peak is
+    # counted above it
     before = torch.cuda.memory_allocated(s.device) if s.device.type == "cuda" else 0
     t0 = time.perf_counter()
     if case.engine == "meshpar":

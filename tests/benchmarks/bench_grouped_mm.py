@@ -1,5 +1,5 @@
 """The experts' two kernels side by side: ``F.grouped_mm`` (one launch for all experts) against a
-loop of one matmul per expert (issue 17 item 2: "measure both").
+loop of one matmul per expert.
 
     python -m tests.benchmarks.bench_grouped_mm [--device cpu|cuda] [--dtypes float32,bfloat16]
                                                 [--repeats 5] [--json runs/grouped_mm.json]
@@ -9,34 +9,8 @@ tokens sorted by expert, forward and backward, at the expert shapes of a real mo
 [D -> F -> D] and S token slots routed evenly (the planner's assumption) or skewed (half
 the slots to a tenth of the experts, one expert left empty: what a real step sees early in
 training). It prints the median time of each kernel over the repeats (after one warmup) and the
-ratio loop / grouped (> 1: the grouped kernel is faster), and checks the two agree.
-
-Measured on this machine (2026-11-26, 2-core CPU shared with other jobs, torch 2.13, 1 thread;
-ms per forward + backward; the two kernels' outputs and gradients equal bit for bit)::
-
-    case                 dtype     routing  slots  grouped ms   loop ms loop/grouped
-    debug                float32   even      1024       17.22     21.00         1.22
-    debug                float32   skewed    1024       17.20     21.49         1.25
-    debug                bfloat16  even      1024        9.16     11.93         1.30
-    debug                bfloat16  skewed    1024        9.47     14.52         1.53
-    qwen3_30b_a3b/ep8    float32   even      2048      861.36   1454.86         1.69
-    qwen3_30b_a3b/ep8    float32   skewed    2048     1030.36   1498.84         1.45
-    qwen3_30b_a3b/ep8    bfloat16  even      2048      459.83    849.71         1.85
-    qwen3_30b_a3b/ep8    bfloat16  skewed    2048      431.78    899.92         2.08
-
-Before the loop took its experts' weights by ``unbind`` (meshpar/models/moe/grouped.py) it was
-4.3-7.5x the grouped kernel's time at the 30B shape (the backward of each ``w[e]`` wrote a zeroed
-copy of all E experts' weights). The 235B case takes ~15 min here (``--cases`` to pick).
-
-On one H200 (2026-11-26, torch 2.11, ``--device cuda --dtypes bfloat16``, ``scripts/gpu_checks.sh moe``)::
-
-    case                 dtype     routing  slots  grouped ms   loop ms loop/grouped max rel diff
-    debug                bfloat16  even     16384        1.28      3.33         2.60      0.0e+00
-    debug                bfloat16  skewed   16384        0.97      2.81         2.90      4.3e-03
-    qwen3_30b_a3b/ep8    bfloat16  even     32768        2.29      4.61         2.02      0.0e+00
-    qwen3_30b_a3b/ep8    bfloat16  skewed   32768        2.63      5.27         2.00      0.0e+00
-    qwen3_235b_a22b/ep8  bfloat16  even     16384        3.75      9.03         2.41      0.0e+00
-    qwen3_235b_a22b/ep8  bfloat16  skewed   16384        4.10      9.11         2.22      0.0e+00
+ratio loop / grouped (> 1: the grouped kernel is faster), and checks the two agree. The 235B case
+is slow on a CPU (``--cases`` to pick). Results: docs/performance.md#grouped-expert-matmuls.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Expert parallelism's step time and all-to-all traffic, per layout (issue 17 item 8).
+"""Expert parallelism's step time and all-to-all traffic, per layout.
 
     python -m tests.benchmarks.bench_moe [--layouts all | 1,3,6] [--warmup 2] [--steps 5]
                                          [--json runs/bench_moe.json] [--smoke]
@@ -24,28 +24,14 @@ ep 2; dp_shard 4 with ep 4. Per layout it prints
 
 ``--smoke`` (tests/test_bench_moe.py): 2 ranks, 2 layouts, 1 warmup and 1 timed step, seq 32.
 
-Measured here (2026-11-26; a shared 2-core CPU box with other jobs running, load average 4 to 6.6
-during the runs; torch 2.13, gloo, 1 thread per rank, so 4 ranks are 2x oversubscribed). The
-timings are indicative only: two back-to-back runs (``--steps 5``, then ``--steps 8``; warmup 2)
-moved the same layout by up to 1.7x. The all-to-all bytes (run 1's, per step and rank) equalled
-the analytic figure in both runs, on every rank and step::
-
-    layout                  ranks  step ms      vs 1 rank    vs FSDP only  a2a calls  a2a KiB = analytic
-    1 rank                      1  455 / 440    1.00 / 1.00  -                     0     0
-    dp_shard 2 (FSDP only)      2  384 / 525    0.84 / 1.19  1.00 / 1.00           0     0
-    dp_shard 2, ep 2            2  437 / 683    0.96 / 1.55  1.14 / 1.30          15  6329.3
-    dp_shard 4 (FSDP only)      4  908 / 542    1.99 / 1.23  1.00 / 1.00           0     0
-    dp_shard 4, ep 2            4  534 / 668    1.17 / 1.52  0.59 / 1.23          15  3212.1
-    dp_shard 4, ep 4            4  697 / 798    1.53 / 1.81  0.77 / 1.47          15  4679.3
-
 The bytes check by hand: at ep 2 with 4 sequences of 128 tokens per rank, a sparse layer routes
 1024 token slots, about half to the other rank's experts, so about 512 rows out and 512 computed
 for the other rank, x 256 (dim) x 4 bytes x 2 (forward, backward) x 3 sparse layers = 6 MiB; at
 ep 4 (2 sequences per rank) 3/4 of 512 slots leave: 384 + 384 rows, 4.5 MiB. 15 calls per step =
-5 per sparse layer (counts, rows and results forward; the two gradients backward). The two runs
-do not even agree on the direction of ep against FSDP only (0.59x to 1.47x): the load, not the
-layout, dominates. A quiet machine (or a GPU) is needed for ratios to judge; the benchmark prints
-them and checks only the bytes (it exits non-zero when they differ).
+5 per sparse layer (counts, rows and results forward; the two gradients backward). On a loaded
+2-core machine the load, not the layout, dominates the step times: the benchmark prints the
+ratios and checks only the bytes (it exits non-zero when they differ). Results:
+docs/performance.md#expert-parallel-communication.
 """
 
 from __future__ import annotations

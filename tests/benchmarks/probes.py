@@ -195,8 +195,8 @@ class DispatchedCollectives(TorchDispatchMode):
 
 # [Note: gloo's hidden reduce-scatter copy]
 # gloo runs reduce_scatter_tensor as an all-reduce of a copy of the whole input, allocated
-# in C++ where MemTracker cannot see it. Measured (2 ranks, a 256 MiB input, peak RSS growth
-# during one call): reduce_scatter_tensor 259 MiB, meshpar's all_to_all_single + sum 258 MiB.
+# in C++ where MemTracker cannot see it; its peak RSS grows by the input's size during one call, as
+# meshpar's all_to_all_single + sum does (docs/performance.md#fsdp-vs-torch).
 # meshpar's receive buffer is a Python tensor and is tracked; so that both engines are
 # measured alike, PeakMemory holds a tracked buffer of the input's size for the duration of
 # each gloo reduce-scatter called through torch.distributed (PyTorch's engine calls it

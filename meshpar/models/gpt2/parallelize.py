@@ -58,9 +58,9 @@ SEQ = Shard(1)  # activations between blocks: h[B, T/tp, D], see [Note: the resi
 # [q_r | k_r | v_r]. For a plain column-wise shard that is StridedShard(0, tp) on the dp
 # dim, but under the fused StridedShard(0, 3) on tp no DTensor placement describes it, so
 # the sharded parameter's global view (init, checkpoints, full_tensor) would be wrong and
-# training silently diverges from one process (tests/test_tensor_parallel.py saw a 3e-3
-# relative loss error). Until FSDP shards each of a fused parameter's pieces separately, the
-# plan refuses tp with dp_shard (``no_fsdp``); dp_replicate (no sharding) composes.
+# training would silently diverge from one process. Until FSDP shards each of a fused
+# parameter's pieces separately, the plan refuses tp with dp_shard (``no_fsdp``);
+# dp_replicate (no sharding) composes.
 
 rowwise = RowwiseParallel(output_layouts=SEQ, use_local_output=False)  # partial -> reduce-scatter -> [B, T/tp, D]
 # [B, T/tp, D] -> all-gather -> [B, T, D], a DTensor: [Note: one reduce-scatter per sub-layer input in backward]

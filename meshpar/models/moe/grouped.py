@@ -9,9 +9,8 @@ Two kernels, the same result:
              and on CPU in bf16 / fp16 / fp32; rows and columns must be 16-byte aligned.
   "loop"     a Python loop of matmuls, one per expert: any dtype and device (float64 parity tests,
              fake tensors, fp32 on CUDA, where the kernel refuses).
-Measured on CPU (tests/benchmarks/bench_grouped_mm.py; one ep-8 rank's 16 experts of a Qwen3-30B-A3B
-layer, 2048 slots, forward + backward): the loop takes 1.45-2.08x the grouped kernel's time (fp32 and
-bf16, even and skewed routing), the same numbers bit for bit. Not measured on a GPU yet.
+The two give the same numbers bit for bit; the loop is slower on CPU and GPU
+(tests/benchmarks/bench_grouped_mm.py; docs/performance.md#grouped-expert-matmuls).
 ``kernel="auto"`` picks "grouped" where it runs (``grouped_mm_supported``), else "loop".
 
 Limits: ``counts`` is read on the host by the loop (a device sync on CUDA); the grouped kernel
@@ -53,7 +52,7 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, kernel: Kernel = "auto") ->
         return F.grouped_mm(x, w, offs=offsets)
     runs = x.split(counts.tolist())
     # unbind, not w[e]: its backward stacks the E slices once, where each w[e]'s would write a zeroed
-    # copy of all of w (E^2 x the weights' memory traffic; 6x the grouped kernel's time on CPU)
+    # copy of all of w (E^2 x the weights' memory traffic)
     if not runs:
         return x.new_empty(0, w.shape[-1])
     return torch.cat([run @ we for we, run in zip(w.unbind(0), runs, strict=True)])

@@ -4,45 +4,12 @@
 
 The other of context parallelism's two attentions (``parallel.cp_attention = "ring"``; the
 default gathers K and V: [Note: all-gather of K and V] in meshpar/parallel/context_parallel/apply.py).
+A rank holds two K/V chunks at a time instead of the gathered sequence; it moves 1.5x the
+gather's bytes, and its attention is explicit matmuls, so on a GPU it is much slower than the
+gather's fused kernels. The pair counts, bytes and memory are derived in
+docs/context_parallel.md#how-the-ring-works.
 
-[Note: ring attention]
-Rank r holds its queries and its own chunk(s) of K and V. Forward runs cp steps: at step s it
-holds the K/V of rank (r - s) mod cp, posts the hop that sends them on to rank r + 1 while
-receiving rank r - s - 1's from rank r - 1 (``comm.send_recv``: isend and irecv posted before
-the step's attention, waited after it, so the transfer runs beside the compute), and attends its
-queries to the keys it holds. Each (query chunk, key chunk) pair yields a partial output o and
-its log-sum-exp l over those keys; partials merge exactly (online softmax):
-``L = logaddexp(L, l); O = O exp(L_old - L) + o exp(l - L)``. O accumulates in float32 (float64
-for float64 inputs), the matmuls run in the input dtype, L is float32 or float64.
-
-Causality by chunk, not by mask: a key chunk entirely before a query chunk is attended in full,
-the same chunk causally (the diagonal mask, the only mask built), a later one not at all. With
-the balanced split (rank r holds chunks r and 2cp - 1 - r of 2cp: [Note: balanced sequence
-split]) every rank computes, at each step from another rank, exactly two full c x c pairs
-(c = T / 2cp): from a rank s < r its front chunk against both of r's chunks, from s > r both
-of s's chunks against r's back chunk; at its own step one full pair and two diagonals. So each
-rank does 2cp c^2 + c pairs, and every step is the same work on every rank, which is what lets
-a hop hide behind it. The contiguous split (rank r holds slice r of cp) skips every key slice
-after its own: rank 0 computes one diagonal, rank cp - 1 all of them.
-
-Backward (exact: the flash-attention backward from the saved q, k, v, out and L, scores
-recomputed per pair) circulates K/V again; a dK/dV accumulator for each K/V chunk travels one
-step behind it, every rank adding its contribution, and reaches the chunk's owner after cp - 1
-hops, where the owner adds its own step's. Per layer and microbatch a rank sends, per hop,
-2 x B x Hkv x T/cp x Dh elements: (cp - 1) hops forward, 2 (cp - 1) backward (K/V and dK/dV),
-the all-gather's volume forward and twice it backward ([Note: all-gather of K and V]).
-
-Memory: a rank holds two K/V chunks at a time (the one it attends to and the one arriving; in
-backward also three dK/dV chunks: in hand, arriving, leaving), not the gathered T; it saves q,
-its own k and v, the output and L, the same as one attention; scores exist per block of queries
-against one key chunk (at most ``score_elements`` of them, two such tensors at a time in
-backward), during that block's computation only. The attention itself is explicit matmuls (the
-fused ``scaled_dot_product_attention`` returns no log-sum-exp to merge by), far slower on a GPU than
-the fused kernels the all-gather calls ([Note: the ring on a GPU]). Selective checkpointing keeps none of it
-(``_mm``): a block's recomputation runs the ring's forward again, hops included, one more
-attention forward per block than the all-gather, whose fused attention's output selective
-checkpointing keeps (the planner counts it: [Note: the ring's overlap] in
-meshpar/planner/cost.py).
+Notes: [Note: ring attention], [Note: the ring on a GPU].
 """
 
 from __future__ import annotations
@@ -53,25 +20,31 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpar.distributed import comm
 
+# [Note: ring attention]
+# Forward runs cp steps: at step s rank r attends its queries to the K/V of rank (r - s) mod cp
+# while ``comm.send_recv`` passes them on to r + 1 and receives the next from r - 1 (posted before
+# the step's attention, waited after it, so the hop runs beside the compute). Each (query chunk,
+# key chunk) pair yields a partial output o and its log-sum-exp l; partials merge exactly:
+# ``L = logaddexp(L, l); O = O exp(L_old - L) + o exp(l - L)`` (O and L in fp32, fp64 for fp64
+# inputs; matmuls in the input dtype). Causality by chunk, not by mask: an earlier key chunk is
+# attended in full, the query's own under the diagonal mask (the only mask built), a later one not
+# at all; with the balanced split every step is the same work on every rank, so a hop can hide.
+# Backward recomputes each pair's scores from the saved q, k, v, out and L, circulating K/V again
+# with a dK/dV accumulator one step behind, which reaches its chunk's owner after cp - 1 hops.
+# Scores exist per block of at most ``score_elements`` queries x keys, during that block only; a
+# recomputation under selective checkpointing runs the whole ring forward again (``_mm``).
+
 SCORE_ELEMENTS = 2**22  # scores per block, B x H x queries x keys (16 MiB in fp32): a block's queries are set by it
 SCORE_ELEMENTS_CUDA = 2**26  # 256 MiB in fp32: [Note: the ring on a GPU]
 
 # [Note: the ring on a GPU]
-# Measured on one H200 (torch 2.11, bf16, 2026-11-26; tests/benchmarks/bench_cp_attention.py: cp
-# rank 0's attention forward + backward, its hops local copies), ms, at the recipes' shapes:
-#     recipe (B H/Hkv T, cp)             gather   ring 2^22   ring 2^24   ring 2^26   peak MiB gather / ring 2^22 / 2^26
-#     llama3_8b_128k  (1 8/2 131072, 4)    92.7      4736.6      1346.3       788.8   802 / 522 / 1188
-#     llama3_70b_128k (1 8/1 131072, 16)   24.4      1034.1       234.4       196.3   584 / 125 / 852
-# The gather's chunks run the flash kernel at 0.27-0.29 of the bf16 peak; the ring's explicit
-# matmuls and online-softmax merges, launched block by block from Python, reach 0.006 of it with
-# 2^22 scores per block and 0.034 with 2^26, where each block is large enough that launches no longer
-# dominate. So on CUDA a block holds up to 2^26 scores (transient: +0.7 GiB of peak at 8B), and the
-# ring stays 8x the gather's time: the planner charges it so (``RING_ATTENTION_SLOWDOWN`` in
-# meshpar/planner/cost.py). On the CPU the ring's step is 0.99-1.20x the gather's (bench_cp, README).
-# A ring as fast as the gather needs a fused kernel that returns each pair's log-sum-exp: torch's
-# public ``flex_attention`` does (``return_lse``; a Triton kernel once compiled, causal and document
-# masks as block masks), as do its underscore-named flash / cuDNN ops; not built. Compiled, it ran the
-# gather's chunks at the shapes above in 77.6 / 20.8 ms (0.34 / 0.32 of peak; bench_cp_attention --flex).
+# The ring's matmuls and online-softmax merges are launched block by block from Python; on CUDA
+# small blocks leave the GPU waiting on launches, so a block there holds up to
+# ``SCORE_ELEMENTS_CUDA`` scores (transient: freed when the block is done). The ring still runs far
+# below the gather's fused kernels, and the planner charges its attention FLOPs
+# ``RING_ATTENTION_SLOWDOWN`` times on CUDA (meshpar/planner/cost.py). Measurements:
+# docs/performance.md#context-parallel-attention-on-a-gpu. A ring as fast as the gather needs a
+# fused kernel that returns each pair's log-sum-exp (``flex_attention`` with ``return_lse``); not built.
 
 
 def score_elements(device: torch.device) -> int:
@@ -81,7 +54,7 @@ def score_elements(device: torch.device) -> int:
 # The planner (meshpar/planner/simulate.py) runs one block per (query chunk, key chunk) pair: on fake
 # tensors the values do not matter, a block's scores are transient (the peak holds one block at a
 # time) and the hops do not depend on the blocks, so memory and bytes are the same; at 131072 tokens
-# every block would be ~10^5 fake matmuls per layer (a 2-layer Llama 3 8B plan ran past 8 minutes).
+# real blocks would be ~10^5 fake matmuls per layer, too slow to plan.
 _one_block_per_pair = False
 
 

@@ -67,11 +67,9 @@ from meshpar.profiling.labels import hook_ids, label_new_hooks
 # feed-forward. Kept a Replicate DTensor (``use_local_output=False`` on the sub-layer's
 # PrepareModuleInput), the projections' Partial gradients add up locally and the all-gather's
 # backward turns the sum into the Shard(1) gradient with one reduce-scatter. Per block and
-# microbatch that cuts the backward tp traffic from 10 to 2 x (tp-1)/tp of [B, T, D].
-# Measured on rank 0 of the 3D debug profile (2 steps): 56 -> 16 all-reduces, 20 -> 36
-# reduce-scatters, same losses; planned for recipes/llama3_70b.toml: tp traffic 339 -> 189 GB
-# per step. The model code only passes the sub-layer's input to its projections, whose
-# column-wise outputs are local tensors as before.
+# microbatch that cuts the backward tp traffic from 10 to 2 x (tp-1)/tp of [B, T, D]
+# (counted: docs/performance.md#tensor-parallel-backward). The model code only passes the
+# sub-layer's input to its projections, whose column-wise outputs are local tensors.
 
 
 @dataclass(frozen=True)

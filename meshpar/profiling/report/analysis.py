@@ -24,7 +24,7 @@ of it under main-thread compute. Approximations: compute is what the CPU's main 
 (a CUDA trace's kernels are not read, so on GPU compute is launch time); a gloo worker event
 lasts from when the worker takes the collective until it ends, so waiting for late peers (rank
 skew) reads as communication, as it does for NCCL kernels; and Python time between ops while
-a collective is in flight reads as exposed (a few % of the step on the debug runs).
+a collective is in flight reads as exposed.
 """
 
 from __future__ import annotations

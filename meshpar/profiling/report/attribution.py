@@ -4,20 +4,14 @@
 An issue op on the main thread (the outermost ``c10d::*`` / ``_c10d_functional::*`` op) takes
 its dim from the enclosing ``meshpar::comm.<op>[<dim>]`` label, or is ``tp`` inside a
 ``meshpar::tp.*`` label and ``pp`` inside a ``meshpar::pp.send_* / recv_*`` one
-(meshpar/profiling/labels.py); an unlabelled op is ``?`` (for example the loss all-reduce of a
-log step). The work itself runs on a gloo worker thread, which serves one process group: each
-of its events votes for the dim of the latest compatible issue op before it, the thread takes
-the majority, and its events then match the issue ops of that dim's group first in, first out,
-for the op name and dim (gloo runs a reduce-scatter as an all-to-all or an all-reduce; the
-report says reduce_scatter). A group is one dim's, except that DeviceMesh gives every dim that
-spans all ranks the default group (dp_shard, ep and the flattened dp on 2 ranks with
-dp_shard = ep = 2, and meshpar's ``world`` dim): those dims share its threads and one queue.
-Which dims have a group of their own comes from the profiler's ``distributedInfo.pg_config``
-(``mesh_<dim>`` entries); a trace without it gets a group per dim. Calls per (op, dim) are
-counted from the labels (plus unlabelled issue ops); bytes come from the header's accounting,
-since a trace records no sizes.
-Per-collective exposed times can overlap each other when two collectives run at once; the
-rank's exposed total counts each instant once.
+(meshpar/profiling/labels.py); an unlabelled op is ``?``. The work runs on a gloo worker thread,
+which serves one process group: each of its events votes for the dim of the latest compatible
+issue op before it, the thread takes the majority, and its events then match that dim's issue
+ops first in, first out. Dims that span all ranks share DeviceMesh's default group, so its
+threads and one queue; which dims have a group of their own comes from the trace's
+``distributedInfo.pg_config`` (a trace without it gets a group per dim). Calls per (op, dim) are
+counted from the labels; bytes come from the header's accounting (a trace records no sizes).
+Per-collective exposed times may overlap; the rank's exposed total counts each instant once.
 """
 
 from __future__ import annotations
