@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 # [Note: document-causal attention]
 # Training packs documents into fixed-length sequences, each document ending with an EOS token
@@ -52,7 +52,7 @@ from torch import Tensor
 # it is built in the compute dtype). Activation checkpointing and torch.compile see the mask as
 # one more block argument. Pipeline stages after the first receive hidden states, not token
 # ids: they refuse ``document_eos >= 0`` (document attention runs with pp = 1). Context
-# parallelism replaces the Llama family's ``document_tables`` seam: no rank builds [T, T]
+# parallelism fills the Llama family's ``positions`` slot with its own provider: no rank builds [T, T]
 # ([Note: documents under context parallelism] in meshpar/parallel/context_parallel/apply.py).
 
 
@@ -74,6 +74,37 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class CausalAttention(nn.Module):
+    """What fills a model's ``Attention.inner_attention`` slot by default: causal (or ``mask``ed)
+    grouped-query attention of q[B, H, T, Dh] over k, v[B, Hkv, T, Dh] on one device. Context
+    parallelism puts its own module there (meshpar/parallel/context_parallel/apply.py)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        if mask is not None:  # [Note: masked grouped-query attention on CUDA]
+            return masked_attention(q, k, v, mask)
+        # query head i reads kv head i // (H / Hkv), as repeat_interleave of k, v would give
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class SequencePositions:
+    """What fills a model's ``positions`` slot by default: the positions of a forward's tokens are
+    0 .. T-1, and its documents are found in its own tokens. Context parallelism puts its own
+    provider there, for a rank that holds a slice of each sequence (meshpar/parallel/context_parallel/apply.py).
+    ``cos_table, sin_table[max_seq_len, Dh/2]`` are the model's RoPE tables."""
+
+    def rope(self, cos_table: Tensor, sin_table: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+        """RoPE's cos, sin[seq_len, Dh/2] for the ``seq_len`` tokens of this forward."""
+        return cos_table[:seq_len], sin_table[:seq_len]
+
+    def documents(self, cos_table: Tensor, sin_table: Tensor, tokens: Tensor, eos: int,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """Document-causal attention's inputs for tokens[B, T]: the additive mask [B, 1, T, T] in
+        ``dtype`` and RoPE's cos, sin[B, 1, T, Dh/2] at per-document positions ([Note:
+        document-causal attention])."""
+        mask, positions = document_mask(tokens, eos, dtype=dtype)
+        return mask, cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
 
 
 def _expands_kv(q: Tensor) -> bool:

@@ -7,8 +7,8 @@
 reduce-scatters and recomputes the cheap elementwise work around them (norms, RoPE,
 SiLU/GELU, residual adds): most of the memory saving for a fraction of the recompute.
 
-The block's ``forward`` is replaced on the instance, so parameter names do not change
-(no ``_checkpoint_wrapped_module`` in checkpoint keys). It runs after tensor parallelism
+The block's forward is wrapped (meshpar/parallel/wrap.py, [Note: wrapping a forward]), so
+parameter names do not change (no ``_checkpoint_wrapped_module`` in checkpoint keys). It runs after tensor parallelism
 and before ``fully_shard`` (docs/architecture.md): FSDP's hooks wrap ``__call__``, so a block's
 parameters are unsharded around the checkpointed forward and, in backward, before the
 recomputation starts.
@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from meshpar.distributed._torch import attention_ops, c10d_functional_ops
+from meshpar.parallel.wrap import wrap_forward, wrapped_by
 
 MODES = ("none", "full", "selective")
 
@@ -55,9 +56,8 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | None) -> Callable:
-    side_outputs = any(hasattr(m, name) for m in block.modules() for name in _SIDE_OUTPUTS)
-
+def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | None,
+                  side_outputs: bool) -> Callable:
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
@@ -79,20 +79,19 @@ def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | No
         return checkpoint(once_then_recompute, *args, use_reentrant=False, preserve_rng_state=False, **extra,
                           **kwargs)
 
-    run.side_outputs = side_outputs
     return run
 
 
 def is_checkpointed(block: nn.Module) -> bool:
     """Whether ``apply_activation_checkpointing`` wrapped ``block``'s forward."""
-    return hasattr(block.__dict__.get("forward"), "side_outputs")
+    return wrapped_by(block, "checkpoint") is not None
 
 
 def sets_side_outputs_under_checkpoint(block: nn.Module) -> bool:
     """Whether ``block`` is checkpointed and its forward sets module attributes (an MoE layer's
     ``aux_loss``): a side effect dynamo refuses inside checkpoint, so compiling it would graph-break
     ([Note: a recompute's side outputs])."""
-    return getattr(block.__dict__.get("forward"), "side_outputs", False)
+    return (wrapped_by(block, "checkpoint") or {}).get("side_outputs", False)
 
 
 # [Note: a recompute's side outputs]
@@ -132,5 +131,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) 
     for key, block in model.layers.items():
         if int(key) % every == 0:
             # no dropout in meshpar's models, so the RNG state need not be replayed
-            block.forward = _checkpointed(block, block.forward, context_fn)
+            side_outputs = any(hasattr(m, name) for m in block.modules() for name in _SIDE_OUTPUTS)
+            wrap_forward(block, "checkpoint", lambda forward: _checkpointed(block, forward, context_fn, side_outputs),  # noqa: B023 - called at once
+                         side_outputs=side_outputs)
     return model

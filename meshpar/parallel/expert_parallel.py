@@ -6,8 +6,8 @@ the rank that holds their expert and come back, by all-to-all.
 Every expert weight (``layers.{i}.moe.experts.{w1,w2,w3}``, stacked ``[E, ...]``) becomes a DTensor
 ``Shard(0)`` over ``ep``: rank r holds experts ``r * E/ep ... (r + 1) * E/ep - 1``, so checkpoints
 (DCP) keep the global ``[E, ...]`` shapes and load onto any ``ep`` degree. Routing, the auxiliary
-loss and the dispatch order stay the model's own (meshpar/models/moe/model.py); only
-``Experts.forward`` is replaced, on the instance, as ``torch.compile`` per block is applied, so
+loss and the dispatch order stay the model's own (meshpar/models/moe/model.py); expert parallelism
+fills the slot the model exposes for it, ``Experts.dispatch`` (``ExpertParallelDispatch``), so
 names and the model files stay free of parallel code.
 
 [Note: expert-parallel dispatch]
@@ -57,8 +57,6 @@ Limits: tokens dropped by a capacity factor are dropped before dispatch, per ran
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -85,11 +83,21 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
             weight = getattr(experts, name)
             sharded = distribute_tensor(weight.detach(), mesh, [Shard(0)])
             setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
-        experts.forward = functools.partial(_dispatch, experts, mesh, int(layer))
+        experts.dispatch = ExpertParallelDispatch(mesh, int(layer))
+
+
+class ExpertParallelDispatch:
+    """``Experts.dispatch`` over ``ep``: each rank holds ``E / ep`` experts, and token rows go to
+    their expert's rank and back by all-to-all ([Note: expert-parallel dispatch])."""
+
+    def __init__(self, mesh: DeviceMesh, layer: int) -> None:
+        self.mesh, self.layer = mesh, layer  # layer: the block index, for the collectives' labels
+
+    def __call__(self, experts: Experts, x: Tensor, counts: Tensor) -> Tensor:
+        return _dispatch(experts, self.mesh, self.layer, x, counts)
 
 
 def _dispatch(experts: Experts, mesh: DeviceMesh, layer: int, x: Tensor, counts: Tensor) -> Tensor:
-    """``Experts.forward`` over ``ep``: [Note: expert-parallel dispatch]."""
     group, n, dim = mesh.get_group(), mesh.size(), (mesh.mesh_dim_names or ("ep",))[0]
     w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1, experts.w2, experts.w3))
     local = w1.shape[0]  # L experts on this rank
@@ -113,7 +121,17 @@ def route_over_sequence(model: nn.Module, tp: DeviceMesh | None, cp: DeviceMesh 
     of it: [Note: the tp ranks are data-parallel for the experts], [Note: routing statistics over
     the whole forward]."""
     for moe in model.moe_layers():
-        moe.forward_totals = functools.partial(_totals_over_sequence, tp, cp)
+        moe.totals = SequenceTotals(tp, cp)
+
+
+class SequenceTotals:
+    """``MoE.totals`` when tp or cp ranks hold slices of the sequence: sums over them."""
+
+    def __init__(self, tp: DeviceMesh | None, cp: DeviceMesh | None) -> None:
+        self.tp, self.cp = tp, cp
+
+    def __call__(self, counts: Tensor, prob_sum: Tensor, n: int) -> tuple[Tensor, Tensor, int]:
+        return _totals_over_sequence(self.tp, self.cp, counts, prob_sum, n)
 
 
 def _totals_over_sequence(tp: DeviceMesh | None, cp: DeviceMesh | None, counts: Tensor, prob_sum: Tensor,

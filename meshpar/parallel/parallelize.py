@@ -31,6 +31,7 @@ from meshpar.parallel.expert_parallel import apply_expert_parallel, route_over_s
 from meshpar.parallel.pipeline import SCHEDULES, split
 from meshpar.parallel.tensor_parallel.checks import check_fsdp_over_tp
 from meshpar.parallel.tensor_parallel.plan import TPPlan, apply_tp
+from meshpar.parallel.wrap import wrap_forward
 
 
 def mixed_precision(cfg: ParallelConfig, *, root: bool) -> MixedPrecisionPolicy:
@@ -42,8 +43,8 @@ def mixed_precision(cfg: ParallelConfig, *, root: bool) -> MixedPrecisionPolicy:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compile each block's forward (inductor). The forward is replaced on the instance, so
-    names are unchanged and FSDP's hooks, which wrap ``__call__``, stay outside the graph.
+    """Compile each block's forward (inductor), wrapped in place ([Note: wrapping a forward] in
+    meshpar/parallel/wrap.py), so names are unchanged and FSDP's hooks stay outside the graph.
     A checkpointed block that sets module attributes (a mixture-of-experts layer's ``aux_loss``)
     stays eager: dynamo refuses that side effect inside checkpoint, so it would graph-break and
     run eagerly anyway, without the wrapper that lets go of its recompute ([Note: a recompute's
@@ -55,9 +56,9 @@ def apply_compile(model: nn.Module) -> None:
             continue
         if attends_over_cp(block) and is_checkpointed(block):  # [Note: compiling a block under cp]
             for part in (block.attention_norm, block.feed_forward, block.ffn_norm):
-                part.forward = torch.compile(part.forward)
+                wrap_forward(part, "compile", torch.compile)
         else:
-            block.forward = torch.compile(block.forward)
+            wrap_forward(block, "compile", torch.compile)
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:

@@ -30,7 +30,6 @@ raise ``capacity_factor`` to bound it, or leave headroom for it.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
@@ -61,8 +60,14 @@ def _grouped_mm(x: Tensor, w: Tensor, counts: Tensor, kernel: str = "auto") -> T
     return torch.cat([run @ w[i] for i, run in enumerate(runs)])
 
 
+class _BalancedDispatch(eplib.ExpertParallelDispatch):
+    """``ExpertParallelDispatch`` with balanced splits: the same collectives and copies."""
+
+    def __call__(self, experts: moelib.Experts, x: Tensor, counts: Tensor) -> Tensor:
+        return _dispatch(experts, self.mesh, self.layer, x, counts)
+
+
 def _dispatch(experts: moelib.Experts, mesh, layer: int, x: Tensor, counts: Tensor) -> Tensor:
-    """meshpar/parallel/expert_parallel.py's ``_dispatch`` with balanced splits: the same collectives and copies."""
     group, n, dim = mesh.get_group(), mesh.size(), (mesh.mesh_dim_names or ("ep",))[0]
     w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1, experts.w2, experts.w3))
     local = w1.shape[0]
@@ -85,11 +90,11 @@ def balanced_routing(stage: nn.Module) -> Iterator[None]:
     saved_bincount = torch.bincount
     saved = moelib.grouped_mm, moelib.MoE._drop_over_capacity
     rebound = []
-    for moe in layers:  # expert parallelism bound its dispatch to the instance (apply_expert_parallel)
-        fwd = moe.experts.__dict__.get("forward")
-        if isinstance(fwd, functools.partial) and fwd.func is eplib._dispatch:
-            rebound.append((moe.experts, fwd))
-            moe.experts.forward = functools.partial(_dispatch, *fwd.args)
+    for moe in layers:  # the experts' dispatch slot, as expert parallelism filled it
+        ep = moe.experts.dispatch
+        if isinstance(ep, eplib.ExpertParallelDispatch):
+            rebound.append((moe.experts, ep))
+            moe.experts.dispatch = _BalancedDispatch(ep.mesh, ep.layer)
     torch.bincount, moelib.grouped_mm = _bincount, _grouped_mm
     moelib.MoE._drop_over_capacity = lambda self, order, flat, counts, slots: (order, counts)
     try:
@@ -97,5 +102,5 @@ def balanced_routing(stage: nn.Module) -> Iterator[None]:
     finally:
         torch.bincount = saved_bincount
         moelib.grouped_mm, moelib.MoE._drop_over_capacity = saved
-        for experts, fwd in rebound:
-            experts.forward = fwd
+        for experts, ep in rebound:
+            experts.dispatch = ep

@@ -19,8 +19,9 @@ meshpar's own collectives (FSDP, replicate, partial-gradient reduction) run insi
 * Pipeline transfers. ``torch.distributed.pipelining`` issues point-to-point ops through the
   module-level batch issue function (``meshpar.distributed._torch.schedule_p2p``) and waits on the returned
   works. meshpar's ``Stage`` tags the ops it hands out (``label_p2p_ops``); that function is
-  replaced, once, by a
-  wrapper that passes untagged ops straight through and, while the profiler is on, issues
+  replaced by a
+  wrapper (by ``build_schedule``'s call to ``install_p2p_labels``, once per process; importing
+  meshpar changes nothing in torch) that passes untagged ops straight through and, while the profiler is on, issues
   tagged ones inside ``meshpar::pp.<send|recv>_<forward|backward>[<stage>,<microbatch>]``
   and waits on them inside ``meshpar::pp.<...>.wait``: a receive's wait is the pipeline
   bubble seen from that stage. This leans on a private torch 2.13 name, like the rest of

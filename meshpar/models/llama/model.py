@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from meshpar.models.attention import document_mask, masked_attention
+from meshpar.models.attention import CausalAttention, SequencePositions
 from meshpar.models.init import ParamInit
 from meshpar.models.llama.args import ModelArgs, RopeScaling
 
@@ -79,7 +79,10 @@ def _init_linear(init: ParamInit, linear: nn.Linear, std: float) -> None:
 class Attention(nn.Module):
     """Causal grouped-query attention; heads are inferred from the weights' shapes, so a
     tensor-parallel shard (fewer local heads) runs unchanged. ``mask``: None (causal) or the
-    additive document mask [B, 1, T, T] ([Note: document-causal attention])."""
+    additive document mask [B, 1, T, T] ([Note: document-causal attention]).
+
+    Slot: ``inner_attention`` computes softmax(q k^T) v from the rotated q, k, v (a
+    ``CausalAttention`` unless context parallelism filled it)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -91,6 +94,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * dh, d, bias=False)
         self.q_norm = nn.RMSNorm(dh, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(dh, eps=args.norm_eps) if args.qk_norm else None
+        self.inner_attention: nn.Module = CausalAttention()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         # x[B, T, D] @ wq[D, H*Dh] -> q[B, T, H*Dh] -> q[B, H, T, Dh]; k, v likewise with Hkv heads
@@ -100,16 +104,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3: normalize each head before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v, mask)  # out[B, H, T, Dh]
+        out = self.inner_attention(q, k, v, mask)  # out[B, H, T, Dh]
         return self.wo(rearrange(out, "b h t d -> b t (h d)"))  # [B, T, H*Dh] @ wo[H*Dh, D] -> [B, T, D]
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """Causal (or ``mask``ed) attention of q[B, H, T, Dh] over k, v[B, Hkv, T, Dh]. Context
-        parallelism replaces it on the instance (meshpar/parallel/context_parallel/apply.py)."""
-        if mask is not None:  # [Note: masked grouped-query attention on CUDA]
-            return masked_attention(q, k, v, mask)
-        # query head i reads kv head i // (H / Hkv), as repeat_interleave of k, v would give
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -191,6 +187,10 @@ class Transformer(nn.Module):
     Passthrough for pipeline stages: with ``tok_embeddings`` None the input is hidden
     states [B, T, D]; with ``norm`` None it is skipped; with ``output`` None hidden states
     are returned.
+
+    Slots where parallelism enters: ``positions`` (where this forward's tokens sit in their
+    sequences and documents: a ``SequencePositions`` unless context parallelism filled it), and
+    each block's ``attention.inner_attention``.
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -204,23 +204,10 @@ class Transformer(nn.Module):
         half = args.resolved_head_dim // 2
         self.register_buffer("rope_cos", torch.empty(args.max_seq_len, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, half), persistent=False)
+        # a plain object, not a child module: pipeline stages and checkpoint keys see only the children
+        self.positions: SequencePositions = SequencePositions()
         self.tie_weights()
         self._init_rope()
-
-    def rope_tables(self, seq_len: int) -> tuple[Tensor, Tensor]:
-        """RoPE's cos, sin[seq_len, Dh/2] for the ``seq_len`` tokens of this forward: positions 0 ..
-        seq_len - 1. Context parallelism replaces it on the instance with the positions of the
-        rank's slice of the sequence (meshpar/parallel/context_parallel/apply.py)."""
-        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-
-    def document_tables(self, tokens: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        """Document-causal attention's inputs for this forward's tokens[B, T]: the additive mask
-        [B, 1, T, T] in ``dtype`` and RoPE's cos, sin[B, 1, T, Dh/2] at per-document positions
-        ([Note: document-causal attention]). Context parallelism replaces it on the instance with
-        the documents of the whole sequence, which a rank's slice alone does not show
-        (meshpar/parallel/context_parallel/apply.py)."""
-        mask, positions = document_mask(tokens, self.args.document_eos, dtype=dtype)
-        return mask, self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
 
     def tie_weights(self) -> None:
         """Make output.weight the embedding's Parameter when tied and both are present."""
@@ -266,9 +253,9 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}; "
                              "build the model with a larger max_seq_len")
         if eos < 0:
-            (cos, sin), mask = self.rope_tables(seq_len), None  # cos, sin[T, Dh/2]
+            (cos, sin), mask = self.positions.rope(self.rope_cos, self.rope_sin, seq_len), None  # [T, Dh/2]
         else:  # [Note: document-causal attention]: mask[B, 1, T, T] in h's dtype, cos, sin[B, 1, T, Dh/2]
-            mask, cos, sin = self.document_tables(tokens, h.dtype)
+            mask, cos, sin = self.positions.documents(self.rope_cos, self.rope_sin, tokens, eos, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         if self.norm is not None:

@@ -15,12 +15,13 @@ scalar tensor in the graph) for the training step to add to the cross-entropy (m
 and each ``MoE`` layer's ``tokens_per_expert`` the token slots each expert received.
 
 Limits: token-choice routing only; no router jitter or z-loss. Expert parallelism is applied from
-outside (meshpar/parallel/expert_parallel.py replaces ``Experts.forward`` on the instance).
+outside, through the slots ``Experts.dispatch`` and ``MoE.totals`` (meshpar/parallel/expert_parallel.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +44,8 @@ from meshpar.models.moe.grouped import Kernel, grouped_mm
 # [Note: routing statistics over the whole forward]
 # The auxiliary loss, the token counts and the aux-free loads are statistics of every token of one
 # forward. Under tensor (sequence) parallelism a rank's MoE layer sees only its slice of the
-# sequence, so meshpar/parallel/expert_parallel.py replaces ``forward_totals`` on the instance with sums
-# over the tp ranks; the capacity drop stays per call (``_drop_over_capacity``).
+# sequence, so meshpar/parallel/expert_parallel.py fills the layer's ``totals`` slot with sums
+# over the tp (and cp) ranks; the capacity drop stays per call (``_drop_over_capacity``).
 
 # [Note: aux-free balancing]
 # DeepSeek-V3 (arXiv 2412.19437, section 2.1.2): a per-expert bias b is added to the routing scores
@@ -65,8 +66,28 @@ def swiglu_experts(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, counts: Tensor
     return grouped_mm(h, w2.transpose(1, 2), counts, kernel)
 
 
+class LocalExperts:
+    """What fills ``Experts.dispatch`` by default: every expert's rows computed on this rank."""
+
+    def __call__(self, experts: Experts, x: Tensor, counts: Tensor) -> Tensor:
+        return swiglu_experts(x, experts.w1, experts.w2, experts.w3, counts, experts.kernel)
+
+
+class LocalTotals:
+    """What fills ``MoE.totals`` by default: (slots per expert, summed router probabilities, tokens)
+    over every token of this forward, from one call's ``counts[E]``, ``prob_sum[E]`` and ``n``
+    tokens: the same, when the call sees the whole forward ([Note: routing statistics over the
+    whole forward])."""
+
+    def __call__(self, counts: Tensor, prob_sum: Tensor, n: int) -> tuple[Tensor, Tensor, int]:
+        return counts, prob_sum, n
+
+
 class Experts(nn.Module):
-    """E SwiGLU experts, stacked: w1, w3[E, F, D], w2[E, D, F] (each slice is an nn.Linear weight)."""
+    """E SwiGLU experts, stacked: w1, w3[E, F, D], w2[E, D, F] (each slice is an nn.Linear weight).
+
+    Slot: ``dispatch(experts, x[S, D], counts[E]) -> [S, D]`` runs the experts on rows sorted by
+    expert (``LocalExperts`` unless expert parallelism filled it)."""
 
     def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -74,9 +95,10 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.kernel: Kernel = "auto"  # grouped_mm's choice; tests and benchmarks force one
+        self.dispatch: Callable[[Experts, Tensor, Tensor], Tensor] = LocalExperts()
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        return swiglu_experts(x, self.w1, self.w2, self.w3, counts, self.kernel)
+        return self.dispatch(self, x, counts)
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         _trunc_normal(init, self.w1, std)
@@ -85,7 +107,10 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Token-choice top-k mixture of experts: out[t] = sum_{e in topk(t)} g_t[e] * expert_e(x[t])."""
+    """Token-choice top-k mixture of experts: out[t] = sum_{e in topk(t)} g_t[e] * expert_e(x[t]).
+
+    Slot: ``totals`` sums the routing statistics over the whole forward (``LocalTotals`` unless
+    tensor or context parallelism, which give a rank a slice of the sequence, filled it)."""
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
@@ -98,6 +123,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_load", torch.zeros(args.n_experts), persistent=False)  # slots since update
         self.aux_loss: Tensor | None = None  # unweighted [Note: load-balancing loss] of the last forward
         self.tokens_per_expert: Tensor | None = None  # [E] token slots routed, the last forward
+        self.totals: Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor, int]] = LocalTotals()
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x[N, D] -> (probs[N, E] in >= fp32, chosen experts idx[N, k], gate weights[N, k] in x's dtype)."""
@@ -120,7 +146,7 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)  # [S]
         counts = torch.bincount(flat, minlength=self.n_experts)  # [E], before any drop
         # over every token of the forward: [Note: routing statistics over the whole forward]
-        total, prob_sum, n_total = self.forward_totals(counts, probs.sum(0), n)
+        total, prob_sum, n_total = self.totals(counts, probs.sum(0), n)
         self.tokens_per_expert = total.detach()
         f = total.to(probs.dtype) / (n_total * k)
         self.aux_loss = self.n_experts * (f * (prob_sum / n_total)).sum()  # [Note: load-balancing loss]
@@ -134,12 +160,6 @@ class MoE(nn.Module):
         y = y * gates.flatten()[order].unsqueeze(-1)
         # index_add in expert order, as Hugging Face's loop over experts sums them
         return torch.zeros_like(x).index_add_(0, tokens, y).reshape(shape)
-
-    def forward_totals(self, counts: Tensor, prob_sum: Tensor, n: int) -> tuple[Tensor, Tensor, int]:
-        """(slots per expert, summed router probabilities, tokens) over every token of this forward,
-        from this call's ``counts[E]``, ``prob_sum[E]`` and ``n`` tokens: the same here;
-        [Note: routing statistics over the whole forward]."""
-        return counts, prob_sum, n
 
     def _drop_over_capacity(self, order: Tensor, flat: Tensor, counts: Tensor, slots: int) -> tuple[Tensor, Tensor]:
         """Keep each expert's first ``capacity`` slots in token order; dropped slots add nothing

@@ -41,8 +41,6 @@ from meshpar.config.recipe import RecipeError
 from meshpar.fsdp import FSDPModule
 from meshpar.profiling.labels import install_p2p_labels, label_p2p_ops
 
-install_p2p_labels()  # [Note: labelling collectives meshpar does not issue]
-
 
 @dataclass(frozen=True)
 class ScheduleSpec:
@@ -369,6 +367,7 @@ def build_schedule(stages: list[tuple[int, nn.Module]], n_stages: int, pp_group:
     group = pp_group.get_group() if isinstance(pp_group, DeviceMesh) else pp_group
     pp = dist.get_world_size(group)
     check_microbatches(name, n_microbatches, pp, len(stages))
+    install_p2p_labels()  # here, not at import: [Note: labelling collectives meshpar does not issue]
     spec = SCHEDULES[name]
     if n_stages != pp * len(stages):
         raise ValueError(f"{n_stages} stages over pp = {pp} ranks is not {len(stages)} per rank")

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshpar.distributed._torch import StridedShard
+from meshpar.parallel.wrap import wrap_forward
 from meshpar.profiling.labels import run_labelled
 
 
@@ -137,7 +138,7 @@ class VocabParallelEmbedding(ParallelStyle):
         distribute_module(module, device_mesh, self._partition)
         output_layout = self.output_layout
 
-        def forward(tokens: torch.Tensor) -> DTensor:  # replaces the instance's forward
+        def forward(tokens: torch.Tensor) -> DTensor:  # in place of the module's own forward
             weight = module.weight  # under FSDP, the unsharded TP DTensor of this step
             local = weight.to_local()  # [V/tp, D]
             start = device_mesh.get_local_rank() * -(-weight.shape[0] // device_mesh.size())  # torch.chunk rows
@@ -149,5 +150,5 @@ class VocabParallelEmbedding(ParallelStyle):
             # Shard(1): reduce-scatter -> [B, T/tp, D]
             return run_labelled("tp.output", "embedding", lambda o: o.redistribute(placements=(output_layout,)), out)
 
-        module.forward = forward
+        wrap_forward(module, "tp.vocab_parallel_embedding", lambda _: forward)  # [Note: wrapping a forward]
         return module
