@@ -74,11 +74,13 @@ def test_every_cluster_recipe_is_planned_here():
                             "gpt2_xl"}
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 @pytest.mark.parametrize("name", [n for n in CLUSTER if n != "llama3_405b"])
 def test_shipped_recipe_fits_and_its_header_is_the_plan(name):
     _check_recipe(name)
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 def test_405b_recipe_fits_in_budget_with_exact_totals():
     _check_recipe("llama3_405b")
     plan = _run(str(RECIPES / "llama3_405b.toml"))[3]
@@ -114,6 +116,7 @@ def _check_exact(plan) -> None:
         assert r.optim_bytes == 2 * expected + 4 * n  # exp_avg, exp_avg_sq, a float32 step per tensor
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 def test_70b_totals_are_the_analytic_ones():
     for name in ("llama3_70b", "llama3_70b_3d"):
         plan = _run(str(RECIPES / f"{name}.toml"))[3]
@@ -247,6 +250,7 @@ def test_search_writes_the_fastest_layout_that_fits(tmp_path):
     assert _run(str(out), "--hardware", "cpu")[0] == 0  # the written recipe plans, and fits
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 def test_reducing_every_microbatch_keeps_gradients_sharded():
     """parallel.grad_reduce = "microbatch" on the 70B recipe (2 microbatches per step): at the
     step's peak only the sharded gradients are live, and FSDP reduce-scatters twice the bytes."""

@@ -20,6 +20,7 @@ CP_RECIPES = ("llama3_8b_128k", "llama3_70b_128k")
 H100 = planlib.load_hardware("h100_sxm")[0]
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 @pytest.mark.parametrize("name", CP_RECIPES)
 def test_cp_recipe_fits_at_its_world_size_and_its_header_is_the_plan(name):
     _check_recipe(name)  # under two minutes each: 19 s and 42 s on a loaded two-core machine
@@ -30,6 +31,7 @@ def test_cp_recipe_fits_at_its_world_size_and_its_header_is_the_plan(name):
     assert plan.recipe.train.seq_len == 131072 <= plan.args.max_seq_len
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 def test_cp_gathers_are_the_arithmetic_at_their_link():
     """Per block and microbatch, K and V ([mb, Hkv/tp, T/cp, Dh] bf16 each) gathered from cp - 1
     ranks three times: forward, the forward recomputed under selective checkpointing (it keeps
@@ -62,6 +64,7 @@ def test_flattened_dims_take_their_parts_degrees_and_links():
     assert _link("dp_shard_mod_ep_cp_tp", layout, 16, H100)[0] == "inter-node"  # dp_shard x cp x tp = 32
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 def test_activations_and_compute_per_rank_fall_as_one_over_cp():
     """Llama 3.1 8B at 131072 tokens, dp_shard 2 x cp (one microbatch): what a forward leaves alive
     and the compute time are 1/cp of cp 1's (the balanced split gives every rank T/cp tokens and

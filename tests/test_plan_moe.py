@@ -14,11 +14,13 @@ from tests.test_plan import RECIPES, _check_recipe, _run, planlib
 MOE_RECIPES = ("qwen3_30b_a3b", "qwen3_235b_a22b", "mixtral_8x7b")
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 @pytest.mark.parametrize("name", MOE_RECIPES)
 def test_moe_recipe_fits_at_its_world_size_and_its_header_is_the_plan(name):
     _check_recipe(name)  # under two minutes each (the 235B one: the acceptance line of issue 17 item 6)
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 def test_active_parameters_are_total_less_the_skipped_experts():
     plan = _run(str(RECIPES / "qwen3_30b_a3b.toml"))[3]
     assert plan.n_params == 30_532_122_624  # the published count (meshpar/models/moe/args.py)
@@ -30,6 +32,7 @@ def test_active_parameters_are_total_less_the_skipped_experts():
     assert 46_702_792_704 - mixtral.inactive_params() == 12_879_925_248  # "12.9B active", as published
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 def test_all_to_all_bytes_are_the_balanced_arithmetic():
     """Per sparse layer of a stage and microbatch, forward, backward and (full or selective
     checkpointing: the all-to-all is no matmul, so selective recomputes it too) the recomputed
