@@ -1,4 +1,4 @@
-"""``meshpar plan`` with context parallelism (issue 18 item 5): the 131072-token Llama recipes
+"""``meshpar plan`` with context parallelism: the 131072-token Llama recipes
 dry-run at their world size within two minutes each and match their headers; a rank's
 activations and compute fall as 1/cp; cp's K/V gathers are the arithmetic of
 [Note: all-gather of K and V] at the link the mesh order gives them; the pipeline's
@@ -23,7 +23,7 @@ H100 = planlib.load_hardware("h100_sxm")[0]
 @pytest.mark.slow  # a cluster recipe planned at its target size
 @pytest.mark.parametrize("name", CP_RECIPES)
 def test_cp_recipe_fits_at_its_world_size_and_its_header_is_the_plan(name):
-    _check_recipe(name)  # under two minutes each: 19 s and 42 s on a loaded two-core machine
+    _check_recipe(name)  # under two minutes each (docs/performance.md#test-suite-and-set-up)
     out = _run(str(RECIPES / f"{name}.toml"))[1]
     for category in ("parameters, sharded and gathered", "gradients", "activations", "temporaries", "AdamW state"):
         assert f"    {category}" in out  # the acceptance line: memory by category
@@ -145,8 +145,9 @@ def test_plan_counts_document_masks_once_without_cp_and_never_whole_with_it():
 def test_search_bound_is_above_the_planned_speed(attention):
     """The search prunes by ``_bound``, the tokens/s no dry run of a layout can exceed: so it must
     be at least what the plan gives, for both cp attentions. The ring's hops are hidden behind its
-    attention but each block's last ([Note: the ring's overlap]); priced as the gather's, its bound
-    fell below its plan (debug Llama at cp 2 on H100 links, no checkpointing: 1,933,718 < 1,936,180)."""
+    attention but each block's last ([Note: the ring's overlap]), so the bound must count only that hop
+    of cp traffic: pricing all of it, as the gather's, puts the bound below the plan of the debug Llama
+    at cp 2 on H100 links without checkpointing, the case below."""
     from meshpar.planner import search
 
     argv = ["--hardware=h100_sxm", f'--parallel.cp_attention="{attention}"', '--parallel.activation_checkpoint="none"',

@@ -17,7 +17,7 @@ MOE_RECIPES = ("qwen3_30b_a3b", "qwen3_235b_a22b", "mixtral_8x7b")
 @pytest.mark.slow  # a cluster recipe planned at its target size
 @pytest.mark.parametrize("name", MOE_RECIPES)
 def test_moe_recipe_fits_at_its_world_size_and_its_header_is_the_plan(name):
-    _check_recipe(name)  # under two minutes each (the 235B one: the acceptance line of issue 17 item 6)
+    _check_recipe(name)  # under two minutes each, the 235B one included (docs/performance.md#test-suite-and-set-up)
 
 
 @pytest.mark.slow  # a cluster recipe planned at its target size

@@ -98,12 +98,13 @@ def sets_side_outputs_under_checkpoint(block: nn.Module) -> bool:
 # A block may leave results on its modules besides its return value: a mixture-of-experts layer
 # sets ``aux_loss``, a graph over the layer's input and router probabilities that the step adds
 # to the loss. The recompute in backward runs the same forward, so it sets ``aux_loss`` again,
-# and nothing consumes that second graph: held by the module, it kept every recomputed layer's
-# input and probabilities alive until the step dropped it after the whole backward (planned for
-# Qwen3-235B-A22B at 4096 tokens: most of a 110 GiB peak). The wrapper drops them as soon as the
-# recompute returns; the forward's own (first call) stay for the loss. Under torch.compile the setting
-# of aux_loss inside checkpoint is a side effect dynamo refuses: such a block would graph-break and
-# run eagerly without this wrapper, so apply_compile leaves it uncompiled instead (parallelize.py).
+# and nothing consumes that second graph: held by the module, it would keep every recomputed
+# layer's input and probabilities alive until the step dropped it after the whole backward
+# (docs/performance.md#activation-checkpointing-of-sparse-layers). The wrapper drops them as soon
+# as the recompute returns; the forward's own (first call) stay for the loss. Under torch.compile
+# the setting of aux_loss inside checkpoint is a side effect dynamo refuses: such a block would
+# graph-break and run eagerly without this wrapper, so apply_compile leaves it uncompiled instead
+# (parallelize.py).
 _SIDE_OUTPUTS = ("aux_loss",)
 
 

@@ -10,49 +10,15 @@ loss and the dispatch order stay the model's own (meshpar/models/moe/model.py); 
 fills the slot the model exposes for it, ``Experts.dispatch`` (``ExpertParallelDispatch``), so
 names and the model files stay free of parallel code.
 
-[Note: expert-parallel dispatch]
-``MoE.forward`` hands the experts its token slots sorted by expert, ``x[S, D]`` with ``counts[E]``.
-With ``n = ep`` ranks and ``L = E / n`` experts each, the experts of rank j are a contiguous run of
-``counts``, so rank j's rows are one contiguous run of ``x`` as well::
-
-    counts[E] -> [n, L]          send_splits[j] = rows for rank j's experts
-    all-to-all counts            recv_counts[i, l] = rows rank i sends for my expert l
-    all-to-all x rows            received = [from rank 0: expert 0 | 1 ... L-1][from rank 1: ...]...
-    permute expert-major         [expert 0: from 0 | 1 ...][expert 1: ...]...  (stable: source order)
-    the local experts            swiglu_experts(received, w[L, ...], counts = recv_counts.sum(0))
-    unpermute, all-to-all back   the rows in x's order, on the rank they came from
-
-Splits are uneven and read on the host (one sync per layer: the all-to-all needs them). Backward is
-the same exchange reversed (``comm.all_to_all_rows`` is an autograd function), so every call and
-byte is counted by ``meshpar.distributed.comm`` on the ``ep`` dim, forward and backward: per layer and pass,
-a rank sends its rows for other ranks' experts (``D * itemsize`` bytes each) and ``n - 1`` counts.
-In a trace the row exchanges sit inside ``meshpar::moe.dispatch[<layer>]`` and
-``meshpar::moe.combine[<layer>]`` ranges (the block index), forward and backward.
-
 Gradients: an expert's weight gradient sums the contributions of every rank's token slots, so
 data-parallel averaging divides it by all the data-parallel ranks, not only those it is replicated
 over. In a recipe (``parallel.ep``) ep borrows its ranks from ``dp_shard`` (``Mesh.ep``) and
 meshpar/parallel/parallelize.py FSDP-shards the experts over the ranks ep leaves with that divide factor;
-tests/test_expert_parallel.py also drives it by hand, without FSDP.
-
-[Note: the tp ranks are data-parallel for the experts]
-Under tensor parallelism the residual stream between sub-layers is sharded on the sequence
-(``Shard(1)``). A sparse layer takes its rank's slice as it is (the family's plan hands it a local
-``[B, T/tp, D]``: meshpar/models/moe/parallelize.py) and routes those tokens alone: no all-gather
-in, no reduce-scatter out, and its weights are not split over tp. So the tp ranks see different
-tokens, as data-parallel ranks do: the router's and the experts' gradients sum over them.
-meshpar/parallel/parallelize.py FSDP-shards the sparse layer's parameters over ``dp_shard x tp`` (the
-experts over ``dp_shard_mod_ep x tp`` under ep; ``Mesh.sparse``), with gradients averaged over dp
-only, and ``route_over_sequence`` makes the routing statistics (auxiliary loss, token counts, aux-free
-loads) those of the whole sequence with one all-reduce of ``2E`` numbers per layer and forward; its
-backward is the identity, because every tp rank holds the same loss and backpropagates it alike.
-Context parallelism splits the sequence too, so the same holds over ``cp`` (the experts shard over
-``dp_shard_mod_ep x cp [x tp]``), except that each cp rank has a loss of its own, averaged with
-the others': there the statistics' backward sums as well (``_totals_over_sequence``).
-The alternative, experts split over tp (Megatron's expert tensor parallelism), gathers every
-token to every tp rank and reduce-scatters the result, for weights that FSDP shards anyway.
+tests/test_expert_parallel.py also drives it by hand, without FSDP. For users: docs/moe.md.
 
 Limits: tokens dropped by a capacity factor are dropped before dispatch, per rank (per tp slice).
+
+Notes: [Note: expert-parallel dispatch], [Note: the tp ranks are data-parallel for the experts].
 """
 
 from __future__ import annotations
@@ -64,6 +30,34 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshpar.distributed import comm
 from meshpar.models.moe.model import Experts, swiglu_experts
+
+# [Note: expert-parallel dispatch]
+# ``MoE.forward`` hands the experts its slots sorted by expert, ``x[S, D]`` with ``counts[E]``. With
+# ``n = ep`` ranks of ``L = E / n`` experts, rank j's experts' rows are one contiguous run of ``x``:
+#   counts[E] -> [n, L]         send_splits[j] = rows for rank j's experts
+#   all-to-all counts           recv_counts[i, l] = rows rank i sends for my expert l
+#   all-to-all x rows           received = [from rank 0: expert 0 | 1 ... L-1][from rank 1: ...]...
+#   permute expert-major        [expert 0: from 0 | 1 ...][expert 1: ...]...  (stable: source order)
+#   the local experts           swiglu_experts(received, w[L, ...], counts = recv_counts.sum(0))
+#   unpermute, all-to-all back  the rows in x's order, on the rank they came from
+# Splits are uneven and read on the host (one sync per layer). Backward is the same exchange
+# reversed (``comm.all_to_all_rows`` is an autograd function), so ``meshpar.distributed.comm`` counts
+# every call and byte on ``ep``: per layer and pass, a rank sends its rows for other ranks' experts
+# (``D * itemsize`` bytes each) and ``n - 1`` counts, inside ``meshpar::moe.dispatch / combine[<layer>]``.
+
+# [Note: the tp ranks are data-parallel for the experts]
+# Under tensor parallelism the residual stream between sub-layers is sharded on the sequence
+# (``Shard(1)``). A sparse layer routes its rank's slice ``[B, T/tp, D]`` alone (the family's plan:
+# meshpar/models/moe/parallelize.py): no all-gather in, no reduce-scatter out, weights not split over
+# tp. So the tp ranks see different tokens, as data-parallel ranks do: the router's and the experts'
+# gradients sum over them, and meshpar/parallel/parallelize.py FSDP-shards the layer over
+# ``dp_shard x tp`` (the experts over ``dp_shard_mod_ep x tp`` under ep; ``Mesh.sparse``), averaging
+# over dp only. ``route_over_sequence`` makes the routing statistics (auxiliary loss, token counts,
+# aux-free loads) the whole sequence's with one all-reduce of ``2E`` numbers per layer and forward;
+# its backward is the identity, as every tp rank holds the same loss. cp splits the sequence too
+# (experts over ``dp_shard_mod_ep x cp [x tp]``), but each cp rank has its own loss, averaged with
+# the others': there the statistics' backward sums as well (``_totals_over_sequence``). Splitting
+# the experts over tp instead (Megatron) gathers every token to every tp rank, for weights FSDP shards.
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:

@@ -3,28 +3,11 @@
     with balanced_routing(stage):     # inside simulate()'s FakeTensorMode
         train_step(...)
 
-[Note: the planner routes tokens evenly]
-``MoE.forward`` (meshpar/models/moe/model.py) sizes its dispatch by the router's choices:
-``torch.bincount`` of the chosen experts, splits read on the host by the loop kernel and by the
-expert-parallel all-to-all (meshpar/parallel/expert_parallel.py). Fake tensors have no values, so the
-planner assumes balanced routing, what the load-balancing loss aims at: each expert receives
-``N * top_k / E`` of a forward's ``N * top_k`` token slots (the remainder to the first experts),
-and each ep rank sends and receives ``1/ep`` of its slots to and from every rank. The routing
-itself (router matmul, softmax, top-k, gather of the gate weights, the sort, the auxiliary
-loss) runs unchanged; only what reads values is replaced:
-
-- ``torch.bincount`` -> the balanced counts (a fake tensor of the right shape);
-- the grouped matmul -> one ``bmm`` over ``[E, S/E, D]`` when E divides S (it saves x and w
-  for backward, as CUDA's grouped kernel does; the CPU loop kernel's per-expert outputs and
-  their ``cat`` would add a transient copy no GPU makes), else a loop with the balanced splits;
-- the expert-parallel dispatch -> the same two all-to-alls (counts, then rows forward and
-  back, through ``meshpar.distributed.comm``, so their bytes are counted on the ``ep`` dim) and the same
-  permutations, with the balanced splits;
-- a capacity drop keeps every slot (balanced loads never exceed a capacity factor >= 1).
-
-The planned memory is a balanced step's. A real step's busiest expert holds more rows than the
-mean (its grouped-matmul activations grow with its load, and under ep its rank receives more):
+Limits: the planned memory is a balanced step's. A real step's busiest expert holds more rows than
+the mean (its grouped-matmul activations grow with its load, and under ep its rank receives more):
 raise ``capacity_factor`` to bound it, or leave headroom for it.
+
+Notes: [Note: the planner routes tokens evenly].
 """
 
 from __future__ import annotations
@@ -39,6 +22,20 @@ from torch.distributed.tensor import DTensor
 from meshpar.distributed import comm
 from meshpar.models.moe import model as moelib
 from meshpar.parallel import expert_parallel as eplib
+
+# [Note: the planner routes tokens evenly]
+# ``MoE.forward`` (meshpar/models/moe/model.py) sizes its dispatch by the router's choices: a
+# ``torch.bincount`` of the chosen experts, whose splits the loop kernel and the expert-parallel
+# all-to-all read on the host. Fake tensors have no values, so the planner assumes the balanced
+# routing the load-balancing loss aims at: each expert gets ``N * top_k / E`` of a forward's token
+# slots (the remainder to the first experts); each ep rank sends ``1/ep`` of its slots to every rank.
+# The routing itself (router matmul, softmax, top-k, gate weights, the sort, the auxiliary loss) runs
+# unchanged; only what reads values is replaced: ``torch.bincount`` by the balanced counts; the
+# grouped matmul by one ``bmm`` over ``[E, S/E, D]`` when E divides S (it saves x and w, as CUDA's
+# grouped kernel does; the CPU loop's ``cat`` would add a copy no GPU makes), else a loop on the
+# balanced splits; the ep dispatch by the same two all-to-alls (counted on ``ep`` by
+# ``meshpar.distributed.comm``) and permutations, on those splits; a capacity drop by keeping every
+# slot (balanced loads never exceed a capacity factor >= 1).
 
 
 def _balanced(slots: int, experts: int) -> list[int]:

@@ -5,47 +5,21 @@
     measured.peak(schedule_actions("1f1b", n=8, pp=4, stage=0, n_run=measured.n_run))
 
 The stages come from meshpar's own parallelize path, built on meta in a fake process group
-(``dry_run.py``). Here they are materialized as ``FakeTensor``s (``to_empty`` under
-``FakeTensorMode``: shapes, dtypes and storages of the real sizes, no memory, no arithmetic)
-and run through ``meshpar.training.step.train_step``, the step ``meshpar train`` runs: forward and
-backward per microbatch with gradient sync only on the last, or on each
-(``parallel.grad_reduce``) (FSDP units all-gather, prefetch, reshard and reduce-scatter as they
-do on a GPU), the data-parallel and tensor-parallel gradient reductions, and gradient clipping.
-Under pipelining ``_OneAtATime`` stands in for the schedule: each microbatch's forward, then
-its backward with the stage's own sync switches. A tracker (meshpar's ``AllocationTracker``)
-follows every storage created, freed or resized, phase by phase (``train_step``'s ``phase``
-hook).
+(``dry_run.py``). Here they are materialized as ``FakeTensor``s (shapes, dtypes and storages of
+the real sizes, no memory, no arithmetic) and run through ``meshpar.training.step.train_step``,
+the step ``meshpar train`` runs: FSDP units all-gather, prefetch, reshard and reduce-scatter as
+on a GPU, gradients are reduced per step or per microbatch (``parallel.grad_reduce``) and
+clipped. Under pipelining ``_OneAtATime`` stands in for the schedule. A tracker (meshpar's
+``AllocationTracker``) follows every storage created, freed or resized, phase by phase
+(``train_step``'s ``phase`` hook).
 
-[Note: what the simulation leaves to arithmetic]
-- The optimizer step is not run: under FakeTensorMode fused AdamW decomposes into ops that
-  allocate ~9 temporaries the size of its state (measured: 18.9 MB peak for 2.1 MB of state
-  on a 1024 x 1024 shard), where the real fused kernel updates in place (measured: peak =
-  state). AdamW state is exact arithmetic from local shapes, live through the whole step.
-- At most 3 microbatches run (first, middle, last: the middle ones of a step are alike),
-  2 without pipelining (the last one's backward starts with every unit's accumulated
-  gradients, as a middle one's does, and adds the reduce-scatter's buffers); collectives of
-  the middle (or first) one are counted for the microbatches not run.
-- Pipeline microbatches in flight: one microbatch runs at a time here; the others the
-  schedule holds at once (1F1B: up to ``pp - stage`` on a stage, the first holding the most;
-  GPipe: all of them before the first backward) add their saved activations, measured as
-  what a forward leaves alive, to the phase each forward or backward of the real order is
-  priced as (``schedule_actions``).
-- Mixture of experts: fake tensors have no routing to read, so tokens are routed evenly
-  (``planner/moe.py``, [Note: the planner routes tokens evenly]): a balanced step's memory.
-- Pipeline receive buffers (activations in, gradients back: one per microbatch, allocated
-  once by ``torch.distributed.pipelining`` and kept) are arithmetic from the stage's shapes.
+Limits: the optimizer step, microbatches beyond three, pipeline microbatches in flight and
+receive buffers are arithmetic, and routing is balanced; what only a GPU has (allocator
+fragmentation, library workspaces) is left to a margin. How the planner uses it: docs/planner.md.
 
-[Note: how close the simulated peak is]
-``tests/benchmarks/calibrate_plan.py`` trains the debug Llama on gloo in 14 layouts (1D, 2D,
-3D, hybrid, replicated, gradient accumulation reduced per step or per microbatch,
-no/selective/full checkpointing, bf16, 1F1B and GPipe) and compares each stage's measured peak
-(AllocationTracker over a real step) with this one: within 0.02% without pipelining, +0.4%
-to +0.8% with it (the planned side higher).
-That checks the simulation against the code it simulates, on CPU. What it cannot check is
-what only a GPU has: the caching allocator's fragmentation, cuBLAS and NCCL workspaces (left
-to the margin of [Note: usable device memory]), and kernels that save other tensors than the
-CPU's (fake tensors on "cpu" take the CPU's attention kernel, which saves the output and the
-log-sum-exp, as CUDA's flash attention does).
+Notes: [Note: what the simulation leaves to arithmetic], [Note: how close the simulated peak is],
+[Note: DTensor's shape propagation is not memory], [Note: context parallel attention on fake
+tensors], [Note: the first step's prefetch].
 """
 
 from __future__ import annotations
@@ -75,6 +49,29 @@ from meshpar.parallel.pipeline import Stage
 from meshpar.planner.moe import balanced_routing
 from meshpar.profiling.memory import AllocationTracker
 from meshpar.training.step import GradSync, Microbatch, Model, cross_entropy, train_step
+
+# [Note: what the simulation leaves to arithmetic]
+# - The optimizer step is not run: under FakeTensorMode fused AdamW decomposes into ops that
+#   allocate temporaries several times its state, where the real kernel updates in place. AdamW
+#   state is arithmetic from local shapes, live through the whole step.
+# - At most 3 microbatches run (first, middle, last: the middle ones are alike), 2 without
+#   pipelining (the last backward starts with accumulated gradients, as a middle one's does);
+#   the middle (or first) one's collectives are counted for the microbatches not run.
+# - Pipeline microbatches in flight (1F1B: up to ``pp - stage`` on a stage; GPipe: all before
+#   the first backward) add what a forward leaves alive to the phase each action of the real
+#   order is priced as (``schedule_actions``). Receive buffers (one per microbatch, kept by
+#   ``torch.distributed.pipelining``) are arithmetic from the stage's shapes.
+# - MoE routing is balanced ([Note: the planner routes tokens evenly] in planner/moe.py).
+
+# [Note: how close the simulated peak is]
+# ``tests/benchmarks/calibrate_plan.py`` trains the debug Llama on gloo in layouts of every dim,
+# checkpointing mode, gradient reduction and pipeline schedule, and compares each stage's peak
+# (AllocationTracker over a real step) with this one (docs/performance.md#against-real-steps-on-cpu;
+# under pipelining the planned side is the higher). That checks the simulation against the code
+# it simulates, on CPU. It cannot check what only a GPU has: the caching allocator's
+# fragmentation, cuBLAS and NCCL workspaces (left to the margin of [Note: usable device
+# memory]), and kernels that save other tensors than the CPU's (fake tensors on "cpu" take the
+# CPU's attention kernel, which saves the output and the log-sum-exp, as CUDA's flash does).
 
 
 @dataclass
@@ -141,8 +138,9 @@ def schedule_actions(schedule: str | None, n: int, pp: int, stage: int, n_run: i
 
 class _Tracker(AllocationTracker):
     """``AllocationTracker`` keeping only global and per-phase peaks (MemTracker also updates
-    every module's peak after every op, which is O(modules) per op: 1.5x slower on a 70B stage),
-    and counting DTensor's collectives (tensor parallelism) by mesh dim."""
+    every module's peak after every op, which is O(modules) per op:
+    docs/performance.md#the-simulations-own-costs), and counting DTensor's collectives (tensor
+    parallelism) by mesh dim."""
 
     def __init__(self, *tracked: Any, groups: dict[str, tuple[str, int]]) -> None:
         super().__init__(*tracked)
@@ -207,6 +205,26 @@ class _NcclReduceScatterInput(comm.ReduceScatterInput):
             self.send = None if self.shortcut else torch.empty(self.n, per_rank, dtype=dtype, device=device)
 
 
+# [Note: DTensor's shape propagation is not memory]
+# DTensor finds its output shapes by running each op on fake tensors of the *global* shapes, in
+# the fake mode it detects, which here is the simulation's own: the tracker would count a
+# [B, T, V] logits tensor where each rank holds [B, T, V/tp] (how much that adds:
+# docs/performance.md#the-simulations-own-costs). Given a fresh fake mode, as it makes outside
+# one, those ops run below the tracker's notice, as MemTracker intends.
+
+# [Note: context parallel attention on fake tensors]
+# Each chunk of a cp rank's queries attends with ``causal_lower_right(n, keys)`` ([Note: attention
+# per query chunk] in meshpar/parallel/context_parallel/apply.py), a tensor subclass fake tensors
+# cannot become. On a GPU it runs the flash kernel with its causal flag, no mask built, saving q,
+# k, v, the output and the log-sum-exp; off the GPU it would materialize a [n, keys] boolean mask.
+# The simulation calls the attention unmasked instead: the CPU's flash kernel saves the same
+# tensors (FLOPs are cost.py's arithmetic). The ring runs one score block per chunk pair
+# (``ring._one_block_per_pair``: the same peak and hops), of the GPU's size for a CUDA profile
+# (``SCORE_ELEMENTS_CUDA``). Document-causal attention builds its masks as on a GPU and repeats
+# K/V to the query heads before a masked call ([Note: masked grouped-query attention on CUDA] in
+# meshpar/models/attention.py); its FLOPs are planned as causal attention's.
+
+
 def _unmasked(n_queries: int, n_keys: int) -> None:
     """``causal_lower_right`` in the simulation: no mask at all ([Note: context parallel attention on fake tensors])."""
     return None
@@ -214,31 +232,9 @@ def _unmasked(n_queries: int, n_keys: int) -> None:
 
 @contextlib.contextmanager
 def _patched(nccl: bool) -> Iterator[None]:
-    """NCCL's reduce-scatter buffers when ``nccl``; DTensor's shape propagation in a fake mode of its own;
-    context parallelism's per-chunk causal mask left out.
-
-    [Note: DTensor's shape propagation is not memory]
-    DTensor finds its output shapes by running each op on fake tensors of the *global* shapes,
-    in the fake mode it detects, which here is the simulation's own: the tracker would count
-    a [B, T, V] logits tensor where each rank holds [B, T, V/tp] (debug Llama, tp 2: +16 MiB,
-    10% of the peak; Llama 3 70B at tp 8: +8 GiB). Given a fresh fake mode, as it makes
-    outside one, those ops run below the tracker's notice, as MemTracker intends.
-
-    [Note: context parallel attention on fake tensors]
-    Each chunk of a cp rank's queries attends with ``causal_lower_right(n, keys)``
-    ([Note: attention per query chunk] in meshpar/parallel/context_parallel/apply.py), a tensor subclass that
-    fake tensors cannot become (torch raises creating it under a fake mode). On a GPU it
-    dispatches to the flash kernel with its causal flag, no mask built, saving q, k, v, the
-    output and the log-sum-exp; off the GPU it would materialize a [n, keys] boolean mask
-    (70B at 131072 tokens over cp 8: 1 GiB per chunk). The simulation calls the attention
-    unmasked instead: the CPU's flash kernel, which saves the same tensors as the GPU's
-    causal one (FLOPs are cost.py's arithmetic, not the simulation's). The ring attention runs
-    one score block per chunk pair (``ring_attention._one_block_per_pair``: the same peak and hops),
-    of the GPU's size for a CUDA profile (``SCORE_ELEMENTS_CUDA``: [Note: the ring on a GPU]).
-    Document-causal attention (``model.attention = "document"``) builds its masks as on a GPU and
-    repeats K/V to the query heads before a masked call ([Note: masked grouped-query attention on
-    CUDA] in meshpar/models/attention.py); its FLOPs are planned as causal attention's.
-    """
+    """NCCL's reduce-scatter buffers when ``nccl``; DTensor's shape propagation in a fake mode of its own
+    ([Note: DTensor's shape propagation is not memory]); context parallelism's per-chunk causal mask left
+    out ([Note: context parallel attention on fake tensors])."""
     original = (comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused,
                 ringlib._one_block_per_pair, ringlib.score_elements, attnlib._expands_kv)
     if nccl:

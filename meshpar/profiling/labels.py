@@ -3,32 +3,15 @@
     label_new_hooks(module, before, "tp", "layers.0.attention.wq")  # after parallelize_module
     label_p2p_ops(ops, "pp.recv_forward[1,3]")                      # in the pipeline Stage
 
-[Note: labelling collectives meshpar does not issue]
-meshpar's own collectives (FSDP, replicate, partial-gradient reduction) run inside
-``meshpar::comm.<op>[<dim>]`` ranges (meshpar/distributed/comm.py). Two kinds come from PyTorch code:
+Tensor-parallel redistributions and pipeline transfers run inside ``meshpar::tp.*`` and
+``meshpar::pp.*`` ranges, forward and backward, so that ``meshpar profile summarize`` can put every
+collective on its mesh dim (meshpar/profiling/report/attribution.py); the labels are listed in
+docs/profiling.md#labels.
 
-* Tensor parallelism. A ``ParallelStyle`` installs forward (pre-)hooks that redistribute a
-  module's inputs and outputs (all-gather, reduce-scatter, all-reduce); in backward, DTensor's
-  autograd runs the transposed collectives. ``label_new_hooks`` wraps the hooks a style
-  installed so that they run inside ``meshpar::tp.input[<path>]`` / ``meshpar::tp.output[<path>]``,
-  and, while the profiler is on, brackets their backward too: hooks on the autograd nodes the
-  hook created (the first to run opens, the last closes) make ``meshpar::tp.input_grad[<path>]``
-  (``output_grad``) a range over exactly those nodes, collective included. The graph itself is
-  untouched, so gradients are bit-identical with and without the profiler; with it off the
-  wrapper costs one check per call.
-* Pipeline transfers. ``torch.distributed.pipelining`` issues point-to-point ops through the
-  module-level batch issue function (``meshpar.distributed._torch.schedule_p2p``) and waits on the returned
-  works. meshpar's ``Stage`` tags the ops it hands out (``label_p2p_ops``); that function is
-  replaced by a
-  wrapper (by ``build_schedule``'s call to ``install_p2p_labels``, once per process; importing
-  meshpar changes nothing in torch) that passes untagged ops straight through and, while the profiler is on, issues
-  tagged ones inside ``meshpar::pp.<send|recv>_<forward|backward>[<stage>,<microbatch>]``
-  and waits on them inside ``meshpar::pp.<...>.wait``: a receive's wait is the pipeline
-  bubble seen from that stage. This leans on a private torch 2.13 name, like the rest of
-  meshpar/parallel/pipeline/ (its docstring lists the others).
+Limits: the pipeline's labels lean on a private name of torch's pipelining module, like the rest
+of meshpar/parallel/pipeline/ (its docstring lists the others).
 
-``meshpar profile summarize`` reads these labels to put every collective on its mesh dim
-(meshpar/profiling/report/attribution.py).
+Notes: [Note: labelling collectives meshpar does not issue].
 """
 
 from __future__ import annotations
@@ -50,6 +33,20 @@ from meshpar.distributed._torch import (
     set_schedule_p2p,
     tree_leaves,
 )
+
+# [Note: labelling collectives meshpar does not issue]
+# meshpar's own collectives run inside ``meshpar::comm.<op>[<dim>]`` ranges; two kinds come from PyTorch code:
+# - Tensor parallelism: a ``ParallelStyle``'s forward (pre-)hooks redistribute a module's inputs and
+#   outputs; DTensor's autograd runs the transposed collectives in backward. ``label_new_hooks`` runs
+#   the hooks inside ``meshpar::tp.input|output[<path>]`` and, while the profiler is on, hooks the
+#   autograd nodes each created (``_BackwardRange``: the first to run opens ``..._grad[<path>]``,
+#   the last closes it). The graph is untouched, so gradients are bit-identical with and without
+#   the profiler; with it off the wrapper costs one check per call.
+# - Pipeline transfers: ``torch.distributed.pipelining`` issues point-to-point ops through a private
+#   module-level function (``_torch.schedule_p2p``). ``Stage`` tags its ops (``label_p2p_ops``), and
+#   ``install_p2p_labels`` (called by ``build_schedule``, once per process; importing meshpar changes
+#   nothing in torch) replaces it: tagged ops are issued and waited on inside ``meshpar::pp.*``
+#   ranges (a receive's wait is the bubble seen from that stage), untagged ones pass straight through.
 
 
 def profiler_on() -> bool:

@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
         if "cpu_profile" in r:
             print(f"\n== host profile of {r['case']}: {r['cpu_profile']}")
     report["goals"] = _goals(report["rows"])
-    print("\ngoals (issue 19):\n" + ("\n".join(report["goals"]) or "  no pair measured"))
+    print("\ngoals:\n" + ("\n".join(report["goals"]) or "  no pair measured"))
     report["wall_s"] = time.perf_counter() - started
     path.write_text(json.dumps(report, indent=1, default=str))
     print(f"\nwrote {path} ({report['wall_s']:.0f} s)")

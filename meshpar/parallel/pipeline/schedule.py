@@ -59,8 +59,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 }
 
 # [Note: microbatch counts each schedule runs]
-# Measured on torch 2.13 (constructor at pp 1-4, n 1-16; a real step at pp 2, n 1-6, in
-# tests/test_pipeline.py):
+# What torch's schedules accept (tests/test_pipeline.py's microbatch_counts case holds
+# check_microbatches to real steps at pp 2, n 1-6):
 #   gpipe             any n >= 1
 #   1f1b              n >= pp (its constructor refuses fewer)
 #   interleaved_1f1b  with rounds = max(1, n // pp): n % rounds == 0, i.e. n <= 2 pp - 1 or a
