@@ -5,7 +5,8 @@ each collected test from what it calls, so a new test lands in the right tier wi
 
 - ``multirank``: the test reaches ``run_distributed``, a ``CaseSet``, ``subprocess`` or
   ``tests.processes``, directly or through any function of the tests package it calls (followed
-  through the names its code uses, resolved in its module's globals, and through its fixtures).
+  through the names its code uses, resolved in its module's globals, its local imports, and its
+  fixtures).
 - ``slow``: a benchmark's test (``test_bench_*.py``), or a test marked ``@pytest.mark.slow`` by
   hand (target-size planner runs).
 
@@ -60,6 +61,10 @@ def _used(obj: object) -> Iterator[object]:
         return
     scope = vars(sys.modules[obj.__module__])
     for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):  # a local ``import subprocess``
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            yield from (sys.modules[n] for n in names if n in _SPAWNING_MODULES and n in sys.modules)
+            continue
         chain: list[str] = []
         while isinstance(node, ast.Attribute):
             chain.append(node.attr)
