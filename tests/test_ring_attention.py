@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from meshpar.models.attention import document_ids, document_mask
+from meshpar.models.attention import Kernels, document_ids, document_mask
 from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.parallel.context_parallel.apply import apply_context_parallel, sequence_indices
 from meshpar.planner import cost as costlib
@@ -161,15 +161,15 @@ def test_plan_prices_the_ring():
     assert "ring attention at 8x the all-gather's time" in ring_text and "ring attention" not in gather_text
 
 
-def test_the_planner_runs_one_score_block_per_chunk_pair(monkeypatch):
+def test_the_planner_runs_one_score_block_per_chunk_pair():
     """The planner's simulation takes each (query chunk, key chunk) pair's largest score block only
-    (``ring_attention._one_block_per_pair``; a 131072-token plan would otherwise run ~10^5 fake
-    matmuls per layer): the same pairs, the same largest block, so the same peak and hops."""
+    (``Kernels(fake=True)``; a 131072-token plan would otherwise run ~10^5 fake matmuls per layer):
+    the same pairs, the same largest block, so the same peak and hops."""
     ring = object.__new__(ringlib._Ring)
-    ring.cp, ring.rank, ring.balanced = 4, 1, True
+    ring.cp, ring.rank, ring.balanced, ring.kernels = 4, 1, True, Kernels()
     elements = 4 * 64 * 10  # blocks of 10 queries over a chunk of 64 keys
     every = {src: list(ring.pairs(src, 128, heads=4, elements=elements)) for src in range(4)}
-    monkeypatch.setattr(ringlib, "_one_block_per_pair", True)
+    ring.kernels = Kernels(fake=True)
     for src, blocks in every.items():
         one = list(ring.pairs(src, 128, heads=4, elements=elements))
         assert len(blocks) > len(one) == {0: 2, 1: 3, 2: 2, 3: 2}[src]  # 2 full pairs per other rank; 3 its own

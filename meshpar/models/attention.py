@@ -12,6 +12,8 @@ embedding can build it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -65,25 +67,55 @@ from torch import Tensor, nn
 # each, 1/T of that) and runs the memory-efficient kernel. CPU keeps ``enable_gqa``.
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+@dataclass(frozen=True)
+class Kernels:
+    """The kernel paths attention takes, chosen for the device a step is *for*. Training leaves the
+    defaults (the tensors' device decides); the planner, which runs a GPU's step on CPU fake tensors,
+    passes the GPU's choices to its own model (``use_kernels``; meshpar/planner/simulate.py)."""
+
+    fused_causal: bool | None = None  # a chunk's bottom-right causal mask applied unbuilt (CUDA's flash)
+    expands_kv: bool | None = None  # masked GQA repeats K/V: [Note: masked grouped-query attention on CUDA]
+    ring_scores: int | None = None  # scores per ring block; None: by device (context_parallel/ring.py)
+    fake: bool = False  # fake tensors: a fused causal chunk gets no mask object; one ring block per chunk pair
+
+    def fuses_causal(self, q: Tensor) -> bool:
+        return q.is_cuda if self.fused_causal is None else self.fused_causal
+
+    def expands(self, q: Tensor) -> bool:
+        return q.is_cuda if self.expands_kv is None else self.expands_kv
+
+
+BY_DEVICE = Kernels()  # training's: every path chosen by the tensors' device
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, kernels: Kernels = BY_DEVICE) -> Tensor:
     """Attention of q[B, H, n, Dh] over k, v[B, Hkv, keys, Dh] under ``mask`` (bool, True where
     attended, or an additive bias; broadcast to [B, H, n, keys]): [Note: masked grouped-query
     attention on CUDA]."""
-    if _expands_kv(q) and k.shape[1] != q.shape[1]:
+    if kernels.expands(q) and k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]  # query head i reads kv head i // group
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-class CausalAttention(nn.Module):
+class InnerAttention(nn.Module):
+    """What an ``Attention.inner_attention`` slot holds: softmax(q k^T) v of the rotated q[B, H, T, Dh]
+    over k, v[B, Hkv, T, Dh], with ``kernels`` choosing its kernel paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = BY_DEVICE
+
+
+class CausalAttention(InnerAttention):
     """What fills a model's ``Attention.inner_attention`` slot by default: causal (or ``mask``ed)
-    grouped-query attention of q[B, H, T, Dh] over k, v[B, Hkv, T, Dh] on one device. Context
-    parallelism puts its own module there (meshpar/parallel/context_parallel/apply.py)."""
+    grouped-query attention on one device. Context parallelism puts its own module there
+    (meshpar/parallel/context_parallel/apply.py)."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         if mask is not None:  # [Note: masked grouped-query attention on CUDA]
-            return masked_attention(q, k, v, mask)
+            return masked_attention(q, k, v, mask, self.kernels)
         # query head i reads kv head i // (H / Hkv), as repeat_interleave of k, v would give
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
@@ -107,10 +139,11 @@ class SequencePositions:
         return mask, cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
 
 
-def _expands_kv(q: Tensor) -> bool:
-    """Whether a masked GQA call repeats K/V first: on CUDA. The planner, simulating a GPU step on
-    CPU fake tensors, replaces it with True (meshpar/planner/simulate.py)."""
-    return q.is_cuda
+def use_kernels(model: nn.Module, kernels: Kernels) -> None:
+    """Make every attention slot of ``model`` take ``kernels``' paths."""
+    for m in model.modules():
+        if isinstance(m, InnerAttention):
+            m.kernels = kernels
 
 
 def document_ids(tokens: Tensor, eos: int) -> tuple[Tensor, Tensor]:

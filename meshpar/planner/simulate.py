@@ -42,8 +42,7 @@ from meshpar.distributed._torch import dtensor_sharding_prop as sharding_prop
 from meshpar.distributed.comm_record import comm_buffers
 from meshpar.distributed.mesh import DIMS, Mesh
 from meshpar.fsdp import FSDPModule
-from meshpar.models import attention as attnlib
-from meshpar.parallel.context_parallel import apply as cplib
+from meshpar.models.attention import Kernels, use_kernels
 from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.parallel.pipeline import Stage
 from meshpar.planner.moe import balanced_routing
@@ -217,40 +216,34 @@ class _NcclReduceScatterInput(comm.ReduceScatterInput):
 # per query chunk] in meshpar/parallel/context_parallel/apply.py), a tensor subclass fake tensors
 # cannot become. On a GPU it runs the flash kernel with its causal flag, no mask built, saving q,
 # k, v, the output and the log-sum-exp; off the GPU it would materialize a [n, keys] boolean mask.
-# The simulation calls the attention unmasked instead: the CPU's flash kernel saves the same
-# tensors (FLOPs are cost.py's arithmetic). The ring runs one score block per chunk pair
-# (``ring._one_block_per_pair``: the same peak and hops), of the GPU's size for a CUDA profile
-# (``SCORE_ELEMENTS_CUDA``). Document-causal attention builds its masks as on a GPU and repeats
-# K/V to the query heads before a masked call ([Note: masked grouped-query attention on CUDA] in
-# meshpar/models/attention.py); its FLOPs are planned as causal attention's.
+# So the simulated model takes ``_kernels``: the fused path, called unmasked (the CPU's flash kernel
+# saves the same tensors; FLOPs are cost.py's arithmetic); the ring runs one score block per chunk
+# pair (the same peak and hops), of the GPU's size for a CUDA profile (``SCORE_ELEMENTS_CUDA``);
+# document-causal attention builds its masks as on a GPU and repeats K/V to the query heads before
+# a masked call ([Note: masked grouped-query attention on CUDA] in meshpar/models/attention.py); its
+# FLOPs are planned as causal attention's.
 
 
-def _unmasked(n_queries: int, n_keys: int) -> None:
-    """``causal_lower_right`` in the simulation: no mask at all ([Note: context parallel attention on fake tensors])."""
-    return None
+def _kernels(nccl: bool) -> Kernels:
+    """The attention paths of a GPU step, on fake tensors: [Note: context parallel attention on fake tensors]."""
+    return Kernels(fused_causal=True, expands_kv=True, ring_scores=ringlib.SCORE_ELEMENTS_CUDA if nccl else None,
+                   fake=True)
 
 
 @contextlib.contextmanager
 def _patched(nccl: bool) -> Iterator[None]:
     """NCCL's reduce-scatter buffers when ``nccl``; DTensor's shape propagation in a fake mode of its own
-    ([Note: DTensor's shape propagation is not memory]); context parallelism's per-chunk causal mask left
-    out ([Note: context parallel attention on fake tensors])."""
-    original = (comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused,
-                ringlib._one_block_per_pair, ringlib.score_elements, attnlib._expands_kv)
+    ([Note: DTensor's shape propagation is not memory])."""
+    original = (comm.ReduceScatterInput, sharding_prop.detect_fake_mode)
     if nccl:
         comm.ReduceScatterInput = _NcclReduceScatterInput
-        ringlib.score_elements = lambda device: ringlib.SCORE_ELEMENTS_CUDA  # the GPU's score blocks
     sharding_prop.detect_fake_mode = lambda *args: None
-    cplib.causal_lower_right, cplib._fused = _unmasked, lambda q: True  # the GPU's path: no mask, no recompute
-    ringlib._one_block_per_pair = True
-    attnlib._expands_kv = lambda q: True  # a document mask on a GPU: K/V repeated to the query heads
     try:
         with warnings.catch_warnings():  # MemTracker on ops that return None among their outputs
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             yield
     finally:
-        (comm.ReduceScatterInput, sharding_prop.detect_fake_mode, cplib.causal_lower_right, cplib._fused,
-         ringlib._one_block_per_pair, ringlib.score_elements, attnlib._expands_kv) = original
+        comm.ReduceScatterInput, sharding_prop.detect_fake_mode = original
 
 
 def _steady_prefetch(stage: torch.nn.Module) -> None:
@@ -329,6 +322,7 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
     with FakeTensorMode(allow_non_fake_inputs=True), _patched(nccl):
         for _, stage in stages:
             stage.to_empty(device=device)  # values are never read: no init_weights
+            use_kernels(stage, _kernels(nccl))
             _steady_prefetch(stage)
         (index, stage), = stages  # one stage per rank (checked by the planner)
         tokens = torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long)

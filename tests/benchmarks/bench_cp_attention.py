@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from meshpar.config.hardware import load_profile
 from meshpar.config.recipe import load
 from meshpar.models import get_family
+from meshpar.models.attention import Kernels
 from meshpar.parallel.context_parallel import apply as cplib
 from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.planner.cost import default_efficiency
@@ -188,11 +189,11 @@ def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int
         ring_ = ringlib._Ring.__new__(ringlib._Ring)
         ring_.group, ring_.cp, ring_.rank, ring_.balanced = None, cp, 0, True
         ring_.next, ring_.prev = 1 % cp, (cp - 1) % cp
+        ring_.kernels = Kernels(ring_scores=elements)
 
         def run():
             ql.grad = kl.grad = vl.grad = None
-            with mock.patch.object(ringlib, "score_elements", lambda device: elements), \
-                    mock.patch.object(ringlib.comm, "send_recv", _Hops(kv_of_rank, 0)):
+            with mock.patch.object(ringlib.comm, "send_recv", _Hops(kv_of_rank, 0)):
                 out = ringlib._RingAttention.apply(ql, kl, vl, None, ring_)
                 out.backward(grad)
             got[f"ring@{elements}"] = (out.detach(), ql.grad)

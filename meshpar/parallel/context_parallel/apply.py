@@ -27,7 +27,14 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from meshpar.distributed import comm
-from meshpar.models.attention import SequencePositions, document_ids, masked_attention
+from meshpar.models.attention import (
+    BY_DEVICE,
+    InnerAttention,
+    Kernels,
+    SequencePositions,
+    document_ids,
+    masked_attention,
+)
 from meshpar.parallel.context_parallel.ring import ring_attention
 
 # [Note: balanced sequence split]
@@ -178,7 +185,7 @@ class ContextParallelPositions(SequencePositions):
         return doc, cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
 
 
-class ContextParallelAttention(nn.Module):
+class ContextParallelAttention(InnerAttention):
     """An attention's ``inner_attention`` slot on a cp rank: q[B, H, T/cp, Dh] over the keys of the
     whole sequence, gathered ([Note: all-gather of K and V]) or around a ring ([Note: ring attention])."""
 
@@ -188,7 +195,7 @@ class ContextParallelAttention(nn.Module):
 
     @torch.compiler.disable  # [Note: compiling a block under cp]: eager, between two graphs
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        return (_attend_ring if self.ring else _attend)(self.layout, q, k, v, mask)
+        return (_attend_ring if self.ring else _attend)(self.layout, q, k, v, mask, self.kernels)
 
     def extra_repr(self) -> str:
         return f"cp={self.layout.mesh.size()}, {'ring' if self.ring else 'allgather'}, balanced={self.layout.balanced}"
@@ -214,7 +221,7 @@ def _documents(mask: Tensor | None) -> Tensor | None:
     return mask
 
 
-def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kernels: Kernels) -> Tensor:
     """[Note: all-gather of K and V]: q[B, H, T/cp, Dh] over k, v gathered to [B, Hkv, T, Dh];
     ``mask`` None (causal) or the documents doc[B, T] ([Note: documents under context parallelism])."""
     doc = _documents(mask)
@@ -223,32 +230,27 @@ def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     v = _in_sequence_order(_GatherSequence.apply(v, group), cp, layout.balanced)
     # [Note: the causal mask off the fused kernels]: recomputed in backward rather than kept; a
     # document mask is built and recomputed on every device
-    plain = _fused(q) and doc is None
+    plain = kernels.fuses_causal(q) and doc is None
     run = _chunk_attention if plain else _checkpointed_chunk_attention
     positions = layout.positions(q.shape[2]).to(q.device)
     out = []
     for first, n, keys in layout.query_chunks(q.shape[2]):
         docs = () if doc is None else (doc[:, positions[first:first + n]], doc[:, :keys])
-        out.append(run(q[:, :, first:first + n], k[:, :, :keys], v[:, :, :keys], *docs))
+        out.append(run(q[:, :, first:first + n], k[:, :, :keys], v[:, :, :keys], *docs, kernels=kernels))
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
-def _attend_ring(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def _attend_ring(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                 kernels: Kernels) -> Tensor:
     """[Note: ring attention]: q[B, H, T/cp, Dh] over every rank's k, v[B, Hkv, T/cp, Dh] in turn."""
     doc = _documents(mask)
     if doc is not None:  # each rank's tokens' documents, [B, cp, T/cp]
         doc = doc[:, layout.every_rank(q.shape[2]).to(doc.device)]
-    return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced, documents=doc)
+    return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced, documents=doc, kernels=kernels)
 
 
-def _fused(q: Tensor) -> bool:
-    """Whether the attention kernels apply ``causal_lower_right`` without building it (CUDA's flash).
-    The planner, simulating a GPU step on CPU fake tensors, replaces it with True."""
-    return q.device.type == "cuda"
-
-
-def _chunk_attention(q: Tensor, k: Tensor, v: Tensor, q_doc: Tensor | None = None,
-                     k_doc: Tensor | None = None) -> Tensor:
+def _chunk_attention(q: Tensor, k: Tensor, v: Tensor, q_doc: Tensor | None = None, k_doc: Tensor | None = None,
+                     kernels: Kernels = BY_DEVICE) -> Tensor:
     """q[B, H, n, Dh] over the keys k, v[B, Hkv, keys, Dh] up to its chunk's end, causal at the bottom
     right: torch's ``causal_lower_right`` on CUDA (the flash kernel applies it unbuilt); elsewhere
     the same mask built here as bools, since torch would build it anyway, and a tensor subclass
@@ -256,19 +258,21 @@ def _chunk_attention(q: Tensor, k: Tensor, v: Tensor, q_doc: Tensor | None = Non
     tracker). With documents (q_doc[B, n], k_doc[B, keys]) a query also sees only its own
     document's keys: the mask [B, 1, n, keys], built here."""
     n, keys = q.shape[2], k.shape[2]
-    if _fused(q) and q_doc is None:
-        mask = causal_lower_right(n, keys)
+    if kernels.fuses_causal(q) and q_doc is None:
+        # fake tensors cannot become the CausalBias subclass: the simulation attends unmasked, which
+        # saves what the GPU's causal kernel saves ([Note: context parallel attention on fake tensors])
+        mask = None if kernels.fake else causal_lower_right(n, keys)
     else:
         mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - n)
         if q_doc is not None:  # [Note: masked grouped-query attention on CUDA]
             mask = mask & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1)).unsqueeze(1)  # [B, 1, n, keys]
-            return masked_attention(q, k, v, mask)
+            return masked_attention(q, k, v, mask, kernels)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def _checkpointed_chunk_attention(*args: Tensor | None) -> Tensor:
+def _checkpointed_chunk_attention(*args: Tensor | None, kernels: Kernels) -> Tensor:
     """``_chunk_attention`` whose mask lives only during its call: [Note: the causal mask off the fused kernels]."""
-    return checkpoint(_chunk_attention, *args, use_reentrant=False)
+    return checkpoint(_chunk_attention, *args, kernels=kernels, use_reentrant=False)
 
 
 class _GatherSequence(torch.autograd.Function):

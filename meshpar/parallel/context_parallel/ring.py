@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpar.distributed import comm
+from meshpar.models.attention import BY_DEVICE, Kernels
 
 # [Note: ring attention]
 # Forward runs cp steps: at step s rank r attends its queries to the K/V of rank (r - s) mod cp
@@ -51,29 +52,32 @@ def score_elements(device: torch.device) -> int:
     """The most scores a block of queries against one key chunk holds on ``device``."""
     return SCORE_ELEMENTS_CUDA if device.type == "cuda" else SCORE_ELEMENTS
 
-# The planner (meshpar/planner/simulate.py) runs one block per (query chunk, key chunk) pair: on fake
-# tensors the values do not matter, a block's scores are transient (the peak holds one block at a
-# time) and the hops do not depend on the blocks, so memory and bytes are the same; at 131072 tokens
-# real blocks would be ~10^5 fake matmuls per layer, too slow to plan.
-_one_block_per_pair = False
+# With ``Kernels.fake`` (the planner's simulation) a (query chunk, key chunk) pair runs as one block,
+# its largest: on fake tensors the values do not matter, a block's scores are transient (the peak
+# holds one block at a time) and the hops do not depend on the blocks, so memory and bytes are the
+# same; at 131072 tokens real blocks would be ~10^5 fake matmuls per layer, too slow to plan.
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, *, balanced: bool,
-                   documents: Tensor | None = None) -> Tensor:
+                   documents: Tensor | None = None, kernels: Kernels = BY_DEVICE) -> Tensor:
     """Causal attention of this cp rank's q[B, H, T/cp, Dh] over the whole sequence's keys, its own
     k, v[B, Hkv, T/cp, Dh] passed around ``mesh`` (1-D, ``cp``): [Note: ring attention]. With
     ``documents`` (doc[B, cp, T/cp]: row r the documents of the tokens cp rank r holds) a query sees
     only its own document's keys ([Note: documents under context parallelism] in
     meshpar/parallel/context_parallel/apply.py)."""
-    return _RingAttention.apply(q, k, v, documents, _Ring(mesh, balanced))
+    return _RingAttention.apply(q, k, v, documents, _Ring(mesh, balanced, kernels))
 
 
 class _Ring:
     """This rank's place in the cp ring and the chunks every rank holds."""
 
-    def __init__(self, mesh: DeviceMesh, balanced: bool) -> None:
+    def __init__(self, mesh: DeviceMesh, balanced: bool, kernels: Kernels = BY_DEVICE) -> None:
         self.group, self.cp, self.rank, self.balanced = mesh.get_group(), mesh.size(), mesh.get_local_rank(), balanced
+        self.kernels = kernels
         self.next, self.prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+
+    def block_scores(self, device: torch.device) -> int:
+        return self.kernels.ring_scores or score_elements(device)
 
     def chunks(self, rank: int, local_len: int) -> list[tuple[int, int, int]]:
         """(chunk index in the sequence, first local token, tokens) of each chunk ``rank`` holds."""
@@ -93,7 +97,7 @@ class _Ring:
                     continue
                 block = max(1, elements // (heads * m))
                 starts = range(0, n, block)
-                if _one_block_per_pair:  # the planner's simulation: the pair's largest block
+                if self.kernels.fake:  # the planner's simulation: the pair's largest block
                     starts = [max(starts, key=lambda a: min(block, n - a) * (a + min(block, n - a) if ki == qi else m))]
                 for a in starts:
                     rows = min(block, n - a)
@@ -165,7 +169,7 @@ class _RingAttention(torch.autograd.Function):
                 hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
             src = (ring.rank - step) % ring.cp
             docs = _Documents(doc, ring.rank, src)
-            for qs, ks, diagonal in ring.pairs(src, tl, b * h, score_elements(q.device)):
+            for qs, ks, diagonal in ring.pairs(src, tl, b * h, ring.block_scores(q.device)):
                 s = _scores(_block(qg, qs), kv[0, :, ks], diagonal, acc, docs(qs, ks))  # [B Hkv, G rows, keys]
                 part_lse = torch.logsumexp(s, dim=-1)
                 shift = part_lse if doc is None else _finite(part_lse)
@@ -200,7 +204,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # dK, dV of the chunk in hand
             src = (ring.rank - step) % ring.cp
             docs = _Documents(ctx.doc, ring.rank, src)
-            for qs, ks, diagonal in ring.pairs(src, tl, b * h, score_elements(q.device)):
+            for qs, ks, diagonal in ring.pairs(src, tl, b * h, ring.block_scores(q.device)):
                 kb, vb, qb, dout = kv[0, :, ks], kv[1, :, ks], _block(qg, qs), _block(dog, qs)
                 # P [B Hkv, G rows, keys]; every row saw a key (itself), so L is finite and masked P is 0
                 p = _scores(qb, kb, diagonal, acc, docs(qs, ks)).sub_(_block(lse.unsqueeze(-1), qs)).exp_()
