@@ -47,8 +47,10 @@ from meshpar import CPUOffloadPolicy, fully_shard
 from meshpar import train as trainlib
 from meshpar.distributed import comm_record
 from meshpar.distributed import mesh as meshlib
+from meshpar.models.attention import BY_DEVICE
 from meshpar.parallel import activation_checkpoint as aclib
 from meshpar.runtime.process import init_process_group, rank_info
+from meshpar.training import loop as looplib
 from meshpar.training import step as steplib
 from meshpar.training.step import cross_entropy
 from tests.distributed import CaseSet
@@ -171,7 +173,7 @@ def _case_memory_snapshot(job: Job):
     """profile.profile_memory on cuda, with a real out-of-memory error in the first recorded step
     (profile wait 1, warmup 1, active 2: steps 3-4). Last of the job: the profiler leaves the
     allocator's history recording and its observer attached for the rest of the process."""
-    caught, step_fn = [], trainlib.train_step
+    caught, step_fn = [], looplib.train_step
 
     def step_after_running_out_of_memory(*args, **kwargs):
         if comm_record.current_step() == 3:
@@ -181,7 +183,7 @@ def _case_memory_snapshot(job: Job):
                 caught.append(comm_record.current_step())
         return step_fn(*args, **kwargs)
 
-    with mock.patch.object(trainlib, "train_step", step_after_running_out_of_memory):
+    with mock.patch.object(looplib, "train_step", step_after_running_out_of_memory):
         run = _run(job, "memory", "--profile.enable=true", "--profile.profile_memory=true")
     traces = job.tmp / "memory" / "traces"
     return {"caught": caught, "snapshots": {p.name: _snapshot_summary(p) for p in traces.glob("*.pickle")},
@@ -405,7 +407,7 @@ def test_context_parallel_chunks_on_the_fused_kernel_equal_causal_attention(cp, 
     ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True, enable_gqa=True)
     ref.backward(grad)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
-    assert cplib._fused(q.cuda())
+    assert BY_DEVICE.fuses_causal(q.cuda())
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(cp):
         layout = cplib._Layout(CpRank(cp, rank), balanced=True)

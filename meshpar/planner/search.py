@@ -10,7 +10,9 @@ the data-parallel ranks, or hybrid: sharded within a node, replicated across), m
 activation checkpointing, reshard_after_forward (without pipelining) and when gradients are
 reduced (``parallel.grad_reduce``, with several microbatches under FSDP), micro batch 1, 2 or
 4, that multiply to the GPU count, divide the model's dimensions (the family's own layout
-check) and split the global batch. None of them is trusted to arithmetic alone.
+check) and split the global batch: ``configs(layouts(...))``, each a flat product of the choices
+with filters, yields them as typed ``Choice``s, each applied to the parsed base recipe. None of
+them is trusted to arithmetic alone.
 
 [Note: branch and bound over dry runs]
 A candidate's predicted step is at least its compute time stretched by the pipeline bubble
@@ -41,15 +43,15 @@ import dataclasses
 import itertools
 import multiprocessing
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from meshpar.config import recipe as recipelib
 from meshpar.config.hardware import HardwareProfile
 from meshpar.config.recipe import Recipe, RecipeError
-from meshpar.distributed.mesh import resolve
+from meshpar.distributed.mesh import Layout, resolve
 from meshpar.models import get_family
 from meshpar.parallel.parallelize import check_mixed_precision
 from meshpar.parallel.pipeline import check_microbatches, stage_layers
@@ -57,14 +59,49 @@ from meshpar.planner.cost import _stage_flops_per_token, default_efficiency
 from meshpar.training.preflight import check_context_parallel
 
 AC_MODES = ("none", "selective", "full")
+GRAD_REDUCE = ("step", "microbatch")
 MICRO_BATCHES = (1, 2, 4)
 MIN_CP_TOKENS = 8192  # tokens of each sequence a cp rank keeps at least: [Note: which cp degrees the search tries]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One candidate's parallel config: its mesh and what each rank does on it."""
+
+    layout: Layout  # the degrees; ep splits dp_shard
+    micro_batch: int  # train.micro_batch
+    activation_checkpoint: str  # one of AC_MODES
+    reshard_after_forward: bool
+    grad_reduce: str  # one of GRAD_REDUCE
+
+    def overrides(self, dims: frozenset[str]) -> tuple[str, ...]:
+        """The recipe overrides that make it, in the table's order; ep and cp only where the
+        family runs them (``dims``, its ``mesh_dims``)."""
+        lay = self.layout
+        return (f"--parallel.tp={lay.tp}", f"--parallel.pp={lay.pp}", f"--parallel.dp_replicate={lay.dp_replicate}",
+                f"--parallel.dp_shard={lay.dp_shard}", *([f"--parallel.ep={lay.ep}"] if "ep" in dims else []),
+                f"--train.micro_batch={self.micro_batch}",
+                f'--parallel.activation_checkpoint="{self.activation_checkpoint}"',
+                f"--parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}",
+                f'--parallel.grad_reduce="{self.grad_reduce}"', *([f"--parallel.cp={lay.cp}"] if "cp" in dims else []))
+
+    def apply(self, base: Recipe, dims: frozenset[str]) -> Recipe:
+        """``base`` with this config: the recipe ``overrides`` load to, built from its sections."""
+        lay = self.layout
+        optional = {d: getattr(lay, d) for d in ("ep", "cp") if d in dims}
+        parallel = dataclasses.replace(base.parallel, tp=lay.tp, pp=lay.pp, dp_replicate=lay.dp_replicate,
+                                       dp_shard=lay.dp_shard, activation_checkpoint=self.activation_checkpoint,
+                                       reshard_after_forward=self.reshard_after_forward,
+                                       grad_reduce=self.grad_reduce, **optional)
+        return dataclasses.replace(base, parallel=parallel,
+                                   train=dataclasses.replace(base.train, micro_batch=self.micro_batch))
 
 
 @dataclass(frozen=True)
 class Candidate:
     overrides: tuple[str, ...]  # recipe overrides that make it
     bound: float  # tokens/s no dry run of it can exceed: [Note: branch and bound over dry runs]
+    recipe: Recipe = field(compare=False, repr=False)  # the search's base recipe with them applied
 
 
 @dataclass(frozen=True)
@@ -100,52 +137,69 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def layouts(gpus: int, gpus_per_node: int, seq_len: int, args, dims: frozenset[str]) -> Iterator[Layout]:
+    """Every mesh of ``gpus`` ranks the search tries, tp slowest, then cp, pp, dp_replicate, ep.
+    A dim the family does not run (``dims``) stays 1; tp divides the GPUs per node; cp as
+    [Note: which cp degrees the search tries]; pp at most 16 and at most half the blocks; the
+    rest is data parallel: dp_replicate 1, or hybrid (``_replicas``); ep, for a mixture-of-experts
+    family, divides dp_shard (it borrows its ranks from there; with replicas the experts are
+    hybrid-sharded over dp_replicate x dp_shard / ep, Mesh.sparse) and the expert count."""
+    tps = [d for d in _divisors(gpus_per_node) if d == 1 or "tp" in dims]
+    pps = [d for d in _divisors(gpus) if d <= min(16, args.n_layers // 2) and (d == 1 or "pp" in dims)]
+    eps = _divisors(gpus) if "ep" in dims else [1]
+    for tp, cp, pp, replicate, ep in itertools.product(tps, _cp_degrees(gpus, seq_len, "cp" in dims), pps,
+                                                       _divisors(gpus), eps):
+        if gpus % (tp * cp * pp):
+            continue
+        dp = gpus // (tp * cp * pp)
+        if replicate in (1, _replicas(dp, gpus_per_node // (tp * cp))) and (dp // replicate) % ep == 0 and (
+                ep == 1 or args.n_experts % ep == 0):
+            yield Layout(pp=pp, dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp, ep=ep)
+
+
+def configs(meshes: Iterable[Layout], global_batch: int) -> Iterator[Choice]:
+    """Every parallel config the search tries on ``meshes``, in its order: mesh, micro batch,
+    checkpointing, resharding, when gradients reduce. Each micro batch splits the global batch
+    over dp; not resharding after forward only without pipelining (pipeline units keep their
+    parameters gathered anyway) and reducing every microbatch only with several, and either only
+    where FSDP shards (dp_shard > 1)."""
+    for layout, mb, ac, reshard, reduce in itertools.product(meshes, MICRO_BATCHES, AC_MODES, (True, False),
+                                                             GRAD_REDUCE):
+        if global_batch % (layout.dp * mb):
+            continue
+        sharded = layout.dp_shard > 1
+        n = global_batch // (layout.dp * mb)  # microbatches per step
+        if (reshard or (layout.pp == 1 and sharded)) and (reduce == "step" or (n > 1 and sharded)):
+            yield Choice(layout, mb, ac, reshard, reduce)
+
+
 def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_node: int,
                efficiency: float | None) -> list[Candidate]:
-    """Every layout of ``base`` (overrides naming model, sequence and global batch) on ``gpus``,
-    best bound first; among equal bounds, the smaller memory first (``_lighter``)."""
+    """Every config of ``base`` (overrides naming model, sequence and global batch) on ``gpus``
+    that the family's and the planner's own checks accept, best bound first; among equal
+    bounds, the smaller memory first (``_memory_key``)."""
     recipe = recipelib.load(None, base)
     family = get_family(recipe.model.family)
     args = family.model_args(recipe.model)
-    t = recipe.train
+    t, dims = recipe.train, family.mesh_dims
     out = []
-    dims = family.mesh_dims
-    tps = [d for d in _divisors(gpus_per_node) if gpus % d == 0 and (d == 1 or "tp" in dims)]
-    for tp, cp in [(d, c) for d in tps for c in _cp_degrees(gpus // d, t.seq_len, "cp" in dims)]:
-        for pp in [d for d in _divisors(gpus // (tp * cp)) if d <= args.n_layers // 2 and d <= 16
-                   and (d == 1 or "pp" in dims)]:
-            dp = gpus // (tp * cp * pp)
-            shard_in_node = max(1, gpus_per_node // (tp * cp))
-            hybrids = [1] + ([dp // shard_in_node] if dp > shard_in_node and dp % shard_in_node == 0 else [])
-            for replicate, ep in _with_ep(hybrids, dp, args, "ep" in dims):
-                for mb in MICRO_BATCHES:
-                    if t.global_batch % (dp * mb):
-                        continue
-                    n = t.global_batch // (dp * mb)
-                    for ac in AC_MODES:
-                        sharded = dp // replicate > 1
-                        for reshard, reduce in itertools.product(
-                                (True, False) if pp == 1 and sharded else (True,),
-                                ("step", "microbatch") if n > 1 and sharded else ("step",)):
-                            layout = [f"--parallel.tp={tp}", f"--parallel.pp={pp}",
-                                      f"--parallel.dp_replicate={replicate}", f"--parallel.dp_shard={dp // replicate}",
-                                      *([f"--parallel.ep={ep}"] if "ep" in dims else []),
-                                      f"--train.micro_batch={mb}", f'--parallel.activation_checkpoint="{ac}"',
-                                      f"--parallel.reshard_after_forward={str(reshard).lower()}",
-                                      f'--parallel.grad_reduce="{reduce}"',
-                                      *([f"--parallel.cp={cp}"] if "cp" in dims else [])]
-                            try:
-                                cand = recipelib.load(None, [*base, *layout])
-                                family.check_layout(args, resolve(cand.parallel, gpus))
-                                check_mixed_precision(cand.parallel, resolve(cand.parallel, gpus))
-                                if cp > 1:
-                                    check_context_parallel(cand, resolve(cand.parallel, gpus))
-                                if pp > 1:
-                                    check_microbatches("1f1b", n, pp, local_batch=t.global_batch // dp)
-                            except RecipeError:
-                                continue
-                            bound = _bound(args, cand, pp, tp, cp, dp, n, profile, gpus_per_node, efficiency)
-                            out.append(Candidate(tuple(layout), bound))
+    for choice in configs(layouts(gpus, gpus_per_node, t.seq_len, args, dims), t.global_batch):
+        lay = choice.layout
+        n = t.global_batch // (lay.dp * choice.micro_batch)
+        cand = choice.apply(recipe, dims)
+        try:
+            recipelib.check(cand)
+            layout = resolve(cand.parallel, gpus)
+            family.check_layout(args, layout)
+            check_mixed_precision(cand.parallel, layout)
+            if lay.cp > 1:
+                check_context_parallel(cand, layout)
+            if lay.pp > 1:
+                check_microbatches("1f1b", n, lay.pp, local_batch=t.global_batch // lay.dp)
+        except RecipeError:
+            continue
+        bound = _bound(args, cand, lay.pp, lay.tp, lay.cp, lay.dp, n, profile, gpus_per_node, efficiency)
+        out.append(Candidate(choice.overrides(dims), bound, cand))
     return sorted(out, key=lambda c: (-round(c.bound, 6), _memory_key(c.overrides)))
 
 
@@ -159,13 +213,11 @@ def _cp_degrees(ranks: int, seq_len: int, allowed: bool) -> list[int]:
     return out
 
 
-def _with_ep(hybrids: list[int], dp: int, args, moe: bool) -> list[tuple[int, int]]:
-    """(dp_replicate, ep) pairs: for a mixture-of-experts family, every ep that divides dp_shard and
-    the expert count (ep borrows its ranks from dp_shard; with replicas the experts are
-    hybrid-sharded over dp_replicate x dp_shard / ep, Mesh.sparse)."""
-    if not moe:
-        return [(r, 1) for r in hybrids]
-    return [(r, ep) for r in hybrids for ep in _divisors(dp // r) if args.n_experts % ep == 0]
+def _replicas(dp: int, in_node: int) -> int:
+    """dp_replicate of the hybrid layout: FSDP over a node's ``in_node`` data-parallel ranks,
+    replicated across nodes; 1 where ``dp`` does not fill whole nodes."""
+    in_node = max(1, in_node)
+    return dp // in_node if dp > in_node and dp % in_node == 0 else 1
 
 
 def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, profile: HardwareProfile,
@@ -184,8 +236,10 @@ def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, pro
     gbps = profile.intra_node_gbps if tp <= gpus_per_node else profile.inter_node_gbps
     cp_gbps = profile.intra_node_gbps if gpus_per_node % (cp * tp) == 0 else profile.inter_node_gbps
     local = t.micro_batch * t.seq_len // cp  # a microbatch's tokens on one rank
-    hop = 2 * local * args.n_kv_heads // tp * args.resolved_head_dim * itemsize  # a rank's K and V (or dK, dV)
-    kv = hop if p.cp_attention == "ring" and cp > 1 else 2 * hop * (cp - 1)
+    kv = 0.0  # K and V bytes a rank receives per block: none without cp (gpt2's args have no n_kv_heads)
+    if cp > 1:
+        hop = 2 * local * args.n_kv_heads // tp * args.resolved_head_dim * itemsize  # a rank's K and V (or dK, dV)
+        kv = hop if p.cp_attention == "ring" else 2 * hop * (cp - 1)
     worst = 0.0
     for i, layers in enumerate(stage_layers(args.n_layers, pp)):
         executed = _stage_flops_per_token(args, layers, i == pp - 1, p.activation_checkpoint, p.ac_every,
@@ -236,12 +290,12 @@ def _needs_more(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     return _same_layout(a, b) and all(x >= y for x, y in zip(ka, kb, strict=True))
 
 
-def evaluate(base: list[str], overrides: tuple[str, ...], gpus: int, profile: HardwareProfile,
+def evaluate(recipe: Recipe, overrides: tuple[str, ...], gpus: int, profile: HardwareProfile,
              gpus_per_node: int, efficiency: float | None) -> Result:
-    """One candidate's dry run (in a worker process: it joins a fake process group of its own)."""
+    """One candidate's dry run (in a worker process: it joins a fake process group of its own);
+    ``overrides`` made ``recipe`` from the search's base and name it in the result."""
     from meshpar.planner.dry_run import plan
 
-    recipe = recipelib.load(None, [*base, *overrides])
     try:
         p = plan(recipe, gpus, profile, gpus_per_node=gpus_per_node, efficiency=efficiency)
     except RecipeError as e:
@@ -284,7 +338,7 @@ def search(base: list[str], gpus: int, profile: HardwareProfile, *, gpus_per_nod
                 if any(not r.fits and not r.error and _needs_more(c.overrides, r.overrides) for r in results):
                     skipped += 1  # a lighter variant of the same layout did not fit
                     continue
-                pending[pool.submit(evaluate, base, c.overrides, gpus, profile, gpus_per_node, efficiency)] = c
+                pending[pool.submit(evaluate, c.recipe, c.overrides, gpus, profile, gpus_per_node, efficiency)] = c
             if not pending:
                 break
             done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
