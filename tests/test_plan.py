@@ -54,12 +54,11 @@ def _header_figures(path: Path) -> tuple[list[str], str]:
     return peaks, re.search(r"([\d,]+) tokens/s", head).group(1)
 
 
-def _check_recipe(name: str, budget_s: float = 120) -> None:
+def _check_recipe(name: str) -> None:
     path = RECIPES / f"{name}.toml"
-    code, out, err, plan, seconds = _run(str(path))
+    code, out, err, plan, _ = _run(str(path))  # how long it takes: --durations, not an assertion
     assert code == 0, err
     assert "fits: peak" in out and "tokens/s" in out and "MFU" in out
-    assert seconds < budget_s, f"the dry run of {name} took {seconds:.0f} s"
     peaks, tokens = _header_figures(path)
     assert peaks == [f"{r.peak_bytes / GIB:,.2f}" for r in plan.ranks], "re-run meshpar plan; update the header"
     assert tokens == f"{plan.time.tokens_per_s:,.0f}", "re-run meshpar plan; update the header"
