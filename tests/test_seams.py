@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +120,54 @@ def test_forward_is_unchanged_by_the_slots():
                                                            is_causal=True)
     torch.testing.assert_close(block.inner_attention(q, k, v, None), ref)
     assert torch.isfinite(logits).all()
+
+
+def _functions() -> dict[tuple[str, str], int]:
+    """Identity of every function, class and class attribute bound in a loaded meshpar or torch module."""
+    out = {}
+    for modname, module in list(sys.modules.items()):
+        if module is None or modname.split(".")[0] not in ("meshpar", "torch"):
+            continue
+        for name, value in list(vars(module).items()):
+            if not callable(value):
+                continue
+            out[(modname, name)] = id(value)
+            if isinstance(value, type) and vars(value).get("__module__") == modname:  # its methods, where defined
+                for attr, member in list(vars(value).items()):
+                    if callable(member) or isinstance(member, (staticmethod, classmethod, property)):
+                        out[(modname, f"{name}.{attr}")] = id(member)
+    return out
+
+
+@pytest.mark.parametrize("recipe,world,hardware,overrides", [
+    ("qwen3_moe_debug_ep", 8, "h100_sxm", ["--parallel.tp=2"]),  # ep routing, DTensor shapes under tp, NCCL buffers
+    ("llama_debug_cp", 4, "cpu", []),  # cp attention kernels, gloo buffers
+])
+def test_the_planners_simulated_step_changes_no_module(recipe, world, hardware, overrides, monkeypatch):
+    """``meshpar plan`` passes its options down (slots, Kernels, context managers): during its
+    simulated step and after it, every module of meshpar and torch holds the same objects."""
+    from meshpar.config.hardware import load_profile
+    from meshpar.config.recipe import load
+    from meshpar.planner import dry_run, simulate
+
+    real_step = simulate.train_step
+    before = _functions()
+    during = []
+
+    def step(*args, **kwargs):  # the one attribute this test replaces, excluded below
+        during.append(_functions())
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(simulate, "train_step", step)
+    device = "cpu" if hardware == "cpu" else "cuda"
+    path = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.toml"
+    plan = dry_run.plan(load(path, overrides), world, load_profile(hardware, device))
+    monkeypatch.undo()
+    after = _functions()
+    assert plan.ranks[0].peak_bytes > 0 and during
+    # this test's own replacement; torch's MemTracker (the tracker's base) follows storage resizes by
+    # wrapping UntypedStorage.resize_ while it tracks, as it does under `meshpar profile`
+    allowed = {("meshpar.planner.simulate", "train_step"), ("torch.storage", "UntypedStorage.resize_")}
+    for snapshot in (*during, after):
+        changed = sorted(k for k, v in before.items() if k in snapshot and snapshot[k] != v and k not in allowed)
+        assert not changed, changed

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -257,6 +257,23 @@ def clear_dtensor_caches() -> None:
     torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ fast path's own cache
 
 
+# --- DTensor's shape propagation under a fake mode -------------------------------------------------------
+
+@contextlib.contextmanager
+def dtensor_shapes_in_own_fake_mode() -> Iterator[None]:
+    """DTensor finds each op's output shapes by running it on fake tensors of the global shapes, in
+    the fake mode ``torch._guards.detect_fake_mode()`` returns (else a new one). In this block that
+    is a mode of its own: under a FakeTensorMode of the caller's, those ops stay out of what the
+    caller's dispatch modes see ([Note: DTensor's shape propagation is not memory] in
+    meshpar/planner/simulate.py). Mechanism: a ``TracingContext`` holding that mode, which
+    ``detect_fake_mode`` consults first. Public alternative: none."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tracing(TracingContext(FakeTensorMode())):
+        yield
+
+
 # --- imported on first use ------------------------------------------------------------------------------
 # name -> (module, attribute). Why meshpar needs each:
 # - MemTracker and its enums / weakref record (torch.distributed._tools.mem_tracker): the base of
@@ -266,9 +283,6 @@ def clear_dtensor_caches() -> None:
 #   Public alternative: none (torch.export uses it internally).
 # - FakeStore: ``meshpar plan``'s dry run joins a "fake" process group, whose collectives return at
 #   once. Public alternative: none outside torch.testing.
-# - dtensor_sharding_prop, the module: the simulation patches its ``detect_fake_mode`` so DTensor's
-#   global-shape propagation stays out of the tracked memory ([Note: DTensor's shape propagation is
-#   not memory] in meshpar/planner/simulate.py). Public alternative: none.
 _LAZY: dict[str, tuple[str, str | None]] = {
     "MemTracker": ("torch.distributed._tools.mem_tracker", "MemTracker"),
     "MemRefType": ("torch.distributed._tools.mem_tracker", "_MemRefType"),
@@ -277,7 +291,6 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "WeakRefInfo": ("torch.distributed._tools.mem_tracker", "_WeakRefInfo"),
     "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
-    "dtensor_sharding_prop": ("torch.distributed.tensor._sharding_prop", None),
 }
 
 
@@ -357,7 +370,8 @@ REQUIRED: dict[str, str] = {
         "meshpar plan: a fresh DTensor cache per (fake) world",
     "torch.distributed.tensor._redistribute._gen_transform_infos.cache_clear": "meshpar plan: a fresh DTensor cache",
     "torch._C._clear_DTensor_sharding_propagator_cache": "meshpar plan: a fresh DTensor cache",
-    "torch.distributed.tensor._sharding_prop.detect_fake_mode": "meshpar plan's memory simulation",
+    "torch._guards.TracingContext": "meshpar plan's memory simulation: DTensor's shapes in a fake mode of their own",
+    "torch._guards.tracing": "meshpar plan's memory simulation: DTensor's shapes in a fake mode of their own",
     "torch._subclasses.fake_tensor.FakeTensorMode": "meshpar plan's memory simulation (planner/simulate.py)",
     "torch.testing._internal.distributed.fake_pg.FakeStore": "meshpar plan's dry run (planner/dry_run.py)",
     f"{_MT}.MemTracker": _MEMORY,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from meshpar.distributed.comm_record import FlightEntry, comm_buffers, forced, record_collective
+from meshpar.distributed.comm_record import FlightEntry, comm_buffers, forced, native_layout, record_collective
 
 # [Note: reduce-scatter on gloo]
 # gloo implements reduce-scatter as an all-reduce of the whole input followed by a local slice:
@@ -87,9 +87,10 @@ class ReduceScatterInput:
     """The input of one reduce-scatter over ``n`` ranks, laid out for the backend that runs it.
 
     Rows are the ``n`` chunks of ``per_rank`` elements, row ``i`` bound for rank ``i``. On
-    NCCL (native reduce-scatter) the rows are one ``[n, per_rank]`` buffer. On gloo this
-    rank's own row is written straight into ``output`` and only the ``n - 1`` others are
-    buffered: see [Note: reduce-scatter on gloo]. Fill with ``copy_rows``, then call
+    NCCL (native reduce-scatter) the rows are one ``[n, per_rank]`` buffer. On gloo this rank's
+    own row is written straight into ``output`` and only the ``n - 1`` others are buffered: see
+    [Note: reduce-scatter on gloo] and, for the switch to the native layout, [Note: the native
+    reduce-scatter layout]. Fill with ``copy_rows``, then call
     ``reduce_scatter_rows``; the summed chunk lands in ``output``.
     """
 
@@ -99,8 +100,8 @@ class ReduceScatterInput:
         both buffers and gets the plain ``[n, per_rank]`` layout."""
         self.n, self.rank, self.per_rank = dist.get_world_size(group), dist.get_rank(group), per_rank
         self.custom = custom
-        self.exchange = custom is None and self.n > 1 and (dist.get_backend(group) == "gloo"
-                                                           or torch.device(device).type == "cpu")
+        self.exchange = custom is None and self.n > 1 and not native_layout() and (
+            dist.get_backend(group) == "gloo" or torch.device(device).type == "cpu")
         self.shortcut = self.n == 1 and custom is None and not forced()  # the row is the output
         rows = self.n - 1 if self.exchange else self.n
         with comm_buffers():

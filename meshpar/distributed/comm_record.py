@@ -83,6 +83,31 @@ def forced() -> bool:
     return _forced
 
 
+# [Note: the native reduce-scatter layout]
+# A reduce-scatter's input is laid out for the backend that runs it (``comm.ReduceScatterInput``):
+# one [n, per_rank] buffer for a native reduce-scatter (NCCL), the n - 1 other rows beside the
+# output on gloo or CPU tensors ([Note: reduce-scatter on gloo]). ``native_reduce_scatter()`` picks
+# the native layout whatever the backend: ``meshpar plan`` simulates an NCCL step on CPU fake tensors.
+_native_layout = False
+
+
+@contextlib.contextmanager
+def native_reduce_scatter(enabled: bool = True) -> Iterator[None]:
+    """Reduce-scatter inputs created in this block take the native (NCCL) layout; see [Note: the
+    native reduce-scatter layout]."""
+    global _native_layout
+    before, _native_layout = _native_layout, enabled
+    try:
+        yield
+    finally:
+        _native_layout = before
+
+
+def native_layout() -> bool:
+    """Whether reduce-scatter inputs take the native layout on any backend (``native_reduce_scatter``)."""
+    return _native_layout
+
+
 @dataclass(eq=False)  # compared by identity: nested count() blocks must each remove their own
 class CommCounter:
     """Calls and bytes per (collective, mesh dim), for one ``count()`` block."""

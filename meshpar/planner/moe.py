@@ -1,7 +1,7 @@
-"""A mixture-of-experts step on fake tensors: routing replaced by a balanced one, in the simulation only.
+"""A mixture-of-experts step on fake tensors: balanced routing, in the planner's own model only.
 
-    with balanced_routing(stage):     # inside simulate()'s FakeTensorMode
-        train_step(...)
+    balance_routing(stage)     # the planner's stage, built on meta for the simulation
+    train_step(...)            # inside simulate()'s FakeTensorMode
 
 Limits: the planned memory is a balanced step's. A real step's busiest expert holds more rows than
 the mean (its grouped-matmul activations grow with its load, and under ep its rank receives more):
@@ -11,9 +11,6 @@ Notes: [Note: the planner routes tokens evenly].
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -30,12 +27,12 @@ from meshpar.parallel import expert_parallel as eplib
 # routing the load-balancing loss aims at: each expert gets ``N * top_k / E`` of a forward's token
 # slots (the remainder to the first experts); each ep rank sends ``1/ep`` of its slots to every rank.
 # The routing itself (router matmul, softmax, top-k, gate weights, the sort, the auxiliary loss) runs
-# unchanged; only what reads values is replaced: ``torch.bincount`` by the balanced counts; the
-# grouped matmul by one ``bmm`` over ``[E, S/E, D]`` when E divides S (it saves x and w, as CUDA's
-# grouped kernel does; the CPU loop's ``cat`` would add a copy no GPU makes), else a loop on the
-# balanced splits; the ep dispatch by the same two all-to-alls (counted on ``ep`` by
-# ``meshpar.distributed.comm``) and permutations, on those splits; a capacity drop by keeping every
-# slot (balanced loads never exceed a capacity factor >= 1).
+# unchanged; only what reads values is replaced, through the layers' slots: ``MoE.slots`` counts
+# balanced slots and keeps every slot at a capacity drop (balanced loads never exceed a capacity
+# factor >= 1); ``Experts.dispatch`` runs the grouped matmul as one ``bmm`` over ``[E, S/E, D]`` when
+# E divides S (it saves x and w, as CUDA's grouped kernel does; the CPU loop's ``cat`` would add a
+# copy no GPU makes), else a loop on the balanced splits, and under ep the same two all-to-alls
+# (counted on ``ep`` by ``meshpar.distributed.comm``) and permutations, on those splits.
 
 
 def _balanced(slots: int, experts: int) -> list[int]:
@@ -44,8 +41,14 @@ def _balanced(slots: int, experts: int) -> list[int]:
     return [base + (e < extra) for e in range(experts)]
 
 
-def _bincount(input: Tensor, weights: Tensor | None = None, minlength: int = 0) -> Tensor:
-    return torch.tensor(_balanced(input.numel(), minlength), dtype=torch.long, device=input.device)
+class _BalancedSlots(moelib.ChosenSlots):
+    """Balanced counts; no slot over capacity."""
+
+    def count(self, flat: Tensor, n_experts: int) -> Tensor:
+        return torch.tensor(_balanced(flat.numel(), n_experts), dtype=torch.long, device=flat.device)
+
+    def drop_over_capacity(self, order: Tensor, flat: Tensor, counts: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
+        return order, counts
 
 
 def _grouped_mm(x: Tensor, w: Tensor, counts: Tensor, kernel: str = "auto") -> Tensor:
@@ -55,6 +58,13 @@ def _grouped_mm(x: Tensor, w: Tensor, counts: Tensor, kernel: str = "auto") -> T
         return torch.bmm(x.view(e, s // e, x.shape[1]), w).view(s, w.shape[2])
     runs = x.split(_balanced(s, e))
     return torch.cat([run @ w[i] for i, run in enumerate(runs)])
+
+
+class _BalancedLocalExperts(moelib.LocalExperts):
+    """``LocalExperts`` on balanced runs."""
+
+    def __call__(self, experts: moelib.Experts, x: Tensor, counts: Tensor) -> Tensor:
+        return moelib.swiglu_experts(x, experts.w1, experts.w2, experts.w3, counts, experts.kernel, mm=_grouped_mm)
 
 
 class _BalancedDispatch(eplib.ExpertParallelDispatch):
@@ -73,31 +83,18 @@ def _dispatch(experts: moelib.Experts, mesh, layer: int, x: Tensor, counts: Tens
     splits = _balanced(x.shape[0], n)  # sent to each rank; received from each, as many
     received = comm.all_to_all_rows(x, splits, splits, group, dim=dim, label=f"moe.dispatch[{layer}]")
     order = torch.arange(received.shape[0], device=x.device).flip(0)  # a permutation, as the real one
-    y = moelib.swiglu_experts(received[order], w1, w2, w3, recv_counts.view(n, local).sum(0), experts.kernel)
+    y = moelib.swiglu_experts(received[order], w1, w2, w3, recv_counts.view(n, local).sum(0), experts.kernel,
+                                mm=_grouped_mm)
     return comm.all_to_all_rows(y[order.argsort()], splits, splits, group, dim=dim, label=f"moe.combine[{layer}]")
 
 
-@contextlib.contextmanager
-def balanced_routing(stage: nn.Module) -> Iterator[None]:
-    """[Note: the planner routes tokens evenly] for ``stage``'s MoE layers, while the context lasts."""
-    layers = stage.moe_layers() if hasattr(stage, "moe_layers") else []
-    if not layers:
-        yield
-        return
-    saved_bincount = torch.bincount
-    saved = moelib.grouped_mm, moelib.MoE._drop_over_capacity
-    rebound = []
-    for moe in layers:  # the experts' dispatch slot, as expert parallelism filled it
+def balance_routing(stage: nn.Module) -> None:
+    """Fill the slots of ``stage``'s MoE layers for [Note: the planner routes tokens evenly]. For the
+    planner's own model: a stage built for the simulation and dropped after it."""
+    for moe in stage.moe_layers() if hasattr(stage, "moe_layers") else []:
+        moe.slots = _BalancedSlots()
         ep = moe.experts.dispatch
-        if isinstance(ep, eplib.ExpertParallelDispatch):
-            rebound.append((moe.experts, ep))
+        if isinstance(ep, eplib.ExpertParallelDispatch):  # as expert parallelism filled it
             moe.experts.dispatch = _BalancedDispatch(ep.mesh, ep.layer)
-    torch.bincount, moelib.grouped_mm = _bincount, _grouped_mm
-    moelib.MoE._drop_over_capacity = lambda self, order, flat, counts, slots: (order, counts)
-    try:
-        yield
-    finally:
-        torch.bincount = saved_bincount
-        moelib.grouped_mm, moelib.MoE._drop_over_capacity = saved
-        for experts, ep in rebound:
-            experts.dispatch = ep
+        else:
+            moe.experts.dispatch = _BalancedLocalExperts()

@@ -32,20 +32,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshpar.config.recipe import Recipe
-from meshpar.distributed import comm, comm_record
-from meshpar.distributed._torch import FakeTensorMode
-from meshpar.distributed._torch import dtensor_sharding_prop as sharding_prop
-from meshpar.distributed.comm_record import comm_buffers
+from meshpar.distributed import comm_record
+from meshpar.distributed._torch import FakeTensorMode, dtensor_shapes_in_own_fake_mode
 from meshpar.distributed.mesh import DIMS, Mesh
 from meshpar.fsdp import FSDPModule
 from meshpar.models.attention import Kernels, use_kernels
 from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.parallel.pipeline import Stage
-from meshpar.planner.moe import balanced_routing
+from meshpar.planner.moe import balance_routing
 from meshpar.profiling.memory import AllocationTracker
 from meshpar.training.step import GradSync, Microbatch, Model, cross_entropy, train_step
 
@@ -188,22 +185,6 @@ class _Tracker(AllocationTracker):
             ph.comm[(op, "pp" if dim == "extra" else dim)] += nbytes
 
 
-class _NcclReduceScatterInput(comm.ReduceScatterInput):
-    """The reduce-scatter input as NCCL runs it: all ``n`` rows in one buffer, no receive buffer
-    ([Note: reduce-scatter on gloo] describes the CPU path the fake tensors' device would pick)."""
-
-    def __init__(self, per_rank: int, group: dist.ProcessGroup, *, dtype: torch.dtype, device: torch.device,
-                 custom: Any = None):
-        if custom is not None:  # a user's reduce-scatter allocates its own buffers, in the same layout
-            super().__init__(per_rank, group, dtype=dtype, device=device, custom=custom)
-            return
-        self.n, self.rank, self.per_rank = dist.get_world_size(group), dist.get_rank(group), per_rank
-        self.exchange, self.custom, self.shortcut = False, None, self.n == 1
-        with comm_buffers():
-            self.output = torch.empty(per_rank, dtype=dtype, device=device)
-            self.send = None if self.shortcut else torch.empty(self.n, per_rank, dtype=dtype, device=device)
-
-
 # [Note: DTensor's shape propagation is not memory]
 # DTensor finds its output shapes by running each op on fake tensors of the *global* shapes, in
 # the fake mode it detects, which here is the simulation's own: the tracker would count a
@@ -231,19 +212,14 @@ def _kernels(nccl: bool) -> Kernels:
 
 
 @contextlib.contextmanager
-def _patched(nccl: bool) -> Iterator[None]:
-    """NCCL's reduce-scatter buffers when ``nccl``; DTensor's shape propagation in a fake mode of its own
+def _step_context(nccl: bool) -> Iterator[None]:
+    """NCCL's reduce-scatter buffers when ``nccl`` ([Note: the native reduce-scatter layout] in
+    meshpar/distributed/comm_record.py); DTensor's shape propagation in a fake mode of its own
     ([Note: DTensor's shape propagation is not memory])."""
-    original = (comm.ReduceScatterInput, sharding_prop.detect_fake_mode)
-    if nccl:
-        comm.ReduceScatterInput = _NcclReduceScatterInput
-    sharding_prop.detect_fake_mode = lambda *args: None
-    try:
-        with warnings.catch_warnings():  # MemTracker on ops that return None among their outputs
-            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
-            yield
-    finally:
-        comm.ReduceScatterInput, sharding_prop.detect_fake_mode = original
+    with comm_record.native_reduce_scatter(nccl), dtensor_shapes_in_own_fake_mode(), warnings.catch_warnings():
+        # MemTracker on ops that return None among their outputs
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+        yield
 
 
 def _steady_prefetch(stage: torch.nn.Module) -> None:
@@ -319,10 +295,11 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
     n_run = min(accum, 3 if layout.pp > 1 else 2)
     device = torch.device("cpu")
     sync = GradSync.of(mesh, p, recipe.optim)  # flattens Mesh.replicas on real tensors: not under the fake mode
-    with FakeTensorMode(allow_non_fake_inputs=True), _patched(nccl):
+    with FakeTensorMode(allow_non_fake_inputs=True), _step_context(nccl):
         for _, stage in stages:
             stage.to_empty(device=device)  # values are never read: no init_weights
             use_kernels(stage, _kernels(nccl))
+            balance_routing(stage)
             _steady_prefetch(stage)
         (index, stage), = stages  # one stage per rank (checked by the planner)
         tokens = torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long)
@@ -337,7 +314,7 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
         if layout.pp > 1:
             pipe = Stage(stage, index, layout.pp, device, mesh["pp"].get_group(), p.grad_reduce == "microbatch")
         phases: dict[str, Phase] = {}
-        with balanced_routing(stage), _Tracker(stage, groups=_groups(mesh)) as tracker:
+        with _Tracker(stage, groups=_groups(mesh)) as tracker:
             phase = _priced(tracker, phases)
             if pipe is not None:
                 model.pipeline = _OneAtATime(pipe, accum, received, grads, phase)

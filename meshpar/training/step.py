@@ -87,7 +87,7 @@ from meshpar.training.nonfinite import NonFiniteGuard
 # sent to each expert (``MoE.tokens_per_expert``, before any capacity drop). The step sums them
 # over its microbatches into ``expert_load[0]`` ([L_sparse, E], this rank), and into
 # ``expert_load[1]`` the slots over each expert's capacity ceil(capacity_factor * slots / E) in
-# that forward: those the model dropped (``MoE._drop_over_capacity`` keeps counts.clamp(max=
+# that forward: those the model dropped (``ChosenSlots.drop_over_capacity`` keeps counts.clamp(max=
 # capacity)). Device tensors, no host sync: train.py sums them over the data-parallel ranks and
 # reads them on the steps it logs, with the loss (meshpar.training.metrics.expert_load_fields). They are
 # counted after each forward, not read from the aux-free ``expert_load`` buffers, which activation
@@ -328,7 +328,7 @@ def count_expert_load(stage: torch.nn.Module, tokens: int) -> torch.Tensor:
     full = routed.new_zeros((2, len(where), routed.shape[1]))
     full[0, rows] = routed
     if moe.capacity_factor > 0:
-        capacity = math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.n_experts)  # as MoE._drop_over_capacity
+        capacity = moe.capacity(tokens * moe.top_k)
         full[1, rows] = (routed - capacity).clamp(min=0)
     return full
 

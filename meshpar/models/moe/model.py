@@ -45,7 +45,7 @@ from meshpar.models.moe.grouped import Kernel, grouped_mm
 # The auxiliary loss, the token counts and the aux-free loads are statistics of every token of one
 # forward. Under tensor (sequence) parallelism a rank's MoE layer sees only its slice of the
 # sequence, so meshpar/parallel/expert_parallel.py fills the layer's ``totals`` slot with sums
-# over the tp (and cp) ranks; the capacity drop stays per call (``_drop_over_capacity``).
+# over the tp (and cp) ranks; the capacity drop stays per call (``slots.drop_over_capacity``).
 
 # [Note: aux-free balancing]
 # DeepSeek-V3 (arXiv 2412.19437, section 2.1.2): a per-expert bias b is added to the routing scores
@@ -57,13 +57,14 @@ from meshpar.models.moe.grouped import Kernel, grouped_mm
 # sign(mean - load) does not change under that scaling.
 
 
-def swiglu_experts(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, counts: Tensor, kernel: Kernel = "auto") -> Tensor:
+def swiglu_experts(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, counts: Tensor, kernel: Kernel = "auto",
+                   mm: Callable[[Tensor, Tensor, Tensor, Kernel], Tensor] = grouped_mm) -> Tensor:
     """x[S, D] sorted by expert, counts[E]: run e @ w1[e]^T, w3[e]^T -> [S_e, F]; @ w2[e]^T -> [S_e, D].
     The experts' whole computation, for the stacked weights of all experts or of one rank's share
-    (meshpar/parallel/expert_parallel.py)."""
-    h = F.silu(grouped_mm(x, w1.transpose(1, 2), counts, kernel))
-    h = h * grouped_mm(x, w3.transpose(1, 2), counts, kernel)
-    return grouped_mm(h, w2.transpose(1, 2), counts, kernel)
+    (meshpar/parallel/expert_parallel.py). ``mm``: the per-expert matmul (the planner's reads no counts)."""
+    h = F.silu(mm(x, w1.transpose(1, 2), counts, kernel))
+    h = h * mm(x, w3.transpose(1, 2), counts, kernel)
+    return mm(h, w2.transpose(1, 2), counts, kernel)
 
 
 class LocalExperts:
@@ -81,6 +82,24 @@ class LocalTotals:
 
     def __call__(self, counts: Tensor, prob_sum: Tensor, n: int) -> tuple[Tensor, Tensor, int]:
         return counts, prob_sum, n
+
+
+class ChosenSlots:
+    """What fills ``MoE.slots`` by default: token slots per expert counted from the router's
+    choices, and the capacity drop (``capacity_factor`` in meshpar/models/moe/args.py). Both read
+    the choices' values; the planner's simulation, on fake tensors, fills the slot with balanced
+    counts instead (meshpar/planner/moe.py)."""
+
+    def count(self, flat: Tensor, n_experts: int) -> Tensor:
+        """flat[S] expert of each slot -> counts[E]."""
+        return torch.bincount(flat, minlength=n_experts)
+
+    def drop_over_capacity(self, order: Tensor, flat: Tensor, counts: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
+        """Keep each expert's first ``capacity`` slots in token order; dropped slots add nothing
+        (the token keeps its residual and its other experts)."""
+        starts = torch.cumsum(counts, 0) - counts  # first sorted position of each expert's run
+        rank = torch.arange(order.numel(), device=order.device) - starts[flat[order]]  # position within its run
+        return order[rank < capacity], counts.clamp(max=capacity)
 
 
 class Experts(nn.Module):
@@ -109,8 +128,9 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Token-choice top-k mixture of experts: out[t] = sum_{e in topk(t)} g_t[e] * expert_e(x[t]).
 
-    Slot: ``totals`` sums the routing statistics over the whole forward (``LocalTotals`` unless
-    tensor or context parallelism, which give a rank a slice of the sequence, filled it)."""
+    Slots: ``totals`` sums the routing statistics over the whole forward (``LocalTotals`` unless
+    tensor or context parallelism, which give a rank a slice of the sequence, filled it);
+    ``slots`` counts the slots per expert and drops those over capacity (``ChosenSlots``)."""
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
@@ -124,6 +144,7 @@ class MoE(nn.Module):
         self.aux_loss: Tensor | None = None  # unweighted [Note: load-balancing loss] of the last forward
         self.tokens_per_expert: Tensor | None = None  # [E] token slots routed, the last forward
         self.totals: Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor, int]] = LocalTotals()
+        self.slots: ChosenSlots = ChosenSlots()
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x[N, D] -> (probs[N, E] in >= fp32, chosen experts idx[N, k], gate weights[N, k] in x's dtype)."""
@@ -144,7 +165,7 @@ class MoE(nn.Module):
         # dispatch: the N * k token slots sorted by expert (stable: token order within an expert)
         flat = idx.flatten()  # slot s = t * k + j chose expert flat[s]
         order = flat.argsort(stable=True)  # [S]
-        counts = torch.bincount(flat, minlength=self.n_experts)  # [E], before any drop
+        counts = self.slots.count(flat, self.n_experts)  # [E], before any drop
         # over every token of the forward: [Note: routing statistics over the whole forward]
         total, prob_sum, n_total = self.totals(counts, probs.sum(0), n)
         self.tokens_per_expert = total.detach()
@@ -154,20 +175,16 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.expert_load += total.to(self.expert_load.dtype)
         if self.capacity_factor > 0:
-            order, counts = self._drop_over_capacity(order, flat, counts, n * k)
+            order, counts = self.slots.drop_over_capacity(order, flat, counts, self.capacity(n * k))
         tokens = order // k  # the token of each kept slot
         y = self.experts(x[tokens], counts)  # [S, D]
         y = y * gates.flatten()[order].unsqueeze(-1)
         # index_add in expert order, as Hugging Face's loop over experts sums them
         return torch.zeros_like(x).index_add_(0, tokens, y).reshape(shape)
 
-    def _drop_over_capacity(self, order: Tensor, flat: Tensor, counts: Tensor, slots: int) -> tuple[Tensor, Tensor]:
-        """Keep each expert's first ``capacity`` slots in token order; dropped slots add nothing
-        (the token keeps its residual and its other experts)."""
-        capacity = math.ceil(self.capacity_factor * slots / self.n_experts)
-        starts = torch.cumsum(counts, 0) - counts  # first sorted position of each expert's run
-        rank = torch.arange(order.numel(), device=order.device) - starts[flat[order]]  # position within its run
-        return order[rank < capacity], counts.clamp(max=capacity)
+    def capacity(self, slots: int) -> int:
+        """Slots each expert keeps of a call's ``slots`` ([Note: capacity factor])."""
+        return math.ceil(self.capacity_factor * slots / self.n_experts)
 
     def update_expert_bias(self, load: Tensor, rate: float) -> None:
         """[Note: aux-free balancing]: b += rate * sign(mean(load) - load); ``load[E]`` summed over
