@@ -62,8 +62,27 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {first}..{first + width - 1} after 200 tries")
 
 
+# [Note: ranks forked from a server that imported torch]
+# Importing torch costs a process about 2-3 s of CPU here (more under load), and the suite starts
+# well over a thousand ranks. So ranks come from multiprocessing's "forkserver": one server process
+# per pytest worker imports torch once (``_context``) and forks each rank from itself, a process
+# with no threads and no process group, as "spawn" would start a fresh interpreter. A rank takes
+# the parent's environment as it is at the call (the server's dates from its start), before
+# anything reads it: meshpar, which reads some variables at import, is imported by the rank.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.nn.functional"]
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (the first rank)
+    return ctx
+
+
 def _rank_main(rank: int, world_size: int, port: int, init_pg: bool, fn: Callable, args: tuple,
-               results: mp.Queue) -> None:
+               results: mp.Queue, environ: dict[str, str] | None = None) -> None:
+    if environ is not None:  # the parent's, at the call: [Note: ranks forked from a server that imported torch]
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
@@ -105,11 +124,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     from tests import tiers
 
     tiers.note_spawn(f"run_distributed({getattr(fn, '__name__', fn)}, {world_size})")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, init_process_group, fn, args, results),
-                         daemon=True) for r in range(world_size)]
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, init_process_group, fn, args, results,
+                                                  environ), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
