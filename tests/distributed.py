@@ -8,7 +8,8 @@
 come back in rank order. If any rank raises, the error lists every failing rank's
 traceback; if the ranks do not finish within ``timeout`` seconds (a hang in a collective,
 typically), they are killed and the error names the ranks that never reported.
-Spawned processes start slowly on two cores, so loop sub-cases inside one call.
+Ranks are forked from a server that imported torch ([Note: ranks forked from a server that
+imported torch]); each still imports meshpar and sets up gloo, so loop sub-cases inside one call.
 
 Most distributed tests are many small cases at a few world sizes: register them in a
 ``CaseSet`` (below), which runs every case of one world size inside one spawned job and
@@ -32,6 +33,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +70,9 @@ def free_port() -> int:
 # per pytest worker imports torch once (``_context``) and forks each rank from itself, a process
 # with no threads and no process group, as "spawn" would start a fresh interpreter. A rank takes
 # the parent's environment as it is at the call (the server's dates from its start), before
-# anything reads it: meshpar, which reads some variables at import, is imported by the rank.
+# anything reads it: meshpar, which reads some variables at import, is imported by the rank. It
+# also writes to the parent's stdout and stderr as they are at the call (pytest's capture of the
+# running test), not the server's: ``_StdFds`` sends those two descriptors along.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.nn.functional"]
 
 
@@ -78,11 +82,31 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
+class _StdFds:
+    """The parent's file descriptors 1 and 2, duplicated into the rank as it is started
+    (``multiprocessing.reduction.DupFd``, while the process object is pickled)."""
+
+    def __reduce__(self):
+        return _std_fds, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _std_fds(out, err) -> tuple[int, int]:
+    return out.detach(), err.detach()
+
+
 def _rank_main(rank: int, world_size: int, port: int, init_pg: bool, fn: Callable, args: tuple,
-               results: mp.Queue, environ: dict[str, str] | None = None) -> None:
-    if environ is not None:  # the parent's, at the call: [Note: ranks forked from a server that imported torch]
+               results: mp.Queue, environ: dict[str, str] | None = None,
+               std_fds: tuple[int, int] | None = None) -> None:
+    # the parent's environment and output, at the call: [Note: ranks forked from a server that imported torch]
+    if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
+    if std_fds is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, target in zip(std_fds, (1, 2), strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
@@ -129,7 +153,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     port = free_port()
     environ = dict(os.environ)
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, init_process_group, fn, args, results,
-                                                  environ), daemon=True) for r in range(world_size)]
+                                                  environ, _StdFds()), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
