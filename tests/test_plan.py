@@ -146,6 +146,7 @@ def test_optimizer_bytes_are_fused_adamw_state():
     assert plan.ranks[0].param_bytes == sum(p.numel() * 4 for p in model.parameters())
 
 
+@pytest.mark.slow  # two cluster recipes planned at their target size (cached: the header tests plan them too)
 def test_time_model_figures():
     plan = _run(str(RECIPES / "llama3_70b_3d.toml"))[3]
     t, r = plan.time, plan.recipe.train
@@ -164,6 +165,7 @@ def test_time_model_figures():
     assert links == {"dp_shard": "inter-node", "tp": "intra-node"}
 
 
+@pytest.mark.slow  # a cluster recipe planned at its target size
 def test_unfitting_recipe_exits_1_naming_what_to_change():
     code, out, err, plan, _ = _run(str(RECIPES / "llama3_8b.toml"), "--parallel.dp_shard=1",
                                    "--parallel.dp_replicate=8", '--parallel.param_dtype="float32"')
@@ -238,6 +240,7 @@ def test_search_candidates_multiply_to_the_world_and_divide_the_model():
     assert [c.bound for c in cands] == sorted((c.bound for c in cands), reverse=True)
 
 
+@pytest.mark.slow  # dry runs of every candidate layout, then of the written recipe
 def test_search_writes_the_fastest_layout_that_fits(tmp_path):
     out = tmp_path / "found.toml"
     code, printed, err, _, _ = _run("--model", "llama/debug", "--gpus", "4", "--hardware", "cpu", "--gpus-per-node",
