@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from meshpar.models.attention import CausalAttention, SequencePositions
-from meshpar.models.moe.model import LocalExperts, LocalTotals
+from meshpar.models.moe.model import ChosenSlots, LocalExperts, LocalTotals
 from meshpar.parallel import expert_parallel as eplib
 from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed
 from meshpar.parallel.context_parallel.apply import (
@@ -53,7 +53,8 @@ def test_a_fresh_model_holds_its_default_slots():
     assert type(model.positions) is SequencePositions
     assert all(type(b.attention.inner_attention) is CausalAttention for b in model.layers.values())
     moe = build_model("qwen3_moe")
-    assert all(type(m.totals) is LocalTotals and type(m.experts.dispatch) is LocalExperts for m in moe.moe_layers())
+    assert all(type(m.totals) is LocalTotals and type(m.experts.dispatch) is LocalExperts
+               and type(m.slots) is ChosenSlots for m in moe.moe_layers())
 
 
 @pytest.mark.parametrize("attention", ["allgather", "ring"])
