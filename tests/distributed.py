@@ -65,8 +65,8 @@ def free_port() -> int:
 
 
 # [Note: ranks forked from a server that imported torch]
-# Importing torch costs a process about 2-3 s of CPU here (more under load), and the suite starts
-# well over a thousand ranks. So ranks come from multiprocessing's "forkserver": one server process
+# Importing torch costs a process seconds of CPU on this machine (docs/performance.md#test-suite-and-set-up),
+# and the suite starts well over a thousand ranks. So ranks come from multiprocessing's "forkserver": one server process
 # per pytest worker imports torch once (``_context``) and forks each rank from itself, a process
 # with no threads and no process group, as "spawn" would start a fresh interpreter. A rank takes
 # the parent's environment as it is at the call (the server's dates from its start), before

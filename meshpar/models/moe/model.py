@@ -183,7 +183,7 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, tokens, y).reshape(shape)
 
     def capacity(self, slots: int) -> int:
-        """Slots each expert keeps of a call's ``slots`` ([Note: capacity factor])."""
+        """Slots each expert keeps of a call's ``slots`` (``capacity_factor`` in meshpar/models/moe/args.py)."""
         return math.ceil(self.capacity_factor * slots / self.n_experts)
 
     def update_expert_bias(self, load: Tensor, rate: float) -> None:
