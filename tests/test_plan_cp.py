@@ -1,5 +1,5 @@
 """``meshpar plan`` with context parallelism: the 131072-token Llama recipes
-dry-run at their world size within two minutes each and match their headers; a rank's
+dry-run at their world size and match their headers; a rank's
 activations and compute fall as 1/cp; cp's K/V gathers are the arithmetic of
 [Note: all-gather of K and V] at the link the mesh order gives them; the pipeline's
 transfers carry T/(cp tp) tokens; the layout search tries cp for long sequences only."""
@@ -23,7 +23,7 @@ H100 = planlib.load_hardware("h100_sxm")[0]
 @pytest.mark.slow  # a cluster recipe planned at its target size
 @pytest.mark.parametrize("name", CP_RECIPES)
 def test_cp_recipe_fits_at_its_world_size_and_its_header_is_the_plan(name):
-    _check_recipe(name)  # under two minutes each (docs/performance.md#test-suite-and-set-up)
+    _check_recipe(name)  # how long: docs/performance.md#test-suite-and-set-up
     out = _run(str(RECIPES / f"{name}.toml"))[1]
     for category in ("parameters, sharded and gathered", "gradients", "activations", "temporaries", "AdamW state"):
         assert f"    {category}" in out  # the acceptance line: memory by category

@@ -1,5 +1,5 @@
 """``meshpar plan`` for the mixture-of-experts families: the MoE recipes dry-run at their world size
-within two minutes and match their headers; active versus total parameters; the expert-parallel
+and match their headers; active versus total parameters; the expert-parallel
 all-to-all's bytes are the balanced-routing arithmetic ([Note: the planner routes tokens evenly],
 meshpar/planner/moe.py); the layout search tries ep, with tp and pp."""
 
@@ -17,7 +17,7 @@ MOE_RECIPES = ("qwen3_30b_a3b", "qwen3_235b_a22b", "mixtral_8x7b")
 @pytest.mark.slow  # a cluster recipe planned at its target size
 @pytest.mark.parametrize("name", MOE_RECIPES)
 def test_moe_recipe_fits_at_its_world_size_and_its_header_is_the_plan(name):
-    _check_recipe(name)  # under two minutes each, the 235B one included (docs/performance.md#test-suite-and-set-up)
+    _check_recipe(name)  # how long: docs/performance.md#test-suite-and-set-up
 
 
 @pytest.mark.slow  # a cluster recipe planned at its target size

@@ -12,7 +12,8 @@ measures the live bytes of every tensor it creates (``dry_run.py``), and prices 
 FLOPs and communication against a hardware profile (``cost.py``). ``report.py`` prints it.
 
 Files, in the order a step is planned: ``dry_run.py`` (fake world, build, parameter table)
--> ``simulate.py`` (the step on fake tensors: peak memory, collectives per mesh dim)
+-> ``simulate.py`` (the step on fake tensors: peak memory, collectives per mesh dim; a stage of
+many blocks as two short ones, ``extrapolate.py``)
 -> ``cost.py`` (step time, tokens/s, MFU) -> ``report.py`` (tables, the verdict, advice).
 """
 

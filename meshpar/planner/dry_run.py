@@ -38,6 +38,7 @@ from meshpar.fsdp import FSDPModule
 from meshpar.models import get_family
 from meshpar.parallel.parallelize import parallelize_transformer
 from meshpar.parallel.pipeline import split, stage_layers
+from meshpar.planner import extrapolate
 from meshpar.planner.cost import LinkDefaults, StepTime, step_time
 from meshpar.planner.simulate import Measured, schedule_actions, simulate
 from meshpar.training.preflight import check_layout
@@ -177,7 +178,7 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
             stages = _build(family, args, mesh, recipe)
             rank_plan = _describe(rank, mesh, stages, recipe, layers[s], accum)
             if role not in simulated:
-                simulated[role] = simulate(stages, mesh, recipe, accum, nccl=nccl)
+                simulated[role] = _simulate(family, args, mesh, recipe, stages, accum, nccl)
             rank_plan.measured = simulated[role]
         ranks.append(rank_plan)
     n_params = sum(r.n_params for r in ranks)
@@ -186,8 +187,25 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
     return Plan(recipe, layout, profile, args, accum, n_params, ranks, time, nccl)
 
 
-def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe) -> list[tuple[int, torch.nn.Module]]:
-    """This rank's stages, parallelized on meta: the steps of meshpar.parallel.parallelize.build before to_empty."""
+def _simulate(family, args, mesh: meshlib.Mesh, recipe: Recipe, stages: list[tuple[int, torch.nn.Module]],
+              accum: int, nccl: bool) -> Measured:
+    """The simulated step of ``stages`` (built, not yet run); a stage of many blocks through two
+    short ones (``extrapolate.py``), which give the same figures in a fraction of the time."""
+    (_, stage), = stages
+    n = len(stage.layers)
+    period = recipe.parallel.ac_every if recipe.parallel.activation_checkpoint != "none" else 1
+    counts = extrapolate.short_counts(n, period)
+    if counts is None:
+        return simulate(stages, mesh, recipe, accum, nccl=nccl)
+    short = [simulate(_build(family, args, mesh, recipe, keep=extrapolate.kept(n, c)), mesh, recipe, accum, nccl=nccl)
+             for c in counts]
+    return extrapolate.extrapolate(short[0], counts[0], short[1], counts[1], n=n, period=period, accum=accum)
+
+
+def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe,
+           keep: list[int] | None = None) -> list[tuple[int, torch.nn.Module]]:
+    """This rank's stages, parallelized on meta: the steps of meshpar.parallel.parallelize.build before
+    to_empty. ``keep``: positions of the only blocks to keep (their keys, the global indices, kept)."""
     layout, p = mesh.layout, recipe.parallel
     with torch.device("meta"):
         whole = family.model_cls(args)
@@ -195,6 +213,10 @@ def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe) -> list[tuple[int, 
         stages = split(whole, mesh["pp"].get_local_rank(), layout.pp, boundaries=p.pp_boundaries)
     else:
         stages = [(0, whole)]
+    if keep is not None:
+        for _, stage in stages:
+            for key in [k for j, k in enumerate(stage.layers) if j not in keep]:
+                del stage.layers[key]
     cfg = dataclasses.replace(p, compile=False)  # compiled or not, eager memory is what is planned
     return [(i, parallelize_transformer(stage, mesh, cfg, family.tp_plan)) for i, stage in stages]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,10 @@ class Phase:
     saved: int = 0  # activation and temporary bytes the phase left alive
     at_peak: dict[str, int] = field(default_factory=dict)  # bytes per category at the phase's peak
     comm: Counter = field(default_factory=Counter)  # (op, mesh dim) -> bytes on the wire from this rank
+    # the peak (total, bytes per category) of each stretch of the phase, by label in order of first
+    # appearance: "start" (the phase's first value), then ("in" | "out" | "grad", block position)
+    # from _label_blocks (what planner/extrapolate.py reads)
+    segments: dict[Hashable, tuple[int, dict[str, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -142,15 +146,19 @@ class _Tracker(AllocationTracker):
         super().__init__(*tracked)
         self._groups = groups  # process group name -> (mesh dim, size)
         self.current_phase: Phase | None = None
+        self.segment: Hashable = "start"  # the label of the stretch running now (_label_blocks)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         ph = self.current_phase
         if ph is None:
             return
         total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
-        if total > ph.peak:
-            ph.peak = total
-            ph.at_peak = self.current()
+        seg = ph.segments.get(self.segment)
+        if seg is None or total > seg[0]:
+            now = self.current()
+            ph.segments[self.segment] = (total, now)
+            if total > ph.peak:
+                ph.peak, ph.at_peak = total, now
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "_c10d_functional" and not any(t is DTensor for t in types):
@@ -174,6 +182,8 @@ class _Tracker(AllocationTracker):
         before = self.current()
         ph.start = ph.peak = before["Total"]
         ph.at_peak = before
+        self.segment = "start"
+        ph.segments["start"] = (ph.start, before)
         self.current_phase = ph
         with comm_record.count() as counted:
             yield ph
@@ -314,11 +324,16 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
         if layout.pp > 1:
             pipe = Stage(stage, index, layout.pp, device, mesh["pp"].get_group(), p.grad_reduce == "microbatch")
         phases: dict[str, Phase] = {}
-        with _Tracker(stage, groups=_groups(mesh)) as tracker:
+        with _Tracker(stage, groups=_groups(mesh)) as tracker, _label_blocks(stage, tracker):
             phase = _priced(tracker, phases)
             if pipe is not None:
                 model.pipeline = _OneAtATime(pipe, accum, received, grads, phase)
             train_step(model, lambda: microbatches, accum, sync, device, phase=phase)
+    return measured(phases, n_run, accum)
+
+
+def measured(phases: dict[str, Phase], n_run: int, accum: int) -> Measured:
+    """The step's figures from its simulated phases (``n_run`` of ``accum`` microbatches)."""
     # what a forward leaves alive besides parameters (saved activations, the output, the loss's
     # graph): the price of a microbatch in flight
     activation = phases["F0"].saved
@@ -330,6 +345,35 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
             for k, v in phases[name].comm.items():
                 step_comm[k] += v * (accum - n_run)
     return Measured(phases, n_run, activation, step_comm)
+
+
+@contextlib.contextmanager
+def _label_blocks(stage: torch.nn.Module, tracker: _Tracker) -> Iterator[None]:
+    """Label the tracker's stretches by block position ``j`` in ``stage.layers``: ("in", j) from
+    the block's forward call, ("out", j) after it, ("grad", j) once the gradient of its output
+    is computed (its backward, recomputation included, comes next). Module and tensor hooks only:
+    a checkpointed block's recomputation calls the inner forward and fires none."""
+    def label(name: Hashable) -> Callable[..., None]:
+        def set_label(*_: Any) -> None:
+            tracker.segment = name
+        return set_label
+
+    def after(j: int) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, _args: Any, out: Any) -> None:
+            tracker.segment = ("out", j)
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(label(("grad", j)))
+        return hook
+
+    handles = []
+    for j, block in enumerate(stage.layers.values()):
+        handles += [block.register_forward_pre_hook(label(("in", j))), block.register_forward_hook(after(j))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _hidden_dim(stage: torch.nn.Module) -> int:

@@ -1,0 +1,130 @@
+"""The planner's stage of many blocks, simulated as two short stages (meshpar/planner/extrapolate.py):
+every figure of the simulated step equals simulating every block, in every layout the planner
+builds; the arithmetic picks the right stretch where the peak moves from one to another."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from meshpar.config.recipe import load
+from meshpar.distributed import mesh as meshlib
+from meshpar.models import get_family
+from meshpar.planner import dry_run, extrapolate
+from meshpar.planner.simulate import Measured, Phase, measured, simulate
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def _both(name: str, world: int, nccl: bool, overrides: list[str]) -> list[tuple[Measured, Measured]]:
+    """(every block simulated, two short stages extrapolated) for each pipeline stage of the recipe."""
+    recipe = load(RECIPES / f"{name}.toml", overrides)
+    layout, accum = dry_run.check(recipe, world)
+    family = get_family(recipe.model.family)
+    args = family.model_args(recipe.model)
+    if recipe.model.attention == "document":
+        args = dataclasses.replace(args, document_eos=0)
+    out = []
+    for s in range(layout.pp):
+        with dry_run.fake_world(s * (world // layout.pp), world):
+            mesh = meshlib.build(layout, "cpu")
+            full = simulate(dry_run._build(family, args, mesh, recipe), mesh, recipe, accum, nccl=nccl)
+            stages = dry_run._build(family, args, mesh, recipe)
+            assert extrapolate.short_counts(len(stages[0][1].layers), recipe.parallel.ac_every) is not None
+            out.append((full, dry_run._simulate(family, args, mesh, recipe, stages, accum, nccl)))
+    return out
+
+
+def _differences(full: Measured, short: Measured) -> list[tuple]:
+    """Every figure the plan reads that differs: bytes exactly, bytes sent (floats) to 1e-12."""
+    out = []
+    assert list(full.phases) == list(short.phases)
+    for name, f in full.phases.items():
+        s = short.phases[name]
+        out += [(name, k, getattr(f, k), getattr(s, k)) for k in ("start", "end", "peak", "saved", "at_peak")
+                if getattr(f, k) != getattr(s, k)]
+        out += [(name, "comm", k, f.comm[k], s.comm[k]) for k in f.comm.keys() | s.comm.keys()
+                if abs(f.comm[k] - s.comm[k]) > 1e-12 * max(abs(f.comm[k]), 1)]
+    out += [("comm_bytes", k, full.comm_bytes[k], short.comm_bytes[k]) for k in full.comm_bytes.keys()
+            | short.comm_bytes.keys() if abs(full.comm_bytes[k] - short.comm_bytes[k]) > 1e-12 * full.comm_bytes[k]]
+    if (full.activation_bytes, full.n_run) != (short.activation_bytes, short.n_run):
+        out.append(("activation_bytes, n_run", full.activation_bytes, short.activation_bytes))
+    return out
+
+
+# layouts of every dim, checkpointing mode and period, gradient reduction and attention path, at
+# block counts of both parities; pipeline cases check the first and the last stage
+LAYOUTS = {
+    "fsdp-full-ac": ("llama_debug_fsdp", 2, False, ["--model.n_layers=9", "--parallel.activation_checkpoint=full"]),
+    "fsdp-ac-every-2": ("llama_debug_fsdp", 2, False, ["--model.n_layers=11", "--parallel.ac_every=2",
+                                                       "--parallel.activation_checkpoint=selective"]),
+    "fsdp-tp-selective-cuda": ("llama_debug_2d", 4, True, ["--model.n_layers=9",
+                                                           "--parallel.activation_checkpoint=selective"]),
+    "pp-fsdp-tp-full-ac": ("llama_debug_3d", 8, True, ["--model.n_layers=20", "--parallel.activation_checkpoint=full"]),
+    "pp-microbatch-reduce": ("llama_debug_3d", 8, True, ["--model.n_layers=19", "--parallel.grad_reduce=microbatch"]),
+    "cp-gather-cpu": ("llama_debug_cp", 4, False, ["--model.n_layers=9"]),
+    "cp-ring-cuda-full-ac": ("llama_debug_cp", 4, True, ["--model.n_layers=9",
+                                                         "--parallel.activation_checkpoint=full"]),
+    "hsdp": ("llama_debug_hsdp", 4, False, ["--model.n_layers=9"]),
+    "gpt2-replicate-tp": ("gpt2_debug_2d", 4, False, ["--model.n_layers=9"]),
+    "moe-ep-tp": ("qwen3_moe_debug_ep", 8, True, ["--model.n_layers=9", "--parallel.tp=2"]),
+    "moe-full-ac": ("mixtral_debug", 2, False, ["--model.n_layers=10", "--parallel.activation_checkpoint=full"]),
+}
+FAST = ("gpt2-replicate-tp",)  # the inner loop's one (about 5 s); the rest take 10-20 s each
+
+
+@pytest.mark.parametrize("case", [pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in LAYOUTS])
+def test_two_short_stages_give_every_figure_of_the_whole_one(case):
+    for full, short in _both(*LAYOUTS[case]):
+        assert not _differences(full, short)
+
+
+@pytest.mark.slow  # two simulations of a debug model
+def test_the_comparison_fails_without_the_edge_blocks(monkeypatch):
+    """With no edge blocks the first block is taken for a middle one: the figures differ, so the
+    comparison above can fail."""
+    monkeypatch.setattr(extrapolate, "EDGE", 0)
+    name, world, nccl, overrides = LAYOUTS["fsdp-full-ac"]
+    (full, short), = _both(name, world, nccl, overrides)
+    assert _differences(full, short)
+
+
+def test_short_stages_keep_each_blocks_class():
+    for n, period in [(80, 1), (126, 1), (20, 2), (21, 2), (31, 3)]:
+        n1, n2 = extrapolate.short_counts(n, period)
+        assert n2 - n1 == period and (n - n1) % period == 0 and n1 >= 2 * (extrapolate.EDGE + period)
+        for short in (n1, n2):
+            kept = extrapolate.kept(n, short)
+            assert len(kept) == short and kept == sorted(set(kept))
+            assert [j % period for j in kept] == [j % period for j in range(short)]  # checkpointed alike
+    assert extrapolate.short_counts(5, 1) is None and extrapolate.short_counts(4, 1) is None  # no cheaper
+
+
+def _phase(n: int, stretches: dict) -> Phase:
+    """A phase of ``n`` blocks whose stretch at block j peaks at ``f(j, n)`` (bytes, all "Activation")."""
+    segments = {"start": (10, {"Activation": 10, "Total": 10})}
+    for kind, f in stretches.items():
+        for j in range(n):
+            v = f(j, n)
+            segments[(kind, j)] = (v, {"Activation": v, "Total": v})
+    peak, at = max(segments.values(), key=lambda s: s[0])
+    return Phase(10, 10 + n, peak, n, at, Counter({("all_gather", "dp_shard"): 3.0 * n}), segments)
+
+
+def test_the_peak_moves_between_stretches_as_blocks_are_added():
+    """Backward's first block falls with n while its last block grows (gradients of the others):
+    at 4 and 5 blocks the first is the peak, at 40 the last; the middle ones never are."""
+    def grad(j, n):
+        return 1000 - 20 * n if j == n - 1 else 100 + 30 * n + (j == 0) * 7 + j
+
+    def run(n):
+        return measured({"F0": _phase(n, {"in": lambda j, n: 50 + j}), "B0": _phase(n, {"grad": grad})}, 1, 1)
+
+    for n in (6, 9, 40):
+        got = extrapolate.extrapolate(run(4), 4, run(5), 5, n=n, period=1, accum=1)
+        want = run(n)
+        assert not _differences(want, got), n
+    assert run(4).phases["B0"].peak == 920 and run(40).phases["B0"].peak == 100 + 30 * 40 + 38
