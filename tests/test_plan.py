@@ -243,8 +243,8 @@ def test_search_candidates_multiply_to_the_world_and_divide_the_model():
 @pytest.mark.slow  # dry runs of every candidate layout, then of the written recipe
 def test_search_writes_the_fastest_layout_that_fits(tmp_path):
     out = tmp_path / "found.toml"
-    code, printed, err, _, _ = _run("--model", "llama/debug", "--gpus", "4", "--hardware", "cpu", "--gpus-per-node",
-                                    "4", "--seq", "256", "--global-batch", "8", "--top", "3", "--out", str(out))
+    code, printed, err, _, _ = _run("--model", "llama/debug", "--gpus", "2", "--hardware", "cpu", "--gpus-per-node",
+                                    "2", "--seq", "256", "--global-batch", "8", "--top", "3", "--out", str(out))
     assert code == 0, err
     table = printed[printed.index("   #  layout"):].splitlines()[1:4]
     speeds = [float(line.split()[-2].replace(",", "")) for line in table]
@@ -279,11 +279,11 @@ def test_reducing_every_microbatch_keeps_gradients_sharded():
 
 
 def test_stages_checkpointing_different_blocks_are_simulated_apart():
-    """ac_every counts global block indices: with 25 blocks on 5 stages and every 3rd block
-    checkpointed, stages 1 and 3 checkpoint 2 of their 5 blocks and stage 2 only 1, so stage 2
-    keeps more activations per microbatch."""
+    """ac_every counts global block indices: with 10 blocks on 5 stages and every 3rd block
+    checkpointed, stages 1 and 3 checkpoint 1 of their 2 blocks (3; 6) and stage 2 none (4, 5), so
+    stage 2 keeps more activations per microbatch."""
     code, _, err, plan, _ = _run(str(RECIPES / "llama_debug.toml"), "--world", "5", "--hardware", "cpu",
-                                 "--model.n_layers=25", "--parallel.pp=5", "--parallel.dp_shard=1",
+                                 "--model.n_layers=10", "--parallel.pp=5", "--parallel.dp_shard=1",
                                  '--parallel.activation_checkpoint="full"', "--parallel.ac_every=3",
                                  "--train.global_batch=10", "--train.micro_batch=2")
     assert code == 0, err

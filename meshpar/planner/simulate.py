@@ -11,7 +11,8 @@ the step ``meshpar train`` runs: FSDP units all-gather, prefetch, reshard and re
 on a GPU, gradients are reduced per step or per microbatch (``parallel.grad_reduce``) and
 clipped. Under pipelining ``_OneAtATime`` stands in for the schedule. A tracker (meshpar's
 ``AllocationTracker``) follows every storage created, freed or resized, phase by phase
-(``train_step``'s ``phase`` hook).
+(``train_step``'s ``phase`` hook) and block by block (``_label_blocks``: what ``extrapolate.py``
+needs to simulate a long stage as two short ones).
 
 Limits: the optimizer step, microbatches beyond three, pipeline microbatches in flight and
 receive buffers are arithmetic, and routing is balanced; what only a GPU has (allocator
