@@ -24,14 +24,11 @@ import re
 import sys
 from pathlib import Path
 
-from meshpar.checkpoint import CheckpointError
 from meshpar.config import recipe as recipelib
 from meshpar.config.recipe import RecipeError
-from meshpar.distributed import mesh as meshlib
-from meshpar.runtime.fault import EXIT_PREEMPTED
-from meshpar.train import train
-from meshpar.training.nonfinite import NonFiniteError
-from meshpar.training.preflight import preflight
+
+# Only the recipe and argument parsing load at start; torch and the training stack load in the
+# command that needs them, so `--help`, `meshpar recipe` and every recipe error answer at once.
 
 EPILOG = ("Override any recipe key as --section.key=value (e.g. --train.steps=50 --parallel.dp_replicate=2); "
           "see `meshpar recipe --keys`. Precedence: command line > recipe file > defaults.")
@@ -161,6 +158,22 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     recipe = recipelib.load(args.recipe, overrides)
     if args.max_restarts < 0:
         raise RecipeError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    from meshpar.checkpoint import CheckpointError
+    from meshpar.training.nonfinite import NonFiniteError
+
+    try:
+        return _launch(args, recipe, overrides)
+    except (CheckpointError, NonFiniteError) as e:  # one process (no launcher): the same one line as a rank's
+        print(f"meshpar: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _launch(args: argparse.Namespace, recipe: recipelib.Recipe, overrides: list[str]) -> int:
+    from meshpar.distributed import mesh as meshlib
+    from meshpar.runtime.fault import EXIT_PREEMPTED
+    from meshpar.train import train
+    from meshpar.training.preflight import preflight
+
     if "WORLD_SIZE" in os.environ:  # already a rank (torchrun, which does the restarting): train here
         return EXIT_PREEMPTED if train(recipe).stopped_by else 0
     nproc = meshlib.local_world_size(recipe.parallel) if args.nproc is None else args.nproc
@@ -200,9 +213,6 @@ def main(argv: list[str] | None = None) -> None:
     except RecipeError as e:
         print(f"meshpar: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (CheckpointError, NonFiniteError) as e:  # one process (no launcher): the same one line as a rank's
-        print(f"meshpar: error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -465,6 +465,17 @@ def test_cli_nproc_zero_is_refused():
                            "--nproc 0")
 
 
+@pytest.mark.parametrize("args", [["--help"], ["data", "prepare", "--help"], ["recipe", "recipes/llama_debug.toml"],
+                                  ["recipe", "--keys"], ["train", "recipes/llama_debug.toml", "--train.steps=0"]])
+def test_cli_answers_without_importing_torch(args):
+    """Help, ``meshpar recipe`` and a recipe error load no torch (meshpar/cli.py): they answer at once."""
+    code = ("import runpy, sys; sys.argv = ['meshpar', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('meshpar', run_name='__main__')\n"
+            "finally:\n    print('torch' in sys.modules, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode in (0, 2) and proc.stderr.splitlines()[-1] == "False", proc.stderr
+
+
 @pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["recipe", "--help"]])
 def test_cli_help_mentions_overrides(args):
     proc = _meshpar(*args)

@@ -15,12 +15,31 @@ moves freely between data-parallel layouts (see [Note: sample order]).
 
 Modules: ``tokenizer`` (byte, bpe), ``corpus`` (``prepare``: files -> cached token stream),
 ``cache`` ([Note: the token cache]), ``loader`` (``BatchLoader``, [Note: sample order]).
+
+Its names load on first use (PEP 562), as ``meshpar``'s: ``meshpar data prepare --help`` imports
+``meshpar.data.prepare_cli`` and with it this package, without torch or the tokenizers.
 """
 
-from meshpar.data.cache import cached
-from meshpar.data.corpus import Corpus, prepare
-from meshpar.data.loader import BatchLoader, permute
-from meshpar.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, Tokenizer, split_text
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshpar.data.cache import cached
+    from meshpar.data.corpus import Corpus, prepare
+    from meshpar.data.loader import BatchLoader, permute
+    from meshpar.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, Tokenizer, split_text
 
 __all__ = ["EOT", "BPETokenizer", "BatchLoader", "ByteTokenizer", "Corpus", "Tokenizer", "cached", "permute",
            "prepare", "split_text"]
+_HOME = {"cached": "cache", "Corpus": "corpus", "prepare": "corpus", "BatchLoader": "loader", "permute": "loader",
+         **dict.fromkeys(("EOT", "BPETokenizer", "ByteTokenizer", "Tokenizer", "split_text"), "tokenizer")}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'meshpar.data' has no attribute '{name}'")
+    value = getattr(importlib.import_module(f"meshpar.data.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value

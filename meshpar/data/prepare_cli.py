@@ -13,10 +13,6 @@ import sys
 from pathlib import Path
 
 from meshpar.config.errors import RecipeError
-from meshpar.data.corpus import _encoder
-from meshpar.data.prepared import BUILTIN, is_prepared, prepare_folder
-from meshpar.data.readers import expand, kind_of
-from meshpar.runtime.progress import Progress
 
 HELP = ("Tokenize SOURCES (files, folders or globs of .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, .arrow; "
         "'builtin' for the packaged Shakespeare) once into DIR: memory-mapped token shards and an index, trained "
@@ -39,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The command; prints one line per problem (exit 2) or the figures of the preparation (exit 0)."""
+    # the readers and tokenizers (numpy, torch) load here: `meshpar --help` stays quick
+    from meshpar.data.corpus import _encoder
+    from meshpar.data.prepared import BUILTIN, is_prepared, prepare_folder
+    from meshpar.data.readers import expand, kind_of
+    from meshpar.runtime.progress import Progress
+
     try:
         if args.tokenizer == "bpe":
             raise RecipeError("--tokenizer bpe: a BPE trained on the corpus is what training on raw text does "
