@@ -13,6 +13,7 @@ import pytest
 from meshpar.config.recipe import load
 from meshpar.distributed import mesh as meshlib
 from meshpar.models import get_family
+from meshpar.parallel.pipeline import stage_layers
 from meshpar.planner import dry_run, extrapolate
 from meshpar.planner.simulate import Measured, Phase, measured, simulate
 
@@ -34,7 +35,9 @@ def _both(name: str, world: int, nccl: bool, overrides: list[str]) -> list[tuple
             full = simulate(dry_run._build(family, args, mesh, recipe), mesh, recipe, accum, nccl=nccl)
             stages = dry_run._build(family, args, mesh, recipe)
             assert extrapolate.short_counts(len(stages[0][1].layers), recipe.parallel.ac_every) is not None
-            out.append((full, dry_run._simulate(family, args, mesh, recipe, stages, accum, nccl)))
+            layers = stage_layers(args.n_layers, layout.pp, recipe.parallel.pp_boundaries)[s]
+            ends = (s == 0, s == layout.pp - 1)
+            out.append((full, dry_run._simulate(family, args, mesh, recipe, stages, accum, nccl, layers, {}, ends)))
     return out
 
 

@@ -168,6 +168,7 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
     nccl = profile.device == "cuda"
     ranks: list[RankPlan] = []
     simulated: dict[tuple, Measured] = {}
+    shorts: dict[tuple, Measured] = {}  # the short stages simulated, shared by stages whose own differ
     for s in range(layout.pp):
         rank = s * (world_size // layout.pp)
         # stages alike in blocks, ends and which blocks are checkpointed (ac_every counts global indices)
@@ -178,7 +179,8 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
             stages = _build(family, args, mesh, recipe)
             rank_plan = _describe(rank, mesh, stages, recipe, layers[s], accum)
             if role not in simulated:
-                simulated[role] = _simulate(family, args, mesh, recipe, stages, accum, nccl)
+                simulated[role] = _simulate(family, args, mesh, recipe, stages, accum, nccl, layers[s],
+                                            shorts, role[1:3])
             rank_plan.measured = simulated[role]
         ranks.append(rank_plan)
     n_params = sum(r.n_params for r in ranks)
@@ -188,17 +190,25 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
 
 
 def _simulate(family, args, mesh: meshlib.Mesh, recipe: Recipe, stages: list[tuple[int, torch.nn.Module]],
-              accum: int, nccl: bool) -> Measured:
-    """The simulated step of ``stages`` (built, not yet run); a stage of many blocks through two
-    short ones (``extrapolate.py``), which give the same figures in a fraction of the time."""
+              accum: int, nccl: bool, layers: range, shorts: dict[tuple, Measured],
+              ends: tuple[bool, bool]) -> Measured:
+    """The simulated step of ``stages`` (built, not yet run; its blocks ``layers``); a stage of many
+    blocks through two short ones (``extrapolate.py``), which give the same figures in a fraction
+    of the time. ``shorts``: short stages simulated before, by (blocks, ``ends``: first and last
+    stage, which blocks are checkpointed), which stages of other lengths share."""
     (_, stage), = stages
-    n = len(stage.layers)
-    period = recipe.parallel.ac_every if recipe.parallel.activation_checkpoint != "none" else 1
+    n, p = len(stage.layers), recipe.parallel
+    period = p.ac_every if p.activation_checkpoint != "none" else 1
     counts = extrapolate.short_counts(n, period)
     if counts is None:
         return simulate(stages, mesh, recipe, accum, nccl=nccl)
-    short = [simulate(_build(family, args, mesh, recipe, keep=extrapolate.kept(n, c)), mesh, recipe, accum, nccl=nccl)
-             for c in counts]
+    short = []
+    for c in counts:
+        kept = extrapolate.kept(n, c)
+        key = (c, ends, tuple(layers[j] % period == 0 for j in kept) if p.activation_checkpoint != "none" else ())
+        if key not in shorts:
+            shorts[key] = simulate(_build(family, args, mesh, recipe, keep=kept), mesh, recipe, accum, nccl=nccl)
+        short.append(shorts[key])
     return extrapolate.extrapolate(short[0], counts[0], short[1], counts[1], n=n, period=period, accum=accum)
 
 
