@@ -13,7 +13,6 @@ import pytest
 from meshpar.config.recipe import load
 from meshpar.distributed import mesh as meshlib
 from meshpar.models import get_family
-from meshpar.parallel.pipeline import stage_layers
 from meshpar.planner import dry_run, extrapolate
 from meshpar.planner.simulate import Measured, Phase, measured, simulate
 
@@ -34,10 +33,10 @@ def _both(name: str, world: int, nccl: bool, overrides: list[str]) -> list[tuple
             mesh = meshlib.build(layout, "cpu")
             full = simulate(dry_run._build(family, args, mesh, recipe), mesh, recipe, accum, nccl=nccl)
             stages = dry_run._build(family, args, mesh, recipe)
-            assert extrapolate.short_counts(len(stages[0][1].layers), recipe.parallel.ac_every) is not None
-            layers = stage_layers(args.n_layers, layout.pp, recipe.parallel.pp_boundaries)[s]
+            blocks = [dry_run._alike(b) for b in stages[0][1].layers.values()]
+            assert extrapolate.short_counts(len(blocks), extrapolate.period(blocks)) is not None
             ends = (s == 0, s == layout.pp - 1)
-            out.append((full, dry_run._simulate(family, args, mesh, recipe, stages, accum, nccl, layers, {}, ends)))
+            out.append((full, dry_run._simulate(family, args, mesh, recipe, stages, accum, nccl, {}, ends)))
     return out
 
 
@@ -71,7 +70,8 @@ LAYOUTS = {
                                                          "--parallel.activation_checkpoint=full"]),
     "hsdp": ("llama_debug_hsdp", 4, False, ["--model.n_layers=7"]),
     "gpt2-replicate-tp": ("gpt2_debug_2d", 4, False, ["--model.n_layers=9"]),
-    "moe-ep-tp": ("qwen3_moe_debug_ep", 8, True, ["--model.n_layers=7", "--parallel.tp=2"]),
+    "moe-ep-tp": ("mixtral_debug", 8, True, ["--model.n_layers=7", "--parallel.tp=2", "--parallel.ep=2",
+                                             "--train.micro_batch=2"]),
 }
 FAST = ("gpt2-replicate-tp",)  # the inner loop's one (about 5 s); the rest take 5-15 s each
 
@@ -90,6 +90,27 @@ def test_the_comparison_fails_without_the_edge_blocks(monkeypatch):
     overrides = ["--model.n_layers=6", "--parallel.activation_checkpoint=full"]
     (full, short), = _both("llama_debug_fsdp", 2, False, overrides)
     assert _differences(full, short)
+
+
+def test_the_period_is_how_often_the_blocks_repeat():
+    assert extrapolate.period("aaaaaaaa") == 1
+    assert extrapolate.period("abababab") == 2 and extrapolate.period("ababababa") == 2
+    assert extrapolate.period("abcabcab") == 3
+    assert extrapolate.period("abaaaaaa") == 7 and extrapolate.period("a") == 1 and extrapolate.period("") == 1
+
+
+def test_blocks_that_follow_no_pattern_are_simulated_whole():
+    """The debug Qwen3-MoE keeps layer 1 dense among sparse ones (``mlp_only_layers``): its blocks
+    repeat with no period shorter than the stage, so the planner simulates every one of them."""
+    recipe = load(RECIPES / "qwen3_moe_debug.toml", ["--model.n_layers=12"])
+    family = get_family(recipe.model.family)
+    args = family.model_args(recipe.model)
+    layout, _ = dry_run.check(recipe, 1)
+    with dry_run.fake_world(0, 1):
+        (_, stage), = dry_run._build(family, args, meshlib.build(layout, "cpu"), recipe)
+        blocks = [dry_run._alike(b) for b in stage.layers.values()]
+    assert blocks[1] != blocks[0] == blocks[2] and extrapolate.period(blocks) == 11
+    assert extrapolate.short_counts(12, 11) is None
 
 
 def test_short_stages_keep_each_blocks_class():

@@ -38,6 +38,7 @@ from meshpar.fsdp import FSDPModule
 from meshpar.models import get_family
 from meshpar.parallel.parallelize import parallelize_transformer
 from meshpar.parallel.pipeline import split, stage_layers
+from meshpar.parallel.wrap import wrappers
 from meshpar.planner import extrapolate
 from meshpar.planner.cost import LinkDefaults, StepTime, step_time
 from meshpar.planner.simulate import Measured, schedule_actions, simulate
@@ -179,8 +180,7 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
             stages = _build(family, args, mesh, recipe)
             rank_plan = _describe(rank, mesh, stages, recipe, layers[s], accum)
             if role not in simulated:
-                simulated[role] = _simulate(family, args, mesh, recipe, stages, accum, nccl, layers[s],
-                                            shorts, role[1:3])
+                simulated[role] = _simulate(family, args, mesh, recipe, stages, accum, nccl, shorts, role[1:3])
             rank_plan.measured = simulated[role]
         ranks.append(rank_plan)
     n_params = sum(r.n_params for r in ranks)
@@ -190,26 +190,31 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
 
 
 def _simulate(family, args, mesh: meshlib.Mesh, recipe: Recipe, stages: list[tuple[int, torch.nn.Module]],
-              accum: int, nccl: bool, layers: range, shorts: dict[tuple, Measured],
-              ends: tuple[bool, bool]) -> Measured:
-    """The simulated step of ``stages`` (built, not yet run; its blocks ``layers``); a stage of many
-    blocks through two short ones (``extrapolate.py``), which give the same figures in a fraction
-    of the time. ``shorts``: short stages simulated before, by (blocks, ``ends``: first and last
-    stage, which blocks are checkpointed), which stages of other lengths share."""
+              accum: int, nccl: bool, shorts: dict[tuple, Measured], ends: tuple[bool, bool]) -> Measured:
+    """The simulated step of ``stages`` (built, not yet run); a stage of many blocks that repeat
+    through two short ones (``extrapolate.py``), which give the same figures in a fraction of the
+    time. ``shorts``: short stages simulated before, by (blocks, ``ends``: first and last stage,
+    each kept block's ``_alike``), which stages of other lengths share."""
     (_, stage), = stages
-    n, p = len(stage.layers), recipe.parallel
-    period = p.ac_every if p.activation_checkpoint != "none" else 1
+    blocks = [_alike(block) for block in stage.layers.values()]
+    n, period = len(blocks), extrapolate.period(blocks)
     counts = extrapolate.short_counts(n, period)
     if counts is None:
         return simulate(stages, mesh, recipe, accum, nccl=nccl)
     short = []
     for c in counts:
         kept = extrapolate.kept(n, c)
-        key = (c, ends, tuple(layers[j] % period == 0 for j in kept) if p.activation_checkpoint != "none" else ())
+        key = (c, ends, tuple(blocks[j] for j in kept))
         if key not in shorts:
             shorts[key] = simulate(_build(family, args, mesh, recipe, keep=kept), mesh, recipe, accum, nccl=nccl)
         short.append(shorts[key])
     return extrapolate.extrapolate(short[0], counts[0], short[1], counts[1], n=n, period=period, accum=accum)
+
+
+def _alike(block: torch.nn.Module) -> tuple:
+    """What makes two blocks run the same ops: their kind, wrappers (checkpointing) and parameters."""
+    return (type(block).__qualname__, wrappers(block),
+            tuple((name, tuple(p.shape), _placements(p), p.dtype) for name, p in block.named_parameters()))
 
 
 def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe,

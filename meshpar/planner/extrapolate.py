@@ -3,12 +3,15 @@
     n1, n2 = short_counts(n=80, period=1)          # (4, 5): the blocks each short stage keeps
     m = extrapolate(simulate(<4 blocks>), n1, simulate(<5 blocks>), n2, n=80, period=1, accum=2)
 
-The short stages keep the first and last blocks of the real one (``kept``), so every block
-keeps its global index modulo ``period`` (``ac_every``: which blocks are checkpointed).
+``period`` is how often the stage's blocks repeat: 1 when all are alike, ``ac_every`` when only
+every so many are checkpointed, the whole stage (no short stages) when they follow no pattern,
+as Qwen3-MoE's dense ``mlp_only_layers`` among sparse ones. The short stages keep the first and
+last blocks of the real one (``kept``) and drop whole periods, so every block keeps its class.
 
 [Note: why two short stages give the long one's figures]
-Blocks alike in shape and role run the same ops; at any op of block ``j`` (of ``n``) the live
-bytes are that op's own share, the same in every block of its class (``j`` modulo ``period``),
+Blocks alike in kind, parameters and wrappers run the same ops; at any op of block ``j`` (of
+``n``) the live bytes are that op's own share, the same in every block of its class (``j``
+modulo ``period``),
 plus what lies outside the block, which grows by a fixed amount per block before ``j`` (saved
 activations, in forward) or after it (gradients, in backward), and per block of the stage
 (sharded parameters, accumulated gradients): ``a + b*j + c*n``. So each stretch of a phase that
@@ -25,11 +28,18 @@ tests/test_plan_extrapolate.py compares it with simulating every block, field by
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from meshpar.planner.simulate import Measured, Phase, measured
 
 EDGE = 1  # blocks at each end of a stage that run unlike the middle ones (tests/test_plan_extrapolate.py)
+
+
+def period(blocks: Sequence[Hashable]) -> int:
+    """The smallest ``p`` with ``blocks[j] == blocks[j + p]`` for every ``j``: how often a stage's
+    blocks repeat (each block described by its kind, wrappers and parameters: ``dry_run``)."""
+    n = len(blocks)
+    return next((p for p in range(1, n) if all(blocks[j] == blocks[j + p] for j in range(n - p))), max(n, 1))
 
 
 def short_counts(n: int, period: int) -> tuple[int, int] | None:
