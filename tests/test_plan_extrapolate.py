@@ -73,7 +73,7 @@ LAYOUTS = {
     "moe-ep-tp": ("mixtral_debug", 8, True, ["--model.n_layers=7", "--parallel.tp=2", "--parallel.ep=2",
                                              "--train.micro_batch=2"]),
 }
-FAST = ("gpt2-replicate-tp",)  # the inner loop's one (about 5 s); the rest take 5-15 s each
+FAST = ("gpt2-replicate-tp",)  # the inner loop's one, the cheapest (docs/performance.md#test-suite-and-set-up)
 
 
 @pytest.mark.parametrize("case", [pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in LAYOUTS])
