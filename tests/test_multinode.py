@@ -39,8 +39,10 @@ from tests.helpers import ROOT
 
 RECIPE = "recipes/llama_debug_2d.toml"  # dp_shard 2 x tp 2: 4 ranks, 2 per agent
 STEPS = 6
-ARGS = [f"--train.steps={STEPS}", "--train.log_every=1", f"--train.eval_every={STEPS}", "--train.eval_batches=1",
-        f"--checkpoint.every={STEPS}"]
+# the byte tokenizer: a node's cache is built, locked and published as with BPE, without training one per node
+BYTES = ["--data.tokenizer=byte", "--model.vocab_size=256"]
+ARGS = [*BYTES, f"--train.steps={STEPS}", "--train.log_every=1", f"--train.eval_every={STEPS}",
+        "--train.eval_batches=1", f"--checkpoint.every={STEPS}"]
 TIMING = {"tokens_per_s", "mfu", "mem_gb"}  # what may differ between two runs of the same numbers
 DEADLINE = 150  # seconds for one run (agents and ranks), about 6x what it takes here
 
@@ -184,7 +186,7 @@ def test_slurm_script_passes_the_time_limit_signal_to_each_rank_once_and_requeue
                SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[1-2]", SLURM_GPUS_PER_NODE="2",
                TMPDIR=str(tmp_path), MESHPAR_RDZV_PORT=str(free_port()), OMP_NUM_THREADS="1",
                MESHPAR_TEST_JOB=marker)
-    cmd = ["bash", "scripts/slurm.sbatch", RECIPE, "--train.steps=100", "--train.log_every=1",
+    cmd = ["bash", "scripts/slurm.sbatch", RECIPE, *BYTES, "--train.steps=100", "--train.log_every=1",
            "--train.eval_every=0", f"--train.output_dir={tmp_path / 'out'}"]
     with open(log, "w") as f:
         job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
