@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from meshpar.distributed._torch import clear_dtensor_caches
 from meshpar.fsdp import FSDPModule
 from meshpar.models import get_family
 from meshpar.parallel.parallelize import parallelize_transformer
-from meshpar.parallel.pipeline import split, stage_layers
+from meshpar.parallel.pipeline import split_model, stage_layers
 from meshpar.parallel.wrap import wrappers
 from meshpar.planner import extrapolate
 from meshpar.planner.cost import LinkDefaults, StepTime, step_time
@@ -217,21 +218,25 @@ def _alike(block: torch.nn.Module) -> tuple:
             tuple((name, tuple(p.shape), _placements(p), p.dtype) for name, p in block.named_parameters()))
 
 
+@functools.lru_cache(maxsize=1)
+def _meta_model(model_cls: type, args) -> torch.nn.Module:
+    """The whole model on meta, built once per plan (126 blocks of the 405B take a second); never
+    changed: ``_build`` parallelizes a copy of the stage it needs."""
+    with torch.device("meta"):
+        return model_cls(args)
+
+
 def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe,
            keep: list[int] | None = None) -> list[tuple[int, torch.nn.Module]]:
     """This rank's stages, parallelized on meta: the steps of meshpar.parallel.parallelize.build before
     to_empty. ``keep``: positions of the only blocks to keep (their keys, the global indices, kept)."""
     layout, p = mesh.layout, recipe.parallel
-    with torch.device("meta"):
-        whole = family.model_cls(args)
-    if layout.pp > 1:
-        stages = split(whole, mesh["pp"].get_local_rank(), layout.pp, boundaries=p.pp_boundaries)
-    else:
-        stages = [(0, whole)]
+    whole = _meta_model(family.model_cls, args)
+    index = mesh["pp"].get_local_rank() if layout.pp > 1 else 0
+    layers = stage_layers(len(whole.layers), layout.pp, p.pp_boundaries)[index]
     if keep is not None:
-        for _, stage in stages:
-            for key in [k for j, k in enumerate(stage.layers) if j not in keep]:
-                del stage.layers[key]
+        layers = [layers[j] for j in keep]
+    stages = [(index, split_model(whole, index, layout.pp, layers))]  # a copy: ``whole`` is shared
     cfg = dataclasses.replace(p, compile=False)  # compiled or not, eager memory is what is planned
     return [(i, parallelize_transformer(stage, mesh, cfg, family.tp_plan)) for i, stage in stages]
 
