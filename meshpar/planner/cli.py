@@ -136,7 +136,8 @@ def run_search(args: argparse.Namespace, overrides: list[str]) -> int:
     global_batch = args.global_batch or max(1, 2**20 // args.seq)
     spec = args.hardware if args.hardware not in (None, "auto") else "h100_sxm"
     base = [f"--model.family={family}", f"--model.size={size}", f"--train.seq_len={args.seq}",
-            f"--train.global_batch={global_batch}", '--parallel.param_dtype="bfloat16"', *overrides]
+            f"--train.global_batch={global_batch}", "--train.micro_batch=1",  # each candidate sets its own
+            '--parallel.param_dtype="bfloat16"', *overrides]
     try:
         profile, note = load_hardware(spec)
         gpn = args.gpus_per_node or profile.devices_per_node
