@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from meshpar.config.recipe import RecipeError
-from meshpar.profiling.capture import cap_trace, traced_ranks
+from meshpar.profiling.capture import traced_ranks
+from meshpar.profiling.report.traces import cap_trace
 from tests.distributed import run_distributed
 from tests.helpers import ROOT, SMALL, load_recipe, train_on_rank
 

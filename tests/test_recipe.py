@@ -466,9 +466,11 @@ def test_cli_nproc_zero_is_refused():
 
 
 @pytest.mark.parametrize("args", [["--help"], ["data", "prepare", "--help"], ["recipe", "recipes/llama_debug.toml"],
-                                  ["recipe", "--keys"], ["train", "recipes/llama_debug.toml", "--train.steps=0"]])
+                                  ["recipe", "--keys"], ["train", "recipes/llama_debug.toml", "--train.steps=0"],
+                                  ["profile", "summarize", "recipes"], ["profile", "merge", "recipes"]])
 def test_cli_answers_without_importing_torch(args):
-    """Help, ``meshpar recipe`` and a recipe error load no torch (meshpar/cli.py): they answer at once."""
+    """Help, ``meshpar recipe``, a recipe error and the trace reports (here on a folder without
+    traces) load no torch (meshpar/cli.py): they answer at once."""
     code = ("import runpy, sys; sys.argv = ['meshpar', *sys.argv[1:]]\n"
             "try:\n    runpy.run_module('meshpar', run_name='__main__')\n"
             "finally:\n    print('torch' in sys.modules, file=sys.stderr)")

@@ -16,7 +16,7 @@ transfers, collectives with their mesh dim, FSDP phases, tensor-parallel redistr
 checkpoint save); the list: docs/profiling.md#labels. The tp and pp labels come from
 meshpar/profiling/labels.py (the collectives are PyTorch's own).
 
-Notes: [Note: memory in the profiled steps], [Note: the size cap].
+Notes: [Note: memory in the profiled steps]; the size cap: [Note: the size cap] in report/traces.py.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from meshpar.distributed import comm_record
 from meshpar.distributed._torch import attach_cuda_oom_observer, dump_cuda_memory_snapshot, record_cuda_memory_history
 from meshpar.distributed.mesh import DIMS, Mesh
 from meshpar.profiling.memory import AllocationTracker
+from meshpar.profiling.report.traces import cap_trace
 
 # [Note: memory in the profiled steps]
 # With ``profile.profile_memory``, each traced window also gets a memory record, on any device:
@@ -47,13 +48,6 @@ from meshpar.profiling.memory import AllocationTracker
 # (open it in https://pytorch.org/memory_viz: blocks, segments, fragmentation, the stack of
 # every allocation), recorded from the first step so that an out-of-memory error also leaves
 # ``rank<r>.oom_memory_snapshot.pickle``.
-
-# [Note: the size cap]
-# A trace of a 70B step holds millions of events and viewers fail on files of a few hundred
-# MB. ``profile.max_trace_mb`` caps each file (uncompressed JSON): past it, the shortest
-# events are dropped first, never ``meshpar::`` labels, until the file fits, and the trace
-# records how many were dropped and below which duration.
-
 
 def label(name: str):
     """``record_function("meshpar::<name>")``."""
@@ -214,31 +208,6 @@ class StepProfiler:
         record = {"rank": self.rank, "unit": "bytes", "peak": tracker.peak(),
                   "timeline": [[round(t, 6), point] for t, point in tracker.timeline]}
         write_atomic(self.folder / f"{stem}.memory.json", json.dumps(record))
-
-
-def cap_trace(trace: dict[str, Any], max_bytes: int) -> None:
-    """Drop the shortest non-``meshpar::`` events until the JSON fits in ``max_bytes``
-    ([Note: the size cap]); records what was dropped under ``trace["meshpar"]["dropped"]``."""
-    events = trace.get("traceEvents", [])
-    size = len(json.dumps(trace))
-    if size <= max_bytes:
-        return
-    keep_always = [e for e in events if e.get("ph") != "X" or str(e.get("name", "")).startswith("meshpar::")]
-    optional = sorted((e for e in events if e.get("ph") == "X" and not str(e.get("name", "")).startswith("meshpar::")),
-                      key=lambda e: -float(e.get("dur", 0)))
-    per_event = max(1, size // max(len(events), 1))
-    budget = max(0, max_bytes - len(json.dumps({**trace, "traceEvents": keep_always})))
-    n = min(len(optional), budget // per_event)
-    while True:
-        kept = optional[:n]
-        trace["traceEvents"] = keep_always + kept
-        if len(json.dumps(trace)) <= max_bytes or n == 0:
-            break
-        n = int(n * 0.9)
-    dropped = len(optional) - n
-    below = float(optional[n].get("dur", 0)) if n < len(optional) else 0.0
-    trace.setdefault("meshpar", {})["dropped"] = {"events": dropped, "shorter_than_us": below,
-                                                 "cap_mb": max_bytes / 2**20}
 
 
 def _coordinates(mesh: Mesh) -> dict[str, int]:

@@ -15,15 +15,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshpar.profiling.capture import cap_trace
 from meshpar.profiling.report.analysis import rank_label
-from meshpar.profiling.report.traces import ProfileReportError, find_traces, load_trace
+from meshpar.profiling.report.traces import ProfileReportError, cap_trace, find_traces, load_trace
 
 
 def merge(path: str | Path, out: str | Path | None = None, *, max_mb: float = 200) -> Path:
     """One gzipped Chrome trace with every rank as its own process (pid = rank), all on one clock
     ([Note: one clock for all ranks]); past ``max_mb`` of JSON the shortest non-``meshpar::``
-    events go first, as in [Note: the size cap] (meshpar/profiling/capture.py), recorded under
+    events go first, as in [Note: the size cap] (report/traces.py), recorded under
     ``meshpar.dropped``. Opens in ui.perfetto.dev or chrome://tracing."""
     files = find_traces(path)
     traces = [(f, load_trace(f)) for f in files]

@@ -49,3 +49,35 @@ def load_trace(path: Path) -> dict[str, Any]:
         raise ProfileReportError(f"{path}: the `meshpar` header lacks {', '.join(missing)}; write the traces again "
                                  f"with this version of meshpar")
     return trace
+
+
+# [Note: the size cap]
+# A trace of a 70B step holds millions of events and viewers fail on files of a few hundred
+# MB. ``profile.max_trace_mb`` caps each file (uncompressed JSON): past it, the shortest
+# events are dropped first, never ``meshpar::`` labels, until the file fits, and the trace
+# records how many were dropped and below which duration.
+
+
+def cap_trace(trace: dict[str, Any], max_bytes: int) -> None:
+    """Drop the shortest non-``meshpar::`` events until the JSON fits in ``max_bytes``
+    ([Note: the size cap]); records what was dropped under ``trace["meshpar"]["dropped"]``."""
+    events = trace.get("traceEvents", [])
+    size = len(json.dumps(trace))
+    if size <= max_bytes:
+        return
+    keep_always = [e for e in events if e.get("ph") != "X" or str(e.get("name", "")).startswith("meshpar::")]
+    optional = sorted((e for e in events if e.get("ph") == "X" and not str(e.get("name", "")).startswith("meshpar::")),
+                      key=lambda e: -float(e.get("dur", 0)))
+    per_event = max(1, size // max(len(events), 1))
+    budget = max(0, max_bytes - len(json.dumps({**trace, "traceEvents": keep_always})))
+    n = min(len(optional), budget // per_event)
+    while True:
+        kept = optional[:n]
+        trace["traceEvents"] = keep_always + kept
+        if len(json.dumps(trace)) <= max_bytes or n == 0:
+            break
+        n = int(n * 0.9)
+    dropped = len(optional) - n
+    below = float(optional[n].get("dur", 0)) if n < len(optional) else 0.0
+    trace.setdefault("meshpar", {})["dropped"] = {"events": dropped, "shorter_than_us": below,
+                                                 "cap_mb": max_bytes / 2**20}
