@@ -23,6 +23,22 @@ from tests.helpers import ROOT, SMALL, load_recipe, merged_state, train_losses, 
 from tests.parity import TOL, default_dtype, in_float64
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """``one_process(recipe, *overrides)``: the single-process float64 run, made once per recipe and
+    overrides (several layouts compare with the same one)."""
+    cache = {}
+
+    def get(name: str, *overrides: str):
+        if (name, overrides) not in cache:
+            with default_dtype():
+                cache[name, overrides] = train(load_recipe(name, tmp_path_factory.mktemp("ref"), *overrides),
+                                               return_state=True)
+        return cache[name, overrides]
+
+    return get
+
+
 def _assert_parity(records: list, state: dict[str, torch.Tensor], reference) -> None:
     """Losses, gradient norms (when logged) and every parameter equal the float64 reference's to 1e-9."""
     torch.testing.assert_close(train_losses(records), train_losses(reference.records), rtol=TOL, atol=TOL)
@@ -110,11 +126,11 @@ def test_dp_replicate_matches_single_process(tmp_path, data_cache):
     (2, ["--parallel.dp_shard=2", '--parallel.grad_reduce="microbatch"']),
 ], ids=["fsdp-2", "hybrid-2x2", "fsdp-2-reduce-every-microbatch"])
 @default_dtype()
-def test_fsdp_matches_single_process(world, layout, tmp_path, data_cache):
+def test_fsdp_matches_single_process(world, layout, one_process, tmp_path, data_cache):
     """meshpar train with the FSDP engine: same initial model (layout-independent init), same
     losses and parameters as one process; two microbatches per rank exercise no-sync accumulation."""
     steps = ["--train.steps=5", "--train.micro_batch=1"]
-    reference = train(load_recipe("llama_debug.toml", tmp_path / "ref", *steps), return_state=True)
+    reference = one_process("llama_debug.toml", *steps)
     recipe = load_recipe("llama_debug.toml", tmp_path / "fsdp", *steps, *layout)
     results = run_distributed(in_float64, world, train_on_rank, recipe, timeout=240, init_process_group=False)
     _assert_parity(*results[0], reference)
@@ -155,14 +171,14 @@ def test_grad_reduce_sets_how_often_fsdp_reduce_scatters(tmp_path, data_cache):
 ], ids=["fsdp2-x-tp2", "replicate2-x-tp2-selective-ac", "pp2-x-fsdp2-full-ac", "pp2-interleaved", "gpt2-rep2-x-tp2",
         "pp2-x-tp2", "3d-interleaved", "pp2-x-fsdp2-reduce-every-microbatch"])
 @default_dtype()
-def test_nd_layouts_match_single_process(recipe, world, layout, tmp_path, data_cache):
+def test_nd_layouts_match_single_process(recipe, world, layout, one_process, tmp_path, data_cache):
     """Tensor, pipeline and data parallelism composed by `meshpar train`: the loss at every step, the
     gradient norm (clipped across every mesh dim) and every parameter equal one process's, in
     float64 to 1e-9. (In float32, with AdamW's eps at 1e-8, tensor parallelism's reordered sums
     moved parameters by up to 4e-5 after 4 steps: tests/parity.py [Note: parity in float64].)"""
     steps = ["--train.steps=4", "--train.micro_batch=1"]
     same_model = [a for a in layout if a.startswith(("--model.", "--train."))]
-    reference = train(load_recipe(recipe, tmp_path / "ref", *steps, *same_model), return_state=True)
+    reference = one_process(recipe, *steps, *same_model)
     parallel = load_recipe(recipe, tmp_path / "nd", *steps, *layout)
     results = run_distributed(in_float64, world, train_on_rank, parallel, timeout=300, init_process_group=False)
     _assert_parity(results[0][0], merged_state(results), reference)
