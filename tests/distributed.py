@@ -67,17 +67,18 @@ def free_port() -> int:
 # [Note: ranks forked from a server that imported torch]
 # Importing torch costs a process seconds of CPU on this machine (docs/performance.md#test-suite-and-set-up),
 # and the suite starts well over a thousand ranks. So ranks come from multiprocessing's "forkserver": one server process
-# per pytest worker imports torch and the torch modules meshpar's ranks load (``_PRELOAD``: DTensor, DCP, FSDP,
-# pipelining, dynamo, which DTensor pulls in) once (``_context``) and forks each rank from itself, a process
-# with no threads and no process group, as "spawn" would start a fresh interpreter. A rank takes
-# the parent's environment as it is at the call (the server's dates from its start), before
-# anything reads it: meshpar, which reads some variables at import, is imported by the rank. It
+# per pytest worker imports torch, the torch modules meshpar's ranks load (DTensor, DCP, FSDP, pipelining,
+# dynamo, which DTensor pulls in) and meshpar's training stack once (``_PRELOAD``, ``_context``) and forks each
+# rank from itself, a process with no threads and no process group, as "spawn" would start a fresh interpreter.
+# A rank takes the parent's environment as it is at the call (the server's dates from its start), before
+# anything reads it: meshpar reads no variable at import (the torch modules preloaded read theirs from the
+# server's environment, which is the pytest worker's: .ci/run sets ATEN_CPU_CAPABILITY before pytest). It
 # also writes to the parent's stdout and stderr as they are at the call (pytest's capture of the
 # running test), not the server's: ``_StdFds`` sends those two descriptors along.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
             "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.pipelining",
             "torch.distributed.elastic", "torch._dynamo", "torch.nn.attention.flex_attention", "torch.nn.functional",
-            "torch.utils.flop_counter"]
+            "torch.utils.flop_counter", "pytest", "meshpar.train", "meshpar.fsdp", "meshpar.checkpoint"]
 
 
 def _context() -> mp.context.BaseContext:

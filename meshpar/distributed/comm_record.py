@@ -62,8 +62,9 @@ def buffer_tag() -> str | None:
 # run on a one-GPU machine. ``force_collectives()`` (or MESHPAR_FORCE_COLLECTIVES=1 in a process's
 # environment, for spawned ranks) makes every collective of meshpar/distributed/comm.py run through the backend
 # even over one rank, and FSDP units built or lazily initialized inside it take the collective path.
-# A test-only switch: it changes no result, only which code computes it.
-_forced = os.environ.get("MESHPAR_FORCE_COLLECTIVES", "") == "1"
+# A test-only switch: it changes no result, only which code computes it. The environment is read
+# when asked, not at import (tests/distributed.py forks ranks from a server that imported meshpar).
+_forced: bool | None = None  # None: as the environment says
 
 
 @contextlib.contextmanager
@@ -80,6 +81,8 @@ def force_collectives(enabled: bool = True) -> Iterator[None]:
 
 def forced() -> bool:
     """Whether one-rank collectives run through the backend (``force_collectives``)."""
+    if _forced is None:
+        return os.environ.get("MESHPAR_FORCE_COLLECTIVES", "") == "1"
     return _forced
 
 
