@@ -220,8 +220,9 @@ def _alike(block: torch.nn.Module) -> tuple:
 
 @functools.lru_cache(maxsize=1)
 def _meta_model(model_cls: type, args) -> torch.nn.Module:
-    """The whole model on meta, built once per plan (126 blocks of the 405B take a second); never
-    changed: ``_build`` parallelizes a copy of the stage it needs."""
+    """The whole model on meta, built once per plan instead of once per build (its cost:
+    docs/performance.md#the-simulations-own-costs); never changed: ``_build`` parallelizes a copy
+    of the stage it needs."""
     with torch.device("meta"):
         return model_cls(args)
 
@@ -236,9 +237,9 @@ def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe,
     layers = stage_layers(len(whole.layers), layout.pp, p.pp_boundaries)[index]
     if keep is not None:
         layers = [layers[j] for j in keep]
-    stages = [(index, split_model(whole, index, layout.pp, layers))]  # a copy: ``whole`` is shared
+    stage = split_model(whole, index, layout.pp, layers)  # a copy: ``whole`` is shared
     cfg = dataclasses.replace(p, compile=False)  # compiled or not, eager memory is what is planned
-    return [(i, parallelize_transformer(stage, mesh, cfg, family.tp_plan)) for i, stage in stages]
+    return [(index, parallelize_transformer(stage, mesh, cfg, family.tp_plan))]
 
 
 def _placements(p: torch.Tensor) -> str:
