@@ -171,7 +171,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _launch(args: argparse.Namespace, recipe: recipelib.Recipe, overrides: list[str]) -> int:
     from meshpar.distributed import mesh as meshlib
     from meshpar.runtime.fault import EXIT_PREEMPTED
-    from meshpar.train import train
+    from meshpar.train import run, train
     from meshpar.training.preflight import preflight
 
     if "WORLD_SIZE" in os.environ:  # already a rank (torchrun, which does the restarting): train here
@@ -179,11 +179,14 @@ def _launch(args: argparse.Namespace, recipe: recipelib.Recipe, overrides: list[
     nproc = meshlib.local_world_size(recipe.parallel) if args.nproc is None else args.nproc
     if nproc < 1:
         raise RecipeError(f"--nproc {nproc}: must be >= 1")
+    local = nproc > 1 or args.max_restarts
+    if local:  # the ranks' forkserver imports torch and meshpar while preflight runs
+        from meshpar.runtime.launch import launch_local, start_forkserver
+        start_forkserver(run)
     preflight(recipe, nproc)  # every recipe error before a process starts; tokenizes once for all ranks
-    if nproc == 1 and not args.max_restarts:
+    if not local:
         return EXIT_PREEMPTED if train(recipe).stopped_by else 0
-    from meshpar.runtime.launch import launch_local
-    return launch_local(nproc, [str(args.recipe), *overrides], max_restarts=args.max_restarts,
+    return launch_local(nproc, run, [str(args.recipe), *overrides], max_restarts=args.max_restarts,
                         signals=recipe.fault.signals)
 
 

@@ -1,8 +1,8 @@
 """One rank's training run: ``python -m meshpar.train RECIPE [--section.key=value ...]``.
 
-This is what ``torchrun ... -m meshpar.train`` runs on a cluster and what ``meshpar train``
-starts on each local rank: the recipe's checks, the process group and the mesh, then the loop
-(meshpar/training/loop.py). The data flow (docs/architecture.md):
+This is what ``torchrun ... -m meshpar.train`` runs on a cluster, and ``run`` what ``meshpar
+train`` calls on each local rank it forks (meshpar/runtime/launch.py): the recipe's checks, the
+process group and the mesh, then the loop (meshpar/training/loop.py). The data flow (docs/architecture.md):
 
     recipe -> layout (checked before any process group) -> data (cached tokens)
       -> process group + mesh -> model on meta -> pipeline split -> parallelize (TP, activation
@@ -98,7 +98,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
-def main(argv: list[str] | None = None) -> None:
+def run(argv: list[str]) -> int:
+    """This rank's run from its command line (``RECIPE [--section.key=value ...]``); the exit code:
+    0, ``EXIT_PREEMPTED`` after a stop signal, 2 for a recipe error, 1 for a checkpoint or
+    non-finite one (named on stderr). Anything else raises."""
     parser = argparse.ArgumentParser(prog="python -m meshpar.train", description="Train one rank (use under "
                                      "torchrun, or run `meshpar train`, which starts local ranks itself).")
     parser.add_argument("recipe", type=Path)
@@ -108,15 +111,19 @@ def main(argv: list[str] | None = None) -> None:
         result = train(recipe)
     except RecipeError as e:
         print(f"meshpar: error: {e}", file=sys.stderr)
-        leave(2)
+        return 2
     except CheckpointError as e:  # a folder or file the message names; each failing rank says so
         print(f"meshpar: error: {e}", file=sys.stderr)
-        leave(1)
+        return 1
     except NonFiniteError as e:  # every rank raises it; one says so
         if rank_info().is_rank0:
             print(f"meshpar: error: {e}", file=sys.stderr)
-        leave(1)
-    leave(EXIT_PREEMPTED if result.stopped_by is not None else 0)  # [Note: a rank leaves without finalization]
+        return 1
+    return EXIT_PREEMPTED if result.stopped_by is not None else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    leave(run(sys.argv[1:] if argv is None else argv))  # [Note: a rank leaves without finalization]
 
 
 if __name__ == "__main__":

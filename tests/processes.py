@@ -93,15 +93,13 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float =
 
 
 def rank_pid(launcher: int, rank: int) -> int:
-    """The pid of training rank ``rank`` started by ``launcher`` (a direct child, RANK in its environment)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher and f"RANK={rank}".encode() in env:
-            return int(entry.name)
-    raise AssertionError(f"no rank {rank} under pid {launcher}")
+    """The pid of training rank ``rank`` started by ``launcher``: the process below it named
+    ``meshpar rank R`` (meshpar/runtime/launch.py names each rank so, as soon as it starts)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for pid in descendants(launcher):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/comm").read_text().strip() == f"meshpar rank {rank}":
+                    return pid
+        time.sleep(0.1)
+    raise AssertionError(f"no process named 'meshpar rank {rank}' under pid {launcher}")

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from meshpar.convert import convert
+from tests.processes import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--model.n_layers=2", "--train.seq_len=64", "--train.global_batch=8", "--train.micro_batch=2",
@@ -64,38 +65,15 @@ def _last_step(out: Path) -> int:
     return max((r.get("step", 0) for r in _records(out)), default=0)
 
 
-def _descendants(pid: int) -> dict[int, dict[str, str]]:
-    """Processes below ``pid`` with their environment (to find the training ranks by RANK)."""
-    parent: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    found: dict[int, dict[str, str]] = {}
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        for child, pp in parent.items():
-            if pp == p:
-                todo.append(child)
-                try:
-                    env = (Path("/proc") / str(child) / "environ").read_bytes().split(b"\0")
-                    found[child] = dict(e.decode(errors="replace").split("=", 1) for e in env if b"=" in e)
-                except OSError:
-                    found[child] = {}
-    return found
-
-
 def _rank_pids(launcher: int) -> dict[int, int]:
-    """rank -> pid of the training processes under ``launcher`` (those that run meshpar.train)."""
+    """rank -> pid of the training processes under ``launcher`` (named ``meshpar rank R``:
+    meshpar/runtime/launch.py)."""
     ranks = {}
-    for pid, env in _descendants(launcher).items():
-        try:
-            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"meshpar.train" in cmd and "RANK" in env:
-            ranks[int(env["RANK"])] = pid
+    for pid in descendants(launcher):
+        with contextlib.suppress(OSError):
+            name = (Path("/proc") / str(pid) / "comm").read_text().strip()
+            if name.startswith("meshpar rank ") and name[13:].isdigit():
+                ranks[int(name[13:])] = pid
     return ranks
 
 
@@ -112,7 +90,7 @@ def _run(cmd: list[str], log: Path) -> subprocess.Popen:
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    for pid in [proc.pid, *_descendants(proc.pid)]:
+    for pid in [proc.pid, *descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)
