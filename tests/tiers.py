@@ -22,6 +22,7 @@ not silently grow a spawn.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import sys
 import textwrap
@@ -50,6 +51,11 @@ def _ours(obj: object) -> bool:
         return Path(inspect.getfile(obj)).resolve().is_relative_to(TESTS)
     except (TypeError, OSError):
         return False
+
+
+@functools.cache  # a function is read once, not once per test that reaches it (collection time)
+def _uses(obj: object) -> tuple[object, ...]:
+    return tuple(_used(obj))
 
 
 def _used(obj: object) -> Iterator[object]:
@@ -82,6 +88,11 @@ def _used(obj: object) -> Iterator[object]:
 
 def spawns(fn: object, fixtures: list[object]) -> bool:
     """Whether ``fn`` (a test function) or one of its ``fixtures`` can reach a process spawn."""
+    return _spawns(fn, tuple(fixtures))
+
+
+@functools.cache  # each parametrization of a test asks again
+def _spawns(fn: object, fixtures: tuple[object, ...]) -> bool:
     seen: set[int] = set()
     todo = [fn, *fixtures]
     while todo:
@@ -89,7 +100,7 @@ def spawns(fn: object, fixtures: list[object]) -> bool:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        for used in _used(obj):
+        for used in _uses(obj):
             if _spawner(used):
                 return True
             if _ours(used) and id(used) not in seen:
