@@ -117,7 +117,7 @@ def test_plan_counts_document_masks_once_without_cp_and_never_whole_with_it():
     under context parallelism]): each chunk's is built inside its checkpointed attention, so a
     forward leaves less alive than causal cp's, whose fused attention keeps its output."""
     recipe = str(RECIPES / "llama_debug_cp.toml")
-    argv = ["--train.seq_len=512", "--parallel.dp_shard=1"]
+    argv = ["--train.seq_len=512", "--parallel.dp_shard=1", "--train.global_batch=4"]
 
     def planned(*extra):
         code, out, err, plan, _ = _run(recipe, *argv, *extra)
