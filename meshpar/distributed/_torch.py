@@ -281,6 +281,9 @@ def dtensor_shapes_in_own_fake_mode() -> Iterator[None]:
 #   planner's simulated peaks). Public alternative: none that categorizes tensors on CPU.
 # - FakeTensorMode: the planner's memory simulation runs a step on fake tensors of the real sizes.
 #   Public alternative: none (torch.export uses it internally).
+# - FakeTensor, active_fake_mode: the simulation answers fake tensors' device queries itself
+#   ([Note: device queries skip the tracker] in planner/simulate.py), with MemTracker's test for
+#   which fake mode is running. Public alternative: none.
 # - FakeStore: ``meshpar plan``'s dry run joins a "fake" process group, whose collectives return at
 #   once. Public alternative: none outside torch.testing.
 _LAZY: dict[str, tuple[str, str | None]] = {
@@ -290,6 +293,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "UpdateType": ("torch.distributed._tools.mem_tracker", "_UpdateType"),
     "WeakRefInfo": ("torch.distributed._tools.mem_tracker", "_WeakRefInfo"),
     "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    "FakeTensor": ("torch._subclasses.fake_tensor", "FakeTensor"),
+    "active_fake_mode": ("torch._guards", "active_fake_mode"),
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
 }
 
@@ -373,6 +378,8 @@ REQUIRED: dict[str, str] = {
     "torch._guards.TracingContext": "meshpar plan's memory simulation: DTensor's shapes in a fake mode of their own",
     "torch._guards.tracing": "meshpar plan's memory simulation: DTensor's shapes in a fake mode of their own",
     "torch._subclasses.fake_tensor.FakeTensorMode": "meshpar plan's memory simulation (planner/simulate.py)",
+    "torch._subclasses.fake_tensor.FakeTensor": "meshpar plan's memory simulation: device queries",
+    "torch._guards.active_fake_mode": "meshpar plan's memory simulation: device queries",
     "torch.testing._internal.distributed.fake_pg.FakeStore": "meshpar plan's dry run (planner/dry_run.py)",
     f"{_MT}.MemTracker": _MEMORY,
     f"{_MT}._MemRefType.PARAM": _MEMORY,
@@ -386,6 +393,7 @@ REQUIRED: dict[str, str] = {
     f"{_MT}.MemTracker._pre_fw_hook": _MEMORY,
     f"{_MT}.MemTracker._track_resize": _MEMORY,
     f"{_MT}.MemTracker._delete_callback": _MEMORY,
+    f"{_MT}.MemTracker._update_peak_stats": _MEMORY,
     f"{_MT}.MemTracker()._WINFO": _MEMORY,
     f"{_MT}.MemTracker()._mod_tracker": _MEMORY,
     f"{_MT}.MemTracker()._ref_class": _MEMORY,
