@@ -20,6 +20,7 @@ controls). tests/README.md says more.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -112,6 +113,9 @@ def _rank_main(rank: int, world_size: int, port: int, init_pg: bool, fn: Callabl
         for fd, target in zip(std_fds, (1, 2), strict=True):
             os.dup2(fd, target)
             os.close(fd)
+    # A rank that dies in C++ (SIGABRT from a gloo enforce or glibc's heap checks, SIGSEGV) prints every
+    # thread's Python stack to the test's captured stderr; the server does not inherit pytest's faulthandler.
+    faulthandler.enable(all_threads=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
