@@ -541,7 +541,11 @@ def _case_bad_input(ctx: Ctx) -> None:
     rejects(Block(), r"reshard_after_forward=3\b", reshard_after_forward=3)
     tied = _Tied()
     fully_shard(tied.block, mesh=ctx.mesh)
-    rejects(tied, r"Embedding\.weight is shared with a module fully_shard-ed earlier")
+    rejects(tied, r"Embedding\.weight is shared with a parameter already managed by another FSDP unit \(Sequential\);")
+    apart = _Tied()  # the two uses in sibling units: the second keeps the original, [Note: a parameter in two units]
+    fully_shard(apart.emb, mesh=ctx.mesh)
+    rejects(apart.block, r"Linear\.weight is shared with a parameter already managed by another FSDP unit "
+                         r"\(Embedding\)")
     net = Net()
     shard_units(net, fully_shard, mesh=ctx.mesh)
     with pytest.raises(ValueError, match="Linear is not fully sharded"):

@@ -156,28 +156,32 @@ def _shared_uneven(E: ModuleType, ctx: Ctx) -> Record:
     return rec
 
 
-def _shared_across_groups(E: ModuleType, ctx: Ctx) -> str:
-    """The head (one use of the tied weight) sharded first, then the root holding the embedding:
-    refused with a ValueError that names the fix. Torch 2.13 accepts both ``fully_shard`` calls
-    and raises at the first forward (its lazy init): "Parameter 'head.weight' is shared with a
-    parameter already managed by another FSDP group. For shared/tied parameters, use
-    fully_shard([module_a, module_b]) to place them in the same FSDP group." Refusing earlier,
-    in ``fully_shard``, is as good."""
+def _shared_across_groups(E: ModuleType, ctx: Ctx, apart: bool) -> str:
+    """The head (one use of the tied weight) sharded first, then the root holding the embedding;
+    or (``apart``) the embedding and the head each in a unit of its own, then the root, where the
+    head's unit would shard the original weight a second time ([Note: a parameter in two units] in
+    meshpar/fsdp/api.py): refused with a ValueError that names the fix. Torch 2.13 accepts every
+    ``fully_shard`` call and raises at the first forward (its lazy init): "Parameter 'head.weight' is
+    shared with a parameter already managed by another FSDP group. For shared/tied parameters, use
+    fully_shard([module_a, module_b]) to place them in the same FSDP group." Refusing earlier, in
+    ``fully_shard``, is as good."""
     model = build(Lm, tied=True)
     try:
+        if apart:
+            E.fully_shard(model.tok, mesh=ctx.mesh)
         E.fully_shard(model.head, mesh=ctx.mesh)
         shard_blocks(E, model, ctx.mesh)
         lm_loss(model, local(lm_batch(0))).backward()
     except ValueError as e:
-        assert "shared" in str(e), f"{E.__name__}: an unclear error for a weight shared across groups: {e}"
+        assert "already managed by another FSDP" in str(e), f"{E.__name__}: an unclear error for a shared weight: {e}"
         return str(e)
     raise AssertionError(f"{E.__name__} trained a weight shared across two groups instead of refusing it")
 
 
 def _case_shared_uneven(ctx: Ctx) -> None:
-    subcases({"tied in one group": lambda: both(_shared_uneven, ctx),
-               **{f"shared across groups, {E.__name__}": functools.partial(_shared_across_groups, E, ctx)
-                  for E in engines()}})
+    refusals = {f"shared across groups{', apart' if apart else ''}, {E.__name__}":
+                functools.partial(_shared_across_groups, E, ctx, apart) for E in engines() for apart in (False, True)}
+    subcases({"tied in one group": lambda: both(_shared_uneven, ctx), **refusals})
 
 
 # --- 5. .to(dtype) / .to(device) after fully_shard -------------------------------------------------------
@@ -322,6 +326,35 @@ def _accumulation_mp(model: nn.Module, rec: Record) -> None:
     train_accumulating(model, rec, model.set_requires_gradient_sync)
 
 
+class _Gain(nn.Module):
+    """``x * w``: with x all ones, w's gradient is a sum of the output's gradient, known exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+@default_dtype(torch.float32)
+def _fp16_mean(E: ModuleType, ctx: Ctx) -> Record:
+    """float16 compute and reduction (reduce_dtype None): every element of every rank's gradient is
+    40,000 (4 rows of 10,000), and so is their mean, but their float16 sum, 80,000, is past float16's
+    largest number (65,504): both engines divide before the sum ([Note: dividing before and after the
+    sum] in meshpar/fsdp/reduce.py), which a plain sum then divide does not survive. Powers of two
+    and sums of equal terms: exact, so bit for bit."""
+    rec = Record()
+    model = build(_Gain)
+    E.fully_shard(model, mesh=ctx.mesh, mp_policy=E.MixedPrecisionPolicy(param_dtype=torch.float16))
+
+    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return model(batch[0]).float().sum() * 10_000
+
+    train(model, rec, "fp16", loss_fn=loss_fn, batch=lambda _: (torch.ones(4 * ctx.world, 8),))
+    return rec
+
+
 
 # --- 13. state_dict round trip --------------------------------------------------------------------------
 def _state_dict_roundtrip(E: ModuleType, ctx: Ctx) -> Record:
@@ -464,6 +497,7 @@ CASES = CaseSet({
     "partial_group_forward": (scenario_case(_partial_group_forward, "[norm, head]", "[block0, block1]"), 2),
     "prefetch_lists": (scenario_case(_prefetch_lists), 2),
     "mixed_precision": (scenario_case(_mixed_precision, *_MIXED_PRECISION, tol=0.0), 2),
+    "fp16_mean": (scenario_case(_fp16_mean, tol=0.0), 2),
     "state_dict_roundtrip": (_case_state_dict_roundtrip, 2),
     "list_groups_and_methods": (_case_list_groups_and_methods, 2),
 }, setup=setup, timeout=300)

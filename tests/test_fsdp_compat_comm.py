@@ -258,6 +258,23 @@ def _case_dp_mesh_dims(ctx: Ctx) -> None:
               "dcp meshpar -> torch": lambda: _spmd_dcp(ours, ref, ctx, str(ctx.tmp / "spmd_meshpar_to_torch"))})
 
 
+# --- an int reshard_after_forward on fully_shard's default mesh --------------------------------------------
+def _int_reshard_default_mesh(E: ModuleType, ctx: Ctx, steps: str) -> Record:
+    """``reshard_after_forward=2`` with no ``mesh`` (every rank of the default group, a 1-D mesh
+    without dim names): backward all-gathers within pairs of ranks. ``steps`` "accumulating": three
+    microbatches a step, gradient sync on the last only, as accumulation scripts run it."""
+    rec = Record()
+    model = build(Net)
+    for block in model.layers:
+        E.fully_shard(block, reshard_after_forward=2)
+    E.fully_shard(model)
+    if steps == "accumulating":
+        train_accumulating(model, rec, lambda last: model.set_requires_gradient_sync(last))
+    else:
+        train(model, rec, "k=2")
+    return rec
+
+
 # --- the jobs ----------------------------------------------------------------------------------------------
 CASES = CaseSet({
     "accumulation": (_case_accumulation, (2, 4)),
@@ -265,6 +282,7 @@ CASES = CaseSet({
     "shard_placement_fn": (_case_shard_placement_fn, 2),
     "custom_comms": (scenario_case(_custom_comms), 2),
     "dp_mesh_dims": (_case_dp_mesh_dims, 4),
+    "int_reshard_default_mesh": (scenario_case(_int_reshard_default_mesh, "one batch a step", "accumulating"), 4),
 }, setup=setup, timeout=300)
 
 

@@ -127,6 +127,14 @@ class ReduceScatterInput:
             self.send[r:, offset:offset + k].copy_(rows[r + 1:])
 
     @torch.no_grad()
+    def div_(self, factor: float) -> None:
+        """Every row divided by ``factor``, in place (this rank's own row is in ``output`` on gloo)."""
+        if self.exchange or self.shortcut:
+            self.output.div_(factor)
+        if self.send is not None:
+            self.send.div_(factor)
+
+    @torch.no_grad()
     def zero_rows(self, offset: int, k: int) -> None:
         self.output[offset:offset + k].zero_()
         if self.send is not None:

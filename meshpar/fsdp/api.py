@@ -19,6 +19,7 @@ parameter group (param_group.py) -> sharded parameter (sharded_param.py) -> coll
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,26 @@ from meshpar.fsdp.sharded_param import MeshInfo, ShardedParam
 from meshpar.fsdp.state import FSDPState
 
 _CLASSES: dict[type, type] = {}
+
+# [Note: a parameter in two units]
+# fully_shard swaps the sharded parameter in on the modules of its own unit. A module outside the
+# unit that holds the same tensor (an output projection tied to an embedding sharded apart) keeps the
+# original, which a later fully_shard would shard again: two copies, each with its own gradient and
+# optimizer state, and the tie gone after the first step. PyTorch's engine refuses it at the root's
+# first forward; meshpar at the second fully_shard, naming the first unit. The originals are held
+# weakly (by id, checked for identity), so a sharded model's full-size originals can still be freed.
+_SHARDED: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _remember_sharded(p: nn.Parameter, unit: str) -> None:
+    key = id(p)
+    _SHARDED[key] = (weakref.ref(p, lambda _, key=key: _SHARDED.pop(key, None)), unit)
+
+
+def _unit_sharding(p: nn.Parameter) -> str | None:
+    """The unit that sharded ``p`` (the very tensor) earlier, if one did."""
+    ref, unit = _SHARDED.get(id(p), (None, None))
+    return unit if ref is not None and ref() is p else None
 
 
 def _default_mesh() -> DeviceMesh:
@@ -199,9 +220,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     dims = {}
     for pid, p in params.items():
         name = f"{type(places[pid][0][0]).__name__}.{places[pid][0][1]}"
-        if pid in nested_ids:
-            raise ValueError(f"{name} is shared with a module fully_shard-ed earlier; tied parameters must live "
-                             f"in one unit: apply fully_shard to a module that holds every use of it")
+        earlier = _unit_sharding(p)
+        if pid in nested_ids or earlier is not None:
+            raise ValueError(f"{name} is shared with a parameter already managed by another FSDP unit"
+                             f"{f' ({earlier})' if earlier else ''}; tied parameters must live in one unit: "
+                             f"fully_shard([module_a, module_b]) together, or a module that holds every use of it")
         if not p.is_floating_point():
             raise ValueError(f"{name} is {p.dtype}; fully_shard shards floating-point parameters only "
                              f"(register it as a buffer, or pass it in ignored_params)")
@@ -219,6 +242,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     sharded = [ShardedParam(p, places[pid], info, device, shard=p.numel() >= shard_threshold, shard_dim=dims[pid],
                             offload=offload) for pid, p in params.items()]
+    unit = ", ".join(type(m).__name__ for m in modules)
+    for p in params.values():  # [Note: a parameter in two units]
+        _remember_sharded(p, unit)
     group = ParamGroup(sharded, info, mp_policy, accumulate_dtype) if sharded else None
     if group is not None and reshard_after_forward is not None and not isinstance(reshard_after_forward, bool) \
             and reshard_after_forward < info.shard_size:
@@ -258,8 +284,11 @@ def _post_forward_group(info: MeshInfo, k: int) -> tuple:
     collective over the whole mesh, so every rank must make the same fully_shard calls.
     """
     name = info.shard_dim_name
-    sub = unflatten_mesh(info.mesh, info.shard_dim, (info.shard_size // k, k), (f"{name}_outer", f"{name}_inner"))
-    inner = f"{name}_inner"
+    outer, inner = f"{name}_outer", f"{name}_inner"
+    if info.mesh.mesh_dim_names:
+        sub = unflatten_mesh(info.mesh, info.shard_dim, (info.shard_size // k, k), (outer, inner))
+    else:  # fully_shard's default mesh (1-D, unnamed, which unflattening refuses): its ranks in rows of k
+        sub = DeviceMesh(info.mesh.device_type, info.mesh.mesh.view(-1, k), mesh_dim_names=(outer, inner))
     return sub[inner].get_group(), k, inner
 
 

@@ -61,7 +61,7 @@ class ParamGroup(GroupUnshard, GroupReduce):
         self.reduce_unused = False  # True: a trainable parameter without a gradient gets a zero one
         self.max_in_flight = 1  # reductions this unit may keep in flight: [Note: one reduction in flight]
         self.divide_factor: float | None = None  # default: the data-parallel world size
-        self.force_sum = False  # set_force_sum_reduction_for_comms: meshpar always sums, then divides
+        self.force_sum = False  # set_force_sum_reduction_for_comms: meshpar always sums (reduce.py divides)
         self.all_reduce_hook: tuple[Callable[[torch.Tensor], None], object] | None = None  # (hook, stream)
         self.custom_all_gather = None  # FSDPModule.set_custom_all_gather
         self.custom_reduce_scatter = None

@@ -2,10 +2,10 @@
 
 Post-accumulate-grad hooks count a unit's gradients; the last one starts the reduction: a
 reduce-scatter in ``reduce_dtype`` (plus one all-reduce over the replicate dim when hybrid),
-divided by the data-parallel size, handed to the sharded parameters when awaited. Parameters
-below ``shard_threshold`` share one all-reduce over the whole data-parallel mesh. Without
-gradient sync the unsharded gradients are summed across microbatches instead. The units of one
-root share a ``ReduceQueue`` that bounds the reductions in flight.
+divided by the data-parallel size (part of it before the sum in float16), handed to the sharded
+parameters when awaited. Parameters below ``shard_threshold`` share one all-reduce over the whole
+data-parallel mesh. Without gradient sync the unsharded gradients are summed across microbatches
+instead. The units of one root share a ``ReduceQueue`` that bounds the reductions in flight.
 
 Mixed into ``ParamGroup`` (param_group.py), whose ``__init__`` sets the attributes used here;
 the flat layout is described there.
@@ -56,6 +56,14 @@ class ReduceQueue:
     def clear(self) -> None:
         self.pending.clear()
 
+
+# [Note: dividing before and after the sum]
+# The reduced gradient is the sum over data-parallel ranks divided by their number N. A float16 sum
+# of N gradients can overflow where their mean would not, so in a reduce dtype other than float32 and
+# bfloat16 each rank first divides by p, a power of two near sqrt(N) (doubled from 1 while it divides
+# N and p < N/p), and the sum by N/p after; in float32 and bfloat16 only after. PyTorch's factors
+# (``_get_gradient_divide_factors``), so both engines round alike; dividing by a power of two is exact
+# until it underflows.
 
 # [Note: accumulating in reduce_dtype]
 # Without gradient sync a unit keeps each parameter's unsharded gradient until the microbatch that
@@ -134,6 +142,16 @@ class GroupReduce:
             return self.divide_factor
         return self.world * self.mesh_info.replicate_size
 
+    def _divide_factors(self) -> tuple[float, float]:
+        """(before, after) the collectives: [Note: dividing before and after the sum]."""
+        factor = self._divide_factor()
+        if self.reduce_dtype() in (torch.float32, torch.bfloat16):
+            return 1, factor
+        before = 1
+        while factor % before == 0 and factor / before > before:
+            before *= 2
+        return before, factor / before
+
     def _start_reduce(self) -> None:
         grads = {id(p): p.take_unsharded_grad() for p in self.all_params if p.requires_grad}
         if self.reduce_unused:  # PyTorch: zeros for trainable parameters that got no gradient
@@ -168,6 +186,9 @@ class GroupReduce:
                     else:
                         buffer.copy_rows(offset, p.rows_of(grad.to(reduce_dtype), self.world))
                     offset += p.padded_numel
+                before = self._divide_factors()[0]
+                if before != 1:
+                    buffer.div_(before)
             dim = self.mesh_info.shard_dim_name
             if self.streams is None:
                 work, event, keep = comm.reduce_scatter_rows(buffer, group, async_op=True, dim=dim), None, None
@@ -180,9 +201,12 @@ class GroupReduce:
         replicated = [(p, grads[id(p)]) for p in self.replicated if grads.get(id(p)) is not None]
         if replicated:  # one all-reduce over the whole dp mesh for all small parameters
             flat = torch.cat([g.reshape(-1).to(reduce_dtype) for _, g in replicated])
+            before, after = self._divide_factors()
+            if before != 1:
+                flat.div_(before)
             for dim in filter(lambda d: d is not None, (self.mesh_info.replicate_dim, self.mesh_info.shard_dim)):
                 comm.all_reduce(flat, self.mesh_info.mesh.get_group(dim), dim=self.mesh_info.dim_name(dim))
-            flat.div_(self._divide_factor())
+            flat.div_(after)
             for (p, _), piece in zip(replicated, flat.split([g.numel() for _, g in replicated]), strict=True):
                 p.add_sharded_grad(piece.view(p.shape))
 
@@ -224,7 +248,7 @@ class GroupReduce:
             with record_function("meshpar::fsdp.all_reduce_replicas"):
                 comm.all_reduce(recv, self.mesh_info.replicate_group,
                                 dim=self.mesh_info.dim_name(self.mesh_info.replicate_dim))
-        recv.div_(self._divide_factor())
+        recv.div_(self._divide_factors()[1])
         self._call_hook(recv)
         offset, assign = 0, {id(p) for p in with_grad}
         for p in params:
