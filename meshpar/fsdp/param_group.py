@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar.distributed import comm, comm_record
+from meshpar.fsdp.extensions import Extension, has_extension
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.reduce import GroupReduce, ReduceQueue
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
@@ -70,6 +71,7 @@ class ParamGroup(GroupUnshard, GroupReduce):
         self.streams: CudaStreams | None = None  # on CUDA (set at lazy init): [Note: CUDA streams in FSDP]
         # all-gather in flight: (work, output, its world, the event that ends it on CUDA)
         self._gather: tuple[comm.Work, torch.Tensor, int, torch.cuda.Event | None] | None = None
+        self._gather_pieces: list | None = None  # its layout when it carries extension inputs (unshard.Piece)
         # int reshard_after_forward: (group, k, dim name) of the k-rank group backward gathers in, and
         # this rank's 1/k of each unsharded parameter between forward and backward
         self.post_forward: tuple[dist.ProcessGroup, int, str] | None = None
@@ -99,8 +101,10 @@ class ParamGroup(GroupUnshard, GroupReduce):
         bf16 unit) travel as bytes in one collective, each segment 8-byte aligned so it can be
         viewed back as its own dtype."""
         self.all_params = self.params + self.replicated
+        self._refresh_extensions()
+        # [Note: forcing the collectives of one rank]; an extension's hooks run at one rank too, as PyTorch's
         self.single = (self.world == 1 and self.mesh_info.replicate_size == 1 and self.custom_all_gather is None
-                       and not comm_record.forced())  # [Note: forcing the collectives of one rank]
+                       and not self.extended and not comm_record.forced())
         self.alias = self.single and all(self.mp.param_dtype in (None, p.orig_dtype) for p in self.params)
         dtypes = {self.compute_dtype(p) for p in self.params}
         if len(dtypes) <= 1:
@@ -110,6 +114,25 @@ class ParamGroup(GroupUnshard, GroupReduce):
             self._layout = (torch.uint8, [-(-p.padded_numel * self.compute_dtype(p).itemsize // 8) * 8
                                           for p in self.params])
         self.per_rank_numel = sum(self._layout[1])
+
+    def _refresh_extensions(self) -> None:
+        """Which shards define the all-gather extension (extensions.py), looked up again after their
+        local tensors may have been replaced (``to_empty``, or methods patched onto the instance)."""
+        for p in self.params:
+            local = p.local
+            if not has_extension(local, p.name):
+                if p.extension is not None:
+                    p.extension, p.unsharded, p.unsharded_padded = None, None, None
+                continue
+            if p.shard_dim:
+                raise NotImplementedError(f"{p.name}: an all-gather extension on a shard of dim {p.shard_dim}; "
+                                          f"extensions gather dim-0 shards (return None from shard_placement_fn)")
+            if p.extension is None or p.extension.local is not local:
+                p.extension, p.unsharded, p.unsharded_padded = Extension(p.name, local), None, None
+        self.extended = [p for p in self.params if p.extension is not None]
+        if self.extended and self.post_forward is not None:
+            raise NotImplementedError(f"{self.extended[0].name}: an int reshard_after_forward with an all-gather "
+                                      f"extension (PyTorch's engine does not run it either); pass True or False")
 
     def compute_dtype(self, p: ShardedParam) -> torch.dtype:
         return self.mp.param_dtype or p.orig_dtype

@@ -20,6 +20,7 @@ import math
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -181,7 +182,10 @@ class ShardedParam:
         else:
             local_device = torch.device("cpu") if offload is not None else device
         pin = offload is not None and offload.pin_memory and local_device.type == "cpu" and device.type != "cpu"
-        local = torch.empty(self.local_shape, dtype=param.dtype, device=local_device, pin_memory=pin)
+        if type(param.detach()) is torch.Tensor:
+            local = torch.empty(self.local_shape, dtype=param.dtype, device=local_device, pin_memory=pin)
+        else:  # a tensor subclass keeps its class (and with it an all-gather extension: extensions.py)
+            local = param.detach().new_empty(self.local_shape, device=local_device)
         if param.device.type != "meta":
             with torch.no_grad():
                 if self.shard_dim:
@@ -197,6 +201,7 @@ class ShardedParam:
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, across no-sync microbatches
         # the unsharded parameter that carries our post-accumulate-grad hook: [Note: hook the object, not its id]
         self.hooked: weakref.ref[nn.Parameter] | None = None
+        self.extension: Any = None  # extensions.Extension when the shard defines the all-gather extension
         self.state = ParamState.SHARDED
         self.set_on_modules(self.sharded)
 
@@ -330,8 +335,15 @@ class ShardedParam:
                                       shape=self.global_shape, stride=_contiguous_stride(self.global_shape))
         return nn.Parameter(full, requires_grad=self.requires_grad)
 
+    @property
+    def name(self) -> str:
+        module, attr = self.places[0]
+        return f"{type(module).__name__}.{attr}"
+
     def free_unsharded(self) -> None:
-        if self.unsharded_padded is not None:
+        if self.extension is not None:
+            self.extension.free()
+        elif self.unsharded_padded is not None:
             self.unsharded_padded.untyped_storage().resize_(0)
 
     def to_unsharded(self) -> None:

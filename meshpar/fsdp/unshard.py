@@ -13,6 +13,7 @@ the flat layout is described there.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,24 @@ from torch.distributed.tensor import DTensor
 
 from meshpar.distributed import comm
 from meshpar.distributed.comm_record import comm_buffers
-from meshpar.fsdp.sharded_param import ParamState
+from meshpar.fsdp.sharded_param import ParamState, ShardedParam
 from meshpar.fsdp.streams import _wait
+
+
+@dataclass
+class Piece:
+    """One stretch of each rank's row of the flat all-gather: a plain parameter's padded chunk
+    (``input`` None) or input ``index`` of an extension's."""
+
+    param: ShardedParam
+    index: int | None
+    input: torch.Tensor | None
+    dtype: torch.dtype
+    numel: int
+    seg: int = 0  # elements of the flat buffer's dtype it takes (its numel unless bytes, 8-aligned)
+
+    def __post_init__(self) -> None:
+        self.seg = self.seg or self.numel
 
 
 class GroupUnshard:
@@ -36,14 +53,20 @@ class GroupUnshard:
             custom = None
             if self._post_forward_shards is not None:  # backward after an int reshard_after_forward
                 group, world, dim = self.post_forward
-                rank, pieces = dist.get_rank(group), self._post_forward_shards
-                n, dtype = sum(t.numel() for t in pieces), pieces[0].dtype
-                fill = lambda send: torch.cat(pieces, out=send)
+                rank, shards = dist.get_rank(group), self._post_forward_shards
+                n, dtype = sum(t.numel() for t in shards), shards[0].dtype
+                fill = lambda send: torch.cat(shards, out=send)
             else:
                 group, world, dim = self.mesh_info.shard_group, self.world, self.mesh_info.shard_dim_name
-                dtype, segments = self._layout
-                rank, n, custom = self.mesh_info.shard_rank, sum(segments), self.custom_all_gather
-                fill = lambda send: self._copy_in(send, segments)
+                rank, custom = self.mesh_info.shard_rank, self.custom_all_gather
+                if self.extended:  # what each extension's fsdp_pre_all_gather returns: extensions.py
+                    dtype, pieces = self._extension_pieces()
+                    n = sum(piece.seg for piece in pieces)
+                    fill = lambda send: self._copy_in_pieces(send, pieces)
+                else:
+                    dtype, segments = self._layout
+                    n = sum(segments)
+                    fill = lambda send: self._copy_in(send, segments)
             # in place: this rank's input is its own slot of the output, so no separate send buffer
             # (one shard fewer at the peak; PyTorch's engine does the same)
             streams = self.streams
@@ -62,6 +85,7 @@ class GroupUnshard:
                     work = comm.all_gather(recv, send, group, async_op=False, dim=dim, custom=custom)
                     event = streams.all_gather.record_event()
             self._gather = (work, recv, world, event)
+            self._gather_pieces = pieces if self.extended and self._post_forward_shards is None else None
         if not async_op:
             self._finish_unshard()
 
@@ -77,6 +101,64 @@ class GroupUnshard:
                 dst[:n].copy_(p.local.reshape(-1), non_blocking=True)
                 offset += seg
 
+    def _extension_pieces(self) -> tuple[torch.dtype, list[Piece]]:
+        """The flat buffer's layout when some parameters define the all-gather extension: each such
+        parameter's inputs (from its ``fsdp_pre_all_gather``), the others' padded chunks, in order.
+        One dtype, or bytes with every piece 8-byte aligned, as ``refresh_layout`` lays out mixed dtypes."""
+        mesh = self.mesh_info.mesh
+        shard_mesh = mesh if mesh.ndim == 1 else mesh[self.mesh_info.shard_dim_name]
+        pieces = []
+        for p in self.params:
+            if p.extension is None:
+                pieces.append(Piece(p, None, None, self.compute_dtype(p), p.padded_numel))
+                continue
+            local = p.local if p.local.device == p.compute_device else p.local.to(p.compute_device)
+            for i, t in enumerate(p.extension.inputs(p, local, shard_mesh, p.places[0][0], self.mp)):
+                pieces.append(Piece(p, i, t, t.dtype, t.numel()))
+        dtypes = {piece.dtype for piece in pieces}
+        if len(dtypes) == 1:
+            return dtypes.pop(), pieces
+        for piece in pieces:
+            piece.seg = -(-piece.numel * piece.dtype.itemsize // 8) * 8
+        return torch.uint8, pieces
+
+    def _copy_in_pieces(self, send: torch.Tensor, pieces: list[Piece]) -> None:
+        with record_function("meshpar::fsdp.copy_in"):
+            offset = 0
+            for piece in pieces:
+                dst = send[offset:offset + piece.seg]
+                if send.dtype == torch.uint8:
+                    dst = dst[:piece.numel * piece.dtype.itemsize].view(piece.dtype)
+                if piece.input is not None:
+                    dst.copy_(piece.input)
+                else:
+                    n = piece.param.local_shape.numel()  # elements past n are padding
+                    dst[:n].copy_(piece.param.local.reshape(-1), non_blocking=True)
+                offset += piece.seg
+
+    def _copy_out_pieces(self, recv: torch.Tensor, world: int, pieces: list[Piece]) -> None:
+        """Each piece's column block of ``recv[world, ...]`` into its parameter: an extension's
+        output buffers, then ``fsdp_post_all_gather``; a plain parameter's unsharded storage."""
+        columns = recv.view(world, -1).split([piece.seg for piece in pieces], dim=1)
+        outputs: dict[int, list[torch.Tensor]] = {}
+        for piece, block in zip(pieces, columns, strict=True):
+            if recv.dtype == torch.uint8:
+                block = block[:, :piece.numel * piece.dtype.itemsize].view(piece.dtype)
+            p = piece.param
+            if piece.input is None:
+                p.write_unsharded(block, world)
+                continue
+            if id(p) not in outputs:
+                dtypes = [q.dtype for q in pieces if q.param is p]
+                outputs[id(p)] = p.extension.output_buffers(dtypes, world, block.device)
+            outputs[id(p)][piece.index].view(world, -1).copy_(block)
+        for p in self.extended:
+            param_dtype = self.mp.param_dtype or p.orig_dtype
+            with record_function("meshpar::fsdp.post_all_gather"):
+                tensor = p.extension.unsharded(p.local, param_dtype, p.unsharded, p.shape[0])
+            if tensor is not None:
+                p.unsharded = p.as_unsharded_param(tensor)
+
     def _finish_unshard(self) -> None:
         if self._gather is not None:
             work, recv, world, event = self._gather
@@ -85,15 +167,19 @@ class GroupUnshard:
             self._post_forward_shards = None
             with record_function("meshpar::fsdp.all_gather_wait"):
                 _wait(work, event)
+            extension_pieces, self._gather_pieces = self._gather_pieces, None
             with record_function("meshpar::fsdp.copy_out"), torch.no_grad():
-                # recv[world, sum_i size_i]; parameter i's padded chunks, in order, are its column block
-                segments = [p.padded_numel for p in self.params] if post_forward else self._layout[1]
-                sizes = [seg * self.world // world for seg in segments]
-                pieces = recv.view(world, -1).split(sizes, dim=1)
-                for p, piece in zip(self.params, pieces, strict=True):
-                    if recv.dtype == torch.uint8:
-                        piece = piece.view(self.compute_dtype(p))[:, :p.padded_numel]
-                    p.write_unsharded(piece, world)
+                if extension_pieces is not None:
+                    self._copy_out_pieces(recv, world, extension_pieces)
+                else:
+                    # recv[world, sum_i size_i]; parameter i's padded chunks, in order, are its column block
+                    segments = [p.padded_numel for p in self.params] if post_forward else self._layout[1]
+                    sizes = [seg * self.world // world for seg in segments]
+                    pieces = recv.view(world, -1).split(sizes, dim=1)
+                    for p, piece in zip(self.params, pieces, strict=True):
+                        if recv.dtype == torch.uint8:
+                            piece = piece.view(self.compute_dtype(p))[:, :p.padded_numel]
+                        p.write_unsharded(piece, world)
         # the local tensor is the whole parameter: replicated ones, and all on one rank ([Note: one
         # data-parallel rank]); [Note: the unsharded parameter keeps its identity] in sharded_param.py
         with record_function("meshpar::fsdp.cast"), torch.no_grad():
