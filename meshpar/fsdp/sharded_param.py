@@ -185,7 +185,7 @@ class ShardedParam:
         if type(param.detach()) is torch.Tensor:
             local = torch.empty(self.local_shape, dtype=param.dtype, device=local_device, pin_memory=pin)
         else:  # a tensor subclass keeps its class (and with it an all-gather extension: extensions.py)
-            local = param.detach().new_empty(self.local_shape, device=local_device)
+            local = param.detach().new_zeros(self.local_shape, device=local_device)  # new_empty may unwrap it
         if param.device.type != "meta":
             with torch.no_grad():
                 if self.shard_dim:

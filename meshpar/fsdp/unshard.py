@@ -26,6 +26,10 @@ from meshpar.fsdp.sharded_param import ParamState, ShardedParam
 from meshpar.fsdp.streams import _wait
 
 
+def _is_float8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
 @dataclass
 class Piece:
     """One stretch of each rank's row of the flat all-gather: a plain parameter's padded chunk
@@ -116,7 +120,9 @@ class GroupUnshard:
             for i, t in enumerate(p.extension.inputs(p, local, shard_mesh, p.places[0][0], self.mp)):
                 pieces.append(Piece(p, i, t, t.dtype, t.numel()))
         dtypes = {piece.dtype for piece in pieces}
-        if len(dtypes) == 1:
+        # one dtype a backend reduces is gathered as itself; float8 (which gloo refuses: PyTorch's engine
+        # fails there with "Invalid scalar type") and a mix travel as bytes
+        if len(dtypes) == 1 and not _is_float8(next(iter(dtypes))):
             return dtypes.pop(), pieces
         for piece in pieces:
             piece.seg = -(-piece.numel * piece.dtype.itemsize // 8) * 8
