@@ -18,9 +18,13 @@ import torch.distributed as dist
 import torchao.float8 as torchao_float8  # the dev extra installs it (and the float8 one)
 from torch import nn
 
+from meshpar.config.recipe import RecipeError, load
 from meshpar.distributed import comm_record
 from meshpar.distributed._torch import local_tensor
+from meshpar.training.preflight import preflight
 from tests.distributed import CaseSet
+from tests.helpers import ROOT
+from tests.processes import finish_run, metrics_records, start_run
 
 
 def _model(float8: bool, all_gather: bool = True) -> nn.Module:
@@ -104,3 +108,27 @@ CASES = CaseSet({"float8_all_gather": (lambda: _case_float8_all_gather(), 2)}, t
 @pytest.mark.parametrize(("case", "world"), CASES.params())
 def test_float8_fsdp_equals_one_process(case, world):
     CASES.check(case, world)
+
+
+# --- meshpar train with model.float8 ----------------------------------------------------------------------------
+def test_meshpar_train_with_float8_says_what_it_converted(tmp_path):
+    """The debug Llama at dp_shard 2, tensorwise, emulated: trains, and its log names float8, the float8
+    all-gather and the one layer left in high precision (the output projection)."""
+    proc = start_run(tmp_path, "--model.float8=tensorwise", "--model.float8_emulate=true", "--train.steps=3",
+                     "--checkpoint.every=0")
+    code, output = finish_run(proc, timeout=240)
+    assert code == 0, output[-4000:]
+    assert "meshpar: float8 tensorwise (emulated), all-gather in float8 | left in high precision: output\n" in output
+    losses = [r["loss"] for r in metrics_records(tmp_path) if "loss" in r]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), losses
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--model.float8_emulate=true"], r"model.float8_emulate = true has no effect with model.float8 = \"none\""),
+    (["--model.float8=rowwise", "--train.device=cpu"], r"model.float8 = 'rowwise' on CPU runs only emulated"),
+    (["--model.float8=tensorwise", "--model.float8_emulate=true", "--parallel.tp=2", "--parallel.dp_shard=1"],
+     r"model.float8 = 'tensorwise' with parallel.tp = 2 is not built yet"),
+])
+def test_float8_recipe_errors_name_the_key(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        preflight(load(ROOT / "recipes" / "llama_debug_fsdp.toml", overrides), 2)

@@ -40,6 +40,16 @@ class ModelConfig:
     attention: str = option("causal", "causal, or document: packed sequences attend only within each document "
                                       "(documents end with the tokenizer's EOS) and positions restart at each.",
                             choices=("causal", "document"))
+    float8: str = option("none", "Float8 matmuls through torchao (pip install 'meshpar[float8]'): tensorwise (one "
+                                 "scale per tensor; under FSDP the weights are all-gathered in float8), rowwise, "
+                                 "or rowwise_with_gw_hp (rowwise, weight gradient in high precision). The output "
+                                 "projection and layers whose dims are not multiples of 16 stay in high precision "
+                                 "(named at start). Needs a float8 GPU (H100 and later) or float8_emulate; slow "
+                                 "without parallel.compile.",
+                         choices=("none", "tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    float8_emulate: bool = option(False, "With model.float8: emulate the float8 casts and matmuls in high "
+                                         "precision (the same numbers, on any device: CPU tests), as torchao's "
+                                         "emulate=True.")
     # mixture-of-experts families only (qwen3_moe, mixtral): they set MoEArgs' fields of the same names
     # (router_aux_loss_coef for aux_loss_coef); meshpar.models refuses other values on a dense family
     aux_loss_coef: float = option(-1.0, "Mixture of experts: weight of the load-balancing loss added to the "

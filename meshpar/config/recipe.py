@@ -233,6 +233,15 @@ def check(recipe: Recipe) -> None:
         raise RecipeError(f"model.bias_update_rate = {m.bias_update_rate:g} has no effect without aux-free "
                           f"balancing: set model.aux_free_bias = true, or remove bias_update_rate",
                           "model.bias_update_rate")
+    if m.float8_emulate and m.float8 == "none":
+        raise RecipeError("model.float8_emulate = true has no effect with model.float8 = \"none\": set model.float8 "
+                          "(e.g. \"tensorwise\"), or remove float8_emulate", "model.float8_emulate")
+    if m.float8 != "none":
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            raise RecipeError("model.float8 needs torchao, which is not installed: pip install 'meshpar[float8]' "
+                              "(or set model.float8 = \"none\")", "model.float8")
     if recipe.metrics.tensorboard:
         import importlib.util
 

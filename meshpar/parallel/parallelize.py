@@ -28,6 +28,7 @@ from meshpar.parallel.activation_checkpoint import (
 )
 from meshpar.parallel.context_parallel.apply import apply_context_parallel, attends_over_cp
 from meshpar.parallel.expert_parallel import apply_expert_parallel, route_over_sequence
+from meshpar.parallel.float8 import apply_float8, float8_all_gather
 from meshpar.parallel.pipeline import SCHEDULES, split
 from meshpar.parallel.tensor_parallel.checks import check_fsdp_over_tp
 from meshpar.parallel.tensor_parallel.plan import TPPlan, apply_tp
@@ -141,9 +142,11 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
 
 
 def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: ParallelConfig,
-          device: torch.device, seed: int) -> list[tuple[int, nn.Module]]:
+          device: torch.device, seed: int, *, float8: str = "none",
+          float8_emulate: bool = False) -> list[tuple[int, nn.Module]]:
     """This rank's stages of the model, parallelized and initialized: ``[(stage index, module)]``.
-    ``tp_plan``: the family's plan table, ``family.tp_plan``.
+    ``tp_plan``: the family's plan table, ``family.tp_plan``. ``float8``: ``model.float8``, its
+    linear layers converted first (meshpar/parallel/float8.py).
 
     Every stage is initialized from the same base seed, so by meshpar.models.init's layout-independent
     initialization each holds exactly the values of the same layers of the whole model.
@@ -159,6 +162,9 @@ def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: Pa
         stages = [(0, whole)]
     built = []
     for index, stage in stages:
+        if float8 != "none":  # before any parallel dim wraps the linears
+            fsdp = layout.dp_shard * layout.cp > 1
+            apply_float8(stage, float8, emulate=float8_emulate, fsdp_all_gather=float8_all_gather(float8, fsdp))
         stage = parallelize_transformer(stage, mesh, cfg, tp_plan)  # still on meta: shards only from here on
         stage.to_empty(device=device)
         torch.manual_seed(seed)

@@ -18,6 +18,7 @@ test checks the schedule without a process group (tests/test_training_loop.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -35,6 +36,7 @@ from meshpar.config.recipe import Recipe
 from meshpar.data import BatchLoader
 from meshpar.distributed import comm, comm_record
 from meshpar.distributed import mesh as meshlib
+from meshpar.parallel import float8 as float8lib
 from meshpar.parallel.context_parallel.apply import shard_sequence
 from meshpar.parallel.parallelize import build
 from meshpar.parallel.pipeline import build_schedule
@@ -180,6 +182,11 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
     if info.is_rank0:
         print(f"meshpar: {n_params:,} parameters, {checked.args.flops_per_token(t.seq_len) / 1e6:,.1f} MFLOP/token, "
               f"MFU against {profile.name}", flush=True)
+        if recipe.model.float8 != "none":
+            print(_float8_line(recipe, model, mesh), flush=True)
+            if not recipe.parallel.compile:
+                print("meshpar: warning: float8 without parallel.compile casts in separate kernels and is slower "
+                      "than bf16; set parallel.compile = true", flush=True)
 
     progress_on = {"on": True, "off": False, "auto": sys.stderr.isatty()}[recipe.metrics.progress]
     progress = Progress(t.steps, enabled=progress_on and info.is_rank0, initial=start_step)
@@ -278,13 +285,30 @@ def _announce(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: to
 def _build_model(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: torch.device) -> Model:
     """This rank's stages, parallelized and initialized, and the pipeline schedule that runs them.
     Layout-independent values (meshpar.models.init): every layout starts from the same model."""
-    p = recipe.parallel
-    stages = build(checked.family.model_cls, checked.args, checked.family.tp_plan, mesh, p, device, recipe.train.seed)
+    p, m = recipe.parallel, recipe.model
+    stages = build(checked.family.model_cls, checked.args, checked.family.tp_plan, mesh, p, device, recipe.train.seed,
+                   float8=m.float8, float8_emulate=m.float8_emulate)
     pipeline = None
     if mesh.layout.pp > 1:
         pipeline = build_schedule(stages, mesh.layout.pp * p.pp_virtual_stages, mesh["pp"], device, p.pp_schedule,
                                   checked.accum, cross_entropy, reduce_every_microbatch=p.grad_reduce == "microbatch")
-    return Model(torch.nn.ModuleList(m for _, m in stages), pipeline, mesh.layout.tp > 1 and p.loss_parallel)
+    modules = torch.nn.ModuleList(m for _, m in stages)
+    after_step = None
+    if float8lib.float8_all_gather(m.float8, mesh.layout.dp_shard * mesh.layout.cp > 1):
+        after_step = functools.partial(float8lib.precompute_scales, modules)
+    return Model(modules, pipeline, mesh.layout.tp > 1 and p.loss_parallel, after_step)
+
+
+def _float8_line(recipe: Recipe, model: Model, mesh: meshlib.Mesh) -> str:
+    """What ``model.float8`` converted, for the start of the log: the mode, how FSDP gathers, what stayed."""
+    m = recipe.model
+    fsdp = mesh.layout.dp_shard * mesh.layout.cp > 1
+    gather = "all-gather in float8" if float8lib.float8_all_gather(m.float8, fsdp) else (
+        "all-gather in the parameter dtype" if fsdp else "no FSDP all-gather")
+    left = [name for stage in model.stages for name, mod in stage.named_modules() if type(mod) is torch.nn.Linear]
+    experts = " | mixture-of-experts experts stay in high precision" if hasattr(model.stages[0], "moe_layers") else ""
+    return (f"meshpar: float8 {m.float8}{' (emulated)' if m.float8_emulate else ''}, {gather} | left in high "
+            f"precision: {', '.join(left) or 'none'}{experts}")
 
 
 def _train_loader(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh) -> BatchLoader:

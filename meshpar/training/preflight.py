@@ -77,6 +77,34 @@ def check_model(recipe: Recipe) -> tuple[Family, Any]:
     return family, args
 
 
+def check_float8(recipe: Recipe, layout: meshlib.Layout) -> None:
+    """``model.float8``: the parallel dims it composes with so far."""
+    m = recipe.model
+    if m.float8 == "none":
+        return
+    if layout.tp > 1:
+        raise RecipeError(f"model.float8 = {m.float8!r} with parallel.tp = {layout.tp} is not built yet (torchao's "
+                          f"float8 tensor-parallel styles); use tp = 1, or model.float8 = \"none\"", "model.float8")
+
+
+def check_float8_device(recipe: Recipe) -> None:
+    """``meshpar train``'s check that this machine runs ``model.float8`` (``meshpar plan`` plans any)."""
+    m = recipe.model
+    if m.float8 == "none" or m.float8_emulate:
+        return
+    import torch
+
+    spec = recipe.train.device
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        raise RecipeError(f"model.float8 = {m.float8!r} on CPU runs only emulated: set model.float8_emulate = true "
+                          f"(the same numbers, for tests), or train on a float8 GPU", "model.float8_emulate")
+    if torch.cuda.get_device_capability() < (8, 9):
+        raise RecipeError(f"model.float8 = {m.float8!r} needs a GPU with float8 matmuls (compute capability 8.9: "
+                          f"L4, H100 and later); this {torch.cuda.get_device_name()} has "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability()))}; set model.float8 = \"none\"",
+                          "model.float8")
+
+
 def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, Family, Any]:
     """The checks of a recipe's layout against its model at ``world_size`` that need neither data
     nor a process group (``meshpar plan`` runs them too): (layout, microbatches per step,
@@ -93,6 +121,7 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
         check_seq_len(t.seq_len, layout.tp)
     check_document_attention(recipe, layout)
     check_mixed_precision(recipe.parallel, layout)
+    check_float8(recipe, layout)
     check_profile(recipe.profile, world_size)
     if layout.pp > 1:
         p = recipe.parallel
@@ -128,6 +157,7 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
     """
     t = recipe.train
     layout, accum, family, args = check_layout(recipe, world_size)
+    check_float8_device(recipe)
     if t.eval_every and recipe.data.val_fraction == 0:
         raise RecipeError("train.eval_every > 0 needs held-out data; set data.val_fraction > 0 or "
                           "train.eval_every = 0")

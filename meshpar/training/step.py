@@ -129,6 +129,7 @@ class Model:
     stages: torch.nn.ModuleList
     pipeline: Schedule | None  # the schedule when pp > 1
     loss_parallel: bool  # logits are vocab-sharded DTensors: the loss runs under loss_parallel
+    after_step: Callable[[], None] | None = None  # after each optimizer step (float8 scales: parallel/float8.py)
 
     def state_dict(self) -> dict[str, Any]:
         """Parameter names of the whole model: stages hold disjoint blocks under their global names."""
@@ -235,6 +236,8 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
             lr = maybe_optimizer_step(optimizer, scheduler)
             if optimizer is not None:
                 maybe_update_expert_bias(model.stages, sync)
+                if model.after_step is not None:
+                    model.after_step()
     return StepResult(loss_sum, grad_norm, lr, aux_loss=aux_sum, expert_load=load)
 
 
