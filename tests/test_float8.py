@@ -12,6 +12,8 @@ differ (the comparison can fail).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -132,3 +134,34 @@ def test_meshpar_train_with_float8_says_what_it_converted(tmp_path):
 def test_float8_recipe_errors_name_the_key(overrides, message):
     with pytest.raises(RecipeError, match=message):
         preflight(load(ROOT / "recipes" / "llama_debug_fsdp.toml", overrides), 2)
+
+
+def _tensor_entries(checkpoint: Path) -> dict[str, tuple]:
+    """(dtype, global size) of each model and optimizer tensor a checkpoint holds."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    return {k: (str(v.properties.dtype), tuple(v.size)) for k, v in metadata.state_dict_metadata.items()
+            if k.startswith(("model.", "optim.")) and hasattr(v, "properties")}
+
+
+def test_float8_checkpoints_resume_bit_for_bit_and_load_without_float8(tmp_path):
+    """A float8 run's checkpoint holds the plain float32 tensors a run without float8 saves ([Note:
+    checkpoints hold plain tensors] in meshpar/checkpoint/format.py): resuming it under float8 gives
+    the uninterrupted run's steps bit for bit, and a run without float8 loads it."""
+    float8 = ("--model.float8=tensorwise", "--model.float8_emulate=true")
+    straight, resumed, plain = tmp_path / "straight", tmp_path / "resumed", tmp_path / "plain"
+    code, output = finish_run(start_run(straight, *float8, "--train.steps=4", "--checkpoint.every=2"), timeout=240)
+    assert code == 0, output[-4000:]
+    step_2 = straight / "checkpoints" / "step_2"
+    code, output = finish_run(start_run(resumed, *float8, "--train.steps=4", f"--checkpoint.load_from={step_2}"),
+                              timeout=240)
+    assert code == 0 and "resumed from" in output, output[-4000:]
+    want = [r for r in metrics_records(straight) if r.get("step", 0) > 2]
+    assert want and [r for r in metrics_records(resumed) if r.get("step", 0) > 2] == want
+    code, output = finish_run(start_run(plain, "--train.steps=3", f"--checkpoint.load_from={step_2}",
+                                        "--checkpoint.every=3"), timeout=240)
+    assert code == 0 and "resumed from" in output, output[-4000:]
+    entries = _tensor_entries(step_2)
+    assert entries and entries == _tensor_entries(plain / "checkpoints" / "step_3")
+    assert {dtype for dtype, _ in entries.values()} == {"torch.float32"}

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, Writ
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshpar.checkpoint.atomic import write_atomic
-from meshpar.distributed._torch import DCP_METADATA_GLOBALS, StridedShard
+from meshpar.distributed._torch import DCP_METADATA_GLOBALS, StridedShard, dtensor_like, local_tensor
 
 # [Note: corrupt and truncated files]
 # DCP stores no checksums. Each rank, after writing its files, records the CRC-32 of every
@@ -118,13 +118,37 @@ class _StridedPieces:
         raise CheckpointError(f"{self.name}: no block at offsets {list(offsets)}")
 
 
+# [Note: checkpoints hold plain tensors]
+# A parameter may be a tensor subclass that wraps one plain tensor of the same shape and dtype (torchao's
+# float8 weights keep their master weight so: ``model.float8``). Pickled as it is, its checkpoint would
+# need the class to load (torch.load's weights-only unpickler refuses it) and would not load into a run
+# without float8. Such a wrapper (``__tensor_flatten__`` naming one inner tensor) is saved and loaded as
+# that inner tensor, a view of the same storage, so DCP writes into the wrapper's data in place: a
+# float8 run's checkpoint is the plain run's, in either direction. Subclasses of several inner tensors
+# are left to DCP as they are.
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A one-tensor wrapper subclass as its inner tensor (a DTensor's local one too): [Note: checkpoints
+    hold plain tensors]."""
+    if isinstance(t, DTensor):
+        inner = _plain(local_tensor(t))
+        return t if inner is local_tensor(t) else dtensor_like(inner, t)
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return t
+    names, _ = t.__tensor_flatten__()
+    inner = getattr(t, names[0]) if len(names) == 1 else None
+    return inner if inner is not None and inner.shape == t.shape and inner.dtype == t.dtype else t
+
+
 def _strided_as_pieces(tree: Any, prefix: str = "") -> Any:
     """``tree`` with every fused-projection DTensor (one StridedShard, the rest Replicate)
-    wrapped as _StridedPieces. FSDP over tensor parallelism also uses StridedShard (on the
-    data-parallel dim, beside a Shard on tp): each rank's piece is then one block, which DCP
-    describes correctly, so those stay DTensors."""
+    wrapped as _StridedPieces, and one-tensor wrappers unwrapped ([Note: checkpoints hold plain
+    tensors]). FSDP over tensor parallelism also uses StridedShard (on the data-parallel dim,
+    beside a Shard on tp): each rank's piece is then one block, which DCP describes correctly,
+    so those stay DTensors."""
     if isinstance(tree, dict):
         return {k: _strided_as_pieces(v, f"{prefix}.{k}" if prefix else k) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        tree = _plain(tree)
     if isinstance(tree, DTensor):
         strided = [p for p in tree.placements if isinstance(p, StridedShard)]
         if strided and all(isinstance(p, (StridedShard, Replicate)) for p in tree.placements):
