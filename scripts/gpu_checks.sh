@@ -2,7 +2,7 @@
 # Issue 19's GPU checks in one call on a lent GPU machine (the device tool runs it from the repo
 # root with $OUT set; elsewhere results go to runs/gpu):
 #
-#     bash scripts/gpu_checks.sh [tests|streams|bench|moe|cp|all]...
+#     bash scripts/gpu_checks.sh [tests|streams|bench|moe|cp|float8|all]...
 #
 # 1. tests/test_cuda.py (the CUDA-marked tests; on a machine without a GPU they skip);
 # 2. tests/benchmarks/bench_gpu_streams.py (the collective path forced on one GPU: streams on
@@ -10,7 +10,9 @@
 # 3. tests/benchmarks/bench_gpu.py (tokens/s and MFU, meshpar beside plain PyTorch, and the
 #    profile summary of one step);
 # 4. tests/benchmarks/bench_grouped_mm.py (issue 17: the experts' grouped kernel against the loop
-#    in bf16, at one ep-8 rank's share of Qwen3-30B-A3B and 235B-A22B layers).
+#    in bf16, at one ep-8 rank's share of Qwen3-30B-A3B and 235B-A22B layers);
+# 5. float8 (issue 29): bench_gpu --float8, torchao's tensorwise float8 against bf16 in both
+#    engines at 1B (4096, 8192) and 3B, compiled: the float8/bf16 and meshpar/plain ratios.
 # Each part has its own time limit and writes its log under $OUT, so one that fails or runs out
 # of time leaves the others' results. The machine's python3 is its own PyTorch (not this
 # repository's .venv), so the package is used from the source tree.
@@ -45,6 +47,13 @@ fi
 if want moe; then
   timeout "${MOE_S:-120}" python3 -m tests.benchmarks.bench_grouped_mm --device cuda --dtypes bfloat16 \
     --cases "debug,qwen3_30b_a3b/ep8,qwen3_235b_a22b/ep8" --json "$out/grouped_mm.json" 2>&1 | tee "$out/grouped_mm.log"
+fi
+if want float8; then  # issue 29. The GPU machine reaches no index: carry the wheel, fetched here with
+  # pip download --no-deps "torchao>=0.18,<0.19" -d runs/wheels   (and carry=["runs/wheels"])
+  python3 -c "import torchao" 2>/dev/null || python3 -m pip install --quiet --no-deps --no-index runs/wheels/torchao-*.whl \
+    2>&1 | tail -2
+  timeout "${FLOAT8_S:-300}" python3 -m tests.benchmarks.bench_gpu --float8 --budget "${FLOAT8_S:-300}" \
+    --json "$out/bench_float8.json" 2>&1 | grep -v "^USDT" | tee "$out/bench_float8.log"
 fi
 if want cp; then
   timeout "${CP_S:-150}" python3 -m tests.benchmarks.bench_cp_attention --hardware h200 \

@@ -6,7 +6,10 @@
     python -m tests.benchmarks.bench_gpu --smoke [--profile]      # every code path on CPU, < 2 min
 
 A case is ``engine/size/seq_len/mode``, mode one of ``eager``, ``compile``, ``eager+ac``,
-``compile+ac`` (torch.compile per block; full activation checkpointing per block). Engines:
+``compile+ac`` (torch.compile per block; full activation checkpointing per block), each
+optionally ``+f8``: torchao's tensorwise float8 linears in both engines, the layers
+meshpar/parallel/float8.py picks (``--float8`` runs the float8 pairs: issue 29's GPU check).
+Engines:
 
 - ``meshpar``: meshpar's own training path on a 1-rank process group (NCCL on CUDA, gloo on
   CPU): a recipe's ``[parallel]`` (param_dtype bfloat16, reduce_dtype float32, compile,
@@ -86,6 +89,7 @@ from meshpar.fsdp import FSDPModule
 from meshpar.models import get_family
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.args import ModelArgs
+from meshpar.parallel.float8 import apply_float8
 from meshpar.parallel.parallelize import apply_fsdp, build
 from meshpar.runtime.process import RankInfo, init_process_group
 from meshpar.training.optim import build_optimizer
@@ -102,12 +106,15 @@ SIZES: dict[str, ModelArgs] = {
                                                     n_kv_heads=8, ffn_dim=8192)),
 }
 ENGINES = ("meshpar", "plain")
-MODES = ("eager", "compile", "eager+ac", "compile+ac")
+MODES = ("eager", "compile", "eager+ac", "compile+ac")  # each also with "+f8": model.float8 = "tensorwise"
 
 DEFAULT_CASES = [f"{e}/{c}" for c in ("1b/4096/compile", "1b/4096/eager", "1b/2048/eager") for e in ENGINES] + \
     [f"{e}/3b/4096/compile+ac" for e in ENGINES] + ["meshpar/1b/4096/compile+ac"] + \
     [f"{e}/1b/2048/compile" for e in ENGINES]
-SMOKE_CASES = [f"{e}/debug/64/{m}" for m in ("eager", "compile+ac") for e in ENGINES]
+SMOKE_CASES = [f"{e}/debug/64/{m}" for m in ("eager", "compile+ac", "eager+f8") for e in ENGINES]
+FLOAT8_CASES = [f"{e}/{size}/{seq}/{mode}{f8}" for size, seq, mode in (("1b", 4096, "compile"), ("1b", 8192, "compile"),
+                                                                       ("3b", 4096, "compile+ac"))
+                for f8 in ("", "+f8") for e in ENGINES]
 
 
 @dataclass(frozen=True)
@@ -117,18 +124,21 @@ class Case:
     seq_len: int
     compile: bool
     ac: bool  # full activation checkpointing of every block
+    float8: bool = False  # torchao's tensorwise float8 linears in both engines (meshpar/parallel/float8.py's choice)
 
     @classmethod
     def parse(cls, name: str) -> Case:
         try:
             engine, size, seq, mode = name.strip().split("/")
+            float8 = mode.endswith("+f8")
+            mode = mode.removesuffix("+f8")
             if engine not in ENGINES or size not in SIZES or mode not in MODES:
                 raise ValueError
-            return cls(engine, size, int(seq), mode.startswith("compile"), mode.endswith("+ac"))
+            return cls(engine, size, int(seq), mode.startswith("compile"), mode.endswith("+ac"), float8)
         except ValueError:
             raise SystemExit(f"bench_gpu: case '{name}': write engine/size/seq_len/mode with engine in "
-                             f"{ENGINES}, size in {tuple(SIZES)}, mode in {MODES}, e.g. meshpar/1b/4096/compile"
-                             ) from None
+                             f"{ENGINES}, size in {tuple(SIZES)}, mode in {MODES} (each optionally +f8), e.g. "
+                             f"meshpar/1b/4096/compile+f8") from None
 
     @property
     def name(self) -> str:
@@ -136,7 +146,7 @@ class Case:
 
     @property
     def mode(self) -> str:
-        return ("compile" if self.compile else "eager") + ("+ac" if self.ac else "")
+        return ("compile" if self.compile else "eager") + ("+ac" if self.ac else "") + ("+f8" if self.float8 else "")
 
     @property
     def pair(self) -> str:
@@ -191,7 +201,8 @@ def _meshpar(case: Case, s: Settings, mesh: meshlib.Mesh, batch: tuple[torch.Ten
     p = recipe.parallel
     family = get_family("llama")
     # meshpar train passes family.model_cls (Transformer): [Note: initial values]
-    [(_, model)] = build(DeviceInit, SIZES[case.size], family.tp_plan, mesh, p, s.device, seed=0)
+    [(_, model)] = build(DeviceInit, SIZES[case.size], family.tp_plan, mesh, p, s.device, seed=0,
+                         float8="tensorwise" if case.float8 else "none", float8_emulate=s.device.type == "cpu")
     if not isinstance(model, FSDPModule):  # a meshpar without FSDP at one rank: [Note: bf16 on one rank]
         apply_fsdp(model, mesh, p)
     stages = Model(nn.ModuleList([model]), None, False)
@@ -212,6 +223,8 @@ def _plain(case: Case, s: Settings, batch: tuple[torch.Tensor, torch.Tensor]):
     model.to_empty(device=s.device)
     torch.manual_seed(0)
     model.init_weights()  # the values meshpar's engine starts from: [Note: initial values]
+    if case.float8:  # the same layers as meshpar's (its filter), converted by torchao before AC and compile
+        apply_float8(model, "tensorwise", emulate=s.device.type == "cpu", fsdp_all_gather=False)
     for block in model.layers.values():  # AC, then compile around it, as meshpar/parallel/parallelize.py orders them
         if case.ac:
             forward = block.forward
@@ -425,9 +438,15 @@ def _goals(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"  meshpar/plain tokens/s {pair:<22} {ratio:6.3f}  (goal >= 0.97)  "
                          f"{'met' if ratio >= 0.97 else 'NOT MET'}")
     for (engine, pair), r in ok.items():
-        if r["size"] == "1b":
+        if r["size"] == "1b" and not r["float8"]:
             lines.append(f"  MFU {engine:<8} {pair:<31} {100 * r['mfu']:5.1f}%  (goal >= 45%)  "
                          f"{'met' if r['mfu'] >= 0.45 else 'NOT MET'}")
+    for (engine, pair), r in ok.items():  # issue 29: float8 / bf16 tokens/s on the same engine and case
+        high = ok.get((engine, pair.removesuffix("+f8"))) if pair.endswith("+f8") else None
+        if high:
+            ratio = r["tokens_per_s"] / high["tokens_per_s"]
+            lines.append(f"  float8/bf16 tokens/s {engine:<8} {pair:<22} {ratio:6.3f}  (goal >= 1.20)  "
+                         f"{'met' if ratio >= 1.2 else 'NOT MET'}")
     return lines
 
 
@@ -467,6 +486,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="compute dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--json", default="runs/bench_gpu.json", help="results, rewritten after every case")
+    parser.add_argument("--float8", action="store_true", help="the float8 cases: 1B at 4096 and 8192 compiled, 3B "
+                        "at 4096 compiled with AC, each with and without +f8, both engines")
     parser.add_argument("--smoke", action="store_true", help="debug size, seq 64, on CPU, 1 warmup + 2 "
                         "steps, every engine: the code paths of a GPU run, here")
     args = parser.parse_args(argv)
@@ -479,8 +500,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
              "float32": torch.float32}[args.dtype]
     s = Settings(device, dtype, args.batch, warmup, steps)
-    cases = [Case.parse(c) for c in (args.cases.split(",") if args.cases else
-                                     SMOKE_CASES if args.smoke else DEFAULT_CASES)]
+    cases = [Case.parse(c) for c in (args.cases.split(",") if args.cases else SMOKE_CASES if args.smoke
+                                     else FLOAT8_CASES if args.float8 else DEFAULT_CASES)]
     profiled: set[str] = set()
     if args.profile:
         profiled = {Case.parse(c).name for c in args.profile.split(",")}
