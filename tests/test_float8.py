@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torchao.float8 as torchao_float8  # the dev extra installs it (and the float8 one)
 from torch import nn
 
 from meshpar.config.recipe import RecipeError, load
@@ -30,6 +29,8 @@ from tests.processes import finish_run, metrics_records, start_run
 
 
 def _model(float8: bool, all_gather: bool = True) -> nn.Module:
+    import torchao.float8 as torchao_float8  # the dev extra installs it; imported here, not by the inner loop
+
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False))
                             for _ in range(2)])
