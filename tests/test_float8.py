@@ -114,18 +114,6 @@ def test_float8_fsdp_equals_one_process(case, world):
 
 
 # --- meshpar train with model.float8 ----------------------------------------------------------------------------
-def test_meshpar_train_with_float8_says_what_it_converted(tmp_path):
-    """The debug Llama at dp_shard 2, tensorwise, emulated: trains, and its log names float8, the float8
-    all-gather and the one layer left in high precision (the output projection)."""
-    proc = start_run(tmp_path, "--model.float8=tensorwise", "--model.float8_emulate=true", "--train.steps=3",
-                     "--checkpoint.every=0")
-    code, output = finish_run(proc, timeout=240)
-    assert code == 0, output[-4000:]
-    assert "meshpar: float8 tensorwise (emulated), all-gather in float8 | left in high precision: output\n" in output
-    losses = [r["loss"] for r in metrics_records(tmp_path) if "loss" in r]
-    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), losses
-
-
 @pytest.mark.parametrize(("overrides", "message"), [
     (["--model.float8_emulate=true"], r"model.float8_emulate = true has no effect with model.float8 = \"none\""),
     (["--model.float8=rowwise", "--train.device=cpu"], r"model.float8 = 'rowwise' on CPU runs only emulated"),
@@ -146,14 +134,19 @@ def _tensor_entries(checkpoint: Path) -> dict[str, tuple]:
             if k.startswith(("model.", "optim.")) and hasattr(v, "properties")}
 
 
-def test_float8_checkpoints_resume_bit_for_bit_and_load_without_float8(tmp_path):
-    """A float8 run's checkpoint holds the plain float32 tensors a run without float8 saves ([Note:
-    checkpoints hold plain tensors] in meshpar/checkpoint/format.py): resuming it under float8 gives
-    the uninterrupted run's steps bit for bit, and a run without float8 loads it."""
+def test_meshpar_train_with_float8_and_its_checkpoints(tmp_path):
+    """``meshpar train`` of the debug Llama at dp_shard 2, tensorwise, emulated: its log names float8,
+    the float8 all-gather and the one layer left in high precision (the output projection), and its
+    losses are finite. Its checkpoint holds the plain float32 tensors a run without float8 saves
+    ([Note: checkpoints hold plain tensors] in meshpar/checkpoint/format.py): resuming it under
+    float8 gives the uninterrupted run's steps bit for bit, and a run without float8 loads it."""
     float8 = ("--model.float8=tensorwise", "--model.float8_emulate=true")
     straight, resumed, plain = tmp_path / "straight", tmp_path / "resumed", tmp_path / "plain"
     code, output = finish_run(start_run(straight, *float8, "--train.steps=4", "--checkpoint.every=2"), timeout=240)
     assert code == 0, output[-4000:]
+    assert "meshpar: float8 tensorwise (emulated), all-gather in float8 | left in high precision: output\n" in output
+    losses = [r["loss"] for r in metrics_records(straight) if "loss" in r]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), losses
     step_2 = straight / "checkpoints" / "step_2"
     code, output = finish_run(start_run(resumed, *float8, "--train.steps=4", f"--checkpoint.load_from={step_2}"),
                               timeout=240)
