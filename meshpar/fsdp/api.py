@@ -101,11 +101,9 @@ def _mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None) -> M
                      f"{mesh.mesh_dim_names}")
 
 
-def _managed(modules: list[nn.Module], ignored: set[int]) -> tuple[dict[int, list[tuple[nn.Module, str]]],
-                                                                  set[int]]:
+def _managed(modules: list[nn.Module], ignored: set[int]) -> dict[int, list[tuple[nn.Module, str]]]:
     """Parameters of ``modules`` not owned by a nested unit: id -> every (module, attr) holding it."""
     places: dict[int, list[tuple[nn.Module, str]]] = {}
-    nested_ids: set[int] = set()
     roots = {id(m) for m in modules}
     stack, seen = list(reversed(modules)), set()
     while stack:
@@ -114,14 +112,12 @@ def _managed(modules: list[nn.Module], ignored: set[int]) -> tuple[dict[int, lis
             continue
         seen.add(id(m))
         if id(m) not in roots and isinstance(m, FSDPModule):
-            if m._fsdp_state.group is not None:
-                nested_ids.update(p.orig_id for p in m._fsdp_state.group.all_params)
             continue
         for attr, p in module_parameters(m).items():
             if p is not None and id(p) not in ignored:
                 places.setdefault(id(p), []).append((m, attr))
         stack.extend(reversed(list(m.children())))
-    return places, nested_ids
+    return places
 
 
 def _check_spmd_param(p: nn.Parameter, name: str, info: MeshInfo) -> None:
@@ -210,7 +206,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or n % reshard_after_forward:
             raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: an int must divide the shard group "
                              f"size {n} (e.g. the GPUs per node)")
-    places, nested_ids = _managed(modules, {id(p) for p in ignored_params or ()})
+    places = _managed(modules, {id(p) for p in ignored_params or ()})
     params = {pid: module_parameters(pl[0][0])[pl[0][1]] for pid, pl in places.items()}
     devices = {p.device for p in params.values()}
     if len(devices) > 1:
@@ -220,11 +216,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     dims = {}
     for pid, p in params.items():
         name = f"{type(places[pid][0][0]).__name__}.{places[pid][0][1]}"
-        earlier = _unit_sharding(p)
-        if pid in nested_ids or earlier is not None:
-            raise ValueError(f"{name} is shared with a parameter already managed by another FSDP unit"
-                             f"{f' ({earlier})' if earlier else ''}; tied parameters must live in one unit: "
-                             f"fully_shard([module_a, module_b]) together, or a module that holds every use of it")
+        earlier = _unit_sharding(p)  # a nested unit or a sibling: [Note: a parameter in two units]
+        if earlier is not None:
+            raise ValueError(f"{name} is shared with a parameter already managed by another FSDP unit ({earlier}); "
+                             f"tied parameters must live in one unit: fully_shard([module_a, module_b]) together, "
+                             f"or a module that holds every use of it")
         if not p.is_floating_point():
             raise ValueError(f"{name} is {p.dtype}; fully_shard shards floating-point parameters only "
                              f"(register it as a buffer, or pass it in ignored_params)")

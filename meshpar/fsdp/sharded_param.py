@@ -195,7 +195,6 @@ class ShardedParam:
                     local.copy_(param.detach()[start:start + self.local_rows])
         self._mesh, self._placements = self._sharded_layout()
         self.sharded = nn.Parameter(self._to_dtensor(local), requires_grad=param.requires_grad)
-        self.orig_id = id(param)  # to detect a tie that spans two units
         self.unsharded: nn.Parameter | None = None
         self.unsharded_padded: torch.Tensor | None = None  # [N*c, ...] view of the unsharded storage
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, across no-sync microbatches
