@@ -33,10 +33,15 @@ def _config(mode: str, emulate: bool, fsdp_all_gather: bool):
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(mode), emulate=emulate)
 
 
-def float8_all_gather(mode: str, fsdp: bool) -> bool:
+def shards_over_ranks(layout) -> bool:
+    """Whether FSDP gathers parameters from several ranks (``Mesh.fsdp``: dp_shard x cp)."""
+    return layout.dp_shard * layout.cp > 1
+
+
+def float8_all_gather(mode: str, layout) -> bool:
     """Whether FSDP all-gathers the weights in float8 (tensorwise only; rowwise gathers in the
     parameter dtype, as torchao does)."""
-    return mode == "tensorwise" and fsdp
+    return mode == "tensorwise" and shards_over_ranks(layout)
 
 
 def apply_float8(model: nn.Module, mode: str, *, emulate: bool, fsdp_all_gather: bool) -> list[str]:

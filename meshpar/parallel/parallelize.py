@@ -163,8 +163,7 @@ def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: Pa
     built = []
     for index, stage in stages:
         if float8 != "none":  # before any parallel dim wraps the linears
-            fsdp = layout.dp_shard * layout.cp > 1
-            apply_float8(stage, float8, emulate=float8_emulate, fsdp_all_gather=float8_all_gather(float8, fsdp))
+            apply_float8(stage, float8, emulate=float8_emulate, fsdp_all_gather=float8_all_gather(float8, layout))
         stage = parallelize_transformer(stage, mesh, cfg, tp_plan)  # still on meta: shards only from here on
         stage.to_empty(device=device)
         torch.manual_seed(seed)

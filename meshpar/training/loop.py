@@ -294,7 +294,7 @@ def _build_model(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device:
                                   checked.accum, cross_entropy, reduce_every_microbatch=p.grad_reduce == "microbatch")
     modules = torch.nn.ModuleList(m for _, m in stages)
     after_step = None
-    if float8lib.float8_all_gather(m.float8, mesh.layout.dp_shard * mesh.layout.cp > 1):
+    if float8lib.float8_all_gather(m.float8, mesh.layout):
         after_step = functools.partial(float8lib.precompute_scales, modules)
     return Model(modules, pipeline, mesh.layout.tp > 1 and p.loss_parallel, after_step)
 
@@ -302,9 +302,8 @@ def _build_model(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device:
 def _float8_line(recipe: Recipe, model: Model, mesh: meshlib.Mesh) -> str:
     """What ``model.float8`` converted, for the start of the log: the mode, how FSDP gathers, what stayed."""
     m = recipe.model
-    fsdp = mesh.layout.dp_shard * mesh.layout.cp > 1
-    gather = "all-gather in float8" if float8lib.float8_all_gather(m.float8, fsdp) else (
-        "all-gather in the parameter dtype" if fsdp else "no FSDP all-gather")
+    gather = "all-gather in float8" if float8lib.float8_all_gather(m.float8, mesh.layout) else (
+        "all-gather in the parameter dtype" if float8lib.shards_over_ranks(mesh.layout) else "no FSDP all-gather")
     left = [name for stage in model.stages for name, mod in stage.named_modules() if type(mod) is torch.nn.Linear]
     experts = " | mixture-of-experts experts stay in high precision" if hasattr(model.stages[0], "moe_layers") else ""
     return (f"meshpar: float8 {m.float8}{' (emulated)' if m.float8_emulate else ''}, {gather} | left in high "
