@@ -296,6 +296,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "FakeTensor": ("torch._subclasses.fake_tensor", "FakeTensor"),
     "active_fake_mode": ("torch._guards", "active_fake_mode"),
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    # A mode seeing every op a thread runs (float8 collectives over gloo: meshpar/parallel/float8.py).
+    # Public alternative: none (``torch.utils._python_dispatch`` is the only home of the base class).
+    "TorchDispatchMode": ("torch.utils._python_dispatch", "TorchDispatchMode"),
 }
 
 
@@ -381,6 +384,8 @@ REQUIRED: dict[str, str] = {
     "torch._subclasses.fake_tensor.FakeTensor": "meshpar plan's memory simulation: device queries",
     "torch._guards.active_fake_mode": "meshpar plan's memory simulation: device queries",
     "torch.testing._internal.distributed.fake_pg.FakeStore": "meshpar plan's dry run (planner/dry_run.py)",
+    "torch.utils._python_dispatch.TorchDispatchMode":
+        "float8 tensor parallelism over gloo: float8 all-gathers as bytes (meshpar/parallel/float8.py)",
     f"{_MT}.MemTracker": _MEMORY,
     f"{_MT}._MemRefType.PARAM": _MEMORY,
     f"{_MT}._RefType": _MEMORY,

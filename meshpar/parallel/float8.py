@@ -17,9 +17,15 @@ speed of neither.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+
+from meshpar.distributed._torch import TorchDispatchMode, c10d_functional_ops
 
 MODES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 SKIPPED_NAMES = ("output",)  # the output projection (Llama, Qwen); GPT-2 ties it to the embedding
@@ -62,8 +68,96 @@ def apply_float8(model: nn.Module, mode: str, *, emulate: bool, fsdp_all_gather:
     return skipped
 
 
+# [Note: float8 TP styles and biases]
+# torchao's float8 styles cast the output gradient to float8 outside the layer (in the style's output
+# hook), so a bias added inside the layer gets the sum of float8-rounded gradients, not of the
+# high-precision ones a converted layer without tp computes: tp would change the training. Layers
+# with a bias (GPT-2, Qwen2's q/k/v) keep PyTorch's styles; their matmuls still run in float8.
+def float8_tp_style(module: nn.Module, style: ParallelStyle) -> ParallelStyle:
+    """The tensor-parallel style for ``module`` under tensorwise float8 (a plan's ``Restyle``,
+    meshpar/parallel/tensor_parallel/plan.py): torchao's float8 counterparts of PyTorch's column-wise and
+    row-wise styles on converted linears, and of a sub-layer's input gather where every linear it holds
+    is converted (the input is cast once, then all-gathered in float8 and shared by its projections).
+    Any other entry (meshpar's own styles, unconverted layers such as the output, linears with a bias)
+    keeps its style: the layer still computes in float8, its tp collectives move the high-precision
+    tensors."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    def converted(m: nn.Module) -> bool:  # [Note: float8 TP styles and biases]
+        return isinstance(m, Float8Linear) and m.bias is None
+
+    if converted(module) and type(style) in (ColwiseParallel, RowwiseParallel):
+        float8_style = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
+        return float8_style(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                            use_local_output=style.use_local_output)
+    linears = [m for m in module.children() if isinstance(m, nn.Linear)]
+    if type(style) is PrepareModuleInput and linears and all(converted(m) for m in linears):
+        return PrepareFloat8ModuleInput(input_layouts=style.input_layouts,
+                                        desired_input_layouts=style.desired_input_layouts,
+                                        use_local_output=style.use_local_output)
+    return style
+
+
+# [Note: float8 all-gathers over gloo]
+# torchao's float8 TP styles cast a sub-layer's input (and in backward the output gradient) to a
+# DTensor of Float8TrainingTensor before redistributing it, so tensor parallelism all-gathers the
+# float8 data (a functional ``all_gather_into_tensor`` on the subclass's float8 tensor). gloo has no
+# float8 type ("Invalid scalar type"). An all-gather only copies, so the same bytes gathered as
+# ``uint8`` and viewed back are exactly the float8 gather: ``Float8Bytes`` is a dispatch mode,
+# entered around forward and backward only where the tp group runs on gloo (a CPU run), that does
+# this for float8 all-gathers and passes every other op through. NCCL gathers float8 itself.
+class Float8Bytes(TorchDispatchMode):
+    """Float8 all-gathers as bytes, for backends without float8 types ([Note: float8 all-gathers over gloo])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gathers = 0  # float8 all-gathers it moved as bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _ALL_GATHERS:
+            return func(*args, **kwargs)
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+        t = args[0]
+        if isinstance(t, Float8TrainingTensor):  # rebuilt around the gathered data, as torchao's own op does
+            self.gathers += 1
+            data = _gathered_bytes(func, t._data, args[1:], kwargs)
+            return Float8TrainingTensor(data, t._scale, t._orig_dtype, t._linear_mm_config, t._gemm_input_role)
+        if t.dtype in _FLOAT8:
+            self.gathers += 1
+            return _gathered_bytes(func, t, args[1:], kwargs)
+        return func(*args, **kwargs)
+
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_ALL_GATHERS = (c10d_functional_ops().all_gather_into_tensor.default,)
+
+
+def _gathered_bytes(all_gather, data: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``data`` (float8) all-gathered as uint8 and waited for: the functional op's result, viewed back."""
+    out = all_gather(data.contiguous().view(torch.uint8), *args, **kwargs)
+    return c10d_functional_ops().wait_tensor.default(out).view(data.dtype)
+
+
+def around_step(mode: str, tp_mesh) -> contextlib.AbstractContextManager:
+    """What forward and backward run under for ``mode`` on a ``tp_mesh`` (None without tp): ``Float8Bytes``
+    where tensorwise float8 all-gathers over gloo, else nothing."""
+    if mode == "tensorwise" and tp_mesh is not None and dist.get_backend(tp_mesh.get_group()) == "gloo":
+        return Float8Bytes()
+    return contextlib.nullcontext()
+
+
 def precompute_scales(model: nn.Module) -> None:
-    """Every float8-gathered weight's scale for the next all-gathers, in one pass (tensorwise)."""
+    """Every float8-gathered weight's scale for the next all-gathers, in one pass (tensorwise). Run it
+    before the first step too: without a precomputed scale torchao's all-gather computes the amax over
+    the FSDP mesh only, so under tensor parallelism each tp rank would scale its shard by its own amax
+    for that one step (and a resumed run would not repeat the uninterrupted one)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)

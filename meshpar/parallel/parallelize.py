@@ -28,7 +28,7 @@ from meshpar.parallel.activation_checkpoint import (
 )
 from meshpar.parallel.context_parallel.apply import apply_context_parallel, attends_over_cp
 from meshpar.parallel.expert_parallel import apply_expert_parallel, route_over_sequence
-from meshpar.parallel.float8 import apply_float8, float8_all_gather
+from meshpar.parallel.float8 import apply_float8, float8_all_gather, float8_tp_style
 from meshpar.parallel.pipeline import SCHEDULES, split
 from meshpar.parallel.tensor_parallel.checks import check_fsdp_over_tp
 from meshpar.parallel.tensor_parallel.plan import TPPlan, apply_tp
@@ -116,16 +116,19 @@ def check_mixed_precision(cfg: ParallelConfig, layout) -> None:
                               key=f"parallel.{key}")
 
 
-def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, tp_plan: TPPlan) -> nn.Module:
+def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, tp_plan: TPPlan, *,
+                            float8: str = "none") -> nn.Module:
     """Tensor parallel -> activation checkpointing -> compile -> FSDP on one stage (or the whole
     model) built on meta. ``tp_plan`` is the family's plan table (``family.tp_plan``). FSDP shards
     over ``dp_shard x cp`` (``Mesh.fsdp``: the cp ranks hold the same parameters); with both 1 no
     FSDP unit is made and the training step averages gradients over ``dp_replicate``
-    (meshpar.parallel.data_parallel), except on one rank with mixed precision (``one_device_fsdp``)."""
+    (meshpar.parallel.data_parallel), except on one rank with mixed precision (``one_device_fsdp``).
+    ``float8``: ``model.float8`` the stage was converted with; tensorwise takes torchao's float8 TP styles."""
     layout = mesh.layout
     check_fsdp_over_tp(tp_plan, layout.tp, layout.dp_shard)  # a plan that cannot be sharded yet
     if layout.tp > 1:
-        apply_tp(model, mesh["tp"], tp_plan.with_loss_parallel(cfg.loss_parallel))
+        apply_tp(model, mesh["tp"], tp_plan.with_loss_parallel(cfg.loss_parallel),
+                 restyle=float8_tp_style if float8 == "tensorwise" else None)
     if layout.cp > 1:
         apply_context_parallel(model, mesh["cp"], attention=cfg.cp_attention)
     if hasattr(model, "moe_layers") and (layout.tp > 1 or layout.cp > 1):
@@ -164,7 +167,8 @@ def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: Pa
     for index, stage in stages:
         if float8 != "none":  # before any parallel dim wraps the linears
             apply_float8(stage, float8, emulate=float8_emulate, fsdp_all_gather=float8_all_gather(float8, layout))
-        stage = parallelize_transformer(stage, mesh, cfg, tp_plan)  # still on meta: shards only from here on
+        # still on meta: shards only from here on
+        stage = parallelize_transformer(stage, mesh, cfg, tp_plan, float8=float8)
         stage.to_empty(device=device)
         torch.manual_seed(seed)
         stage.init_weights()

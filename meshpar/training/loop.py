@@ -179,6 +179,8 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
     run = RunState(model.stages, model.state_dict, optimizer, scheduler, loader)
     ckpt = _checkpointer(recipe, checked, mesh, info, output_dir)
     start_step = _restore(recipe, checked, ckpt, run, info, load_hf_weights)
+    if model.after_step is not None:  # the parameters just set (init, checkpoint) get what each step's give
+        model.after_step()
     if info.is_rank0:
         print(f"meshpar: {n_params:,} parameters, {checked.args.flops_per_token(t.seq_len) / 1e6:,.1f} MFLOP/token, "
               f"MFU against {profile.name}", flush=True)
@@ -296,7 +298,8 @@ def _build_model(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device:
     after_step = None
     if float8lib.float8_all_gather(m.float8, mesh.layout):
         after_step = functools.partial(float8lib.precompute_scales, modules)
-    return Model(modules, pipeline, mesh.layout.tp > 1 and p.loss_parallel, after_step)
+    around_step = functools.partial(float8lib.around_step, m.float8, mesh["tp"] if mesh.layout.tp > 1 else None)
+    return Model(modules, pipeline, mesh.layout.tp > 1 and p.loss_parallel, after_step, around_step)
 
 
 def _float8_line(recipe: Recipe, model: Model, mesh: meshlib.Mesh) -> str:
@@ -304,6 +307,9 @@ def _float8_line(recipe: Recipe, model: Model, mesh: meshlib.Mesh) -> str:
     m = recipe.model
     gather = "all-gather in float8" if float8lib.float8_all_gather(m.float8, mesh.layout) else (
         "all-gather in the parameter dtype" if float8lib.shards_over_ranks(mesh.layout) else "no FSDP all-gather")
+    if mesh.layout.tp > 1:  # [Note: float8 TP styles and biases]
+        gather += (", tensor-parallel activations gathered in float8 (layers without a bias)"
+                   if m.float8 == "tensorwise" else ", tensor-parallel activations gathered in high precision")
     left = [name for stage in model.stages for name, mod in stage.named_modules() if type(mod) is torch.nn.Linear]
     experts = " | mixture-of-experts experts stay in high precision" if hasattr(model.stages[0], "moe_layers") else ""
     return (f"meshpar: float8 {m.float8}{' (emulated)' if m.float8_emulate else ''}, {gather} | left in high "

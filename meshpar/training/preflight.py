@@ -77,16 +77,6 @@ def check_model(recipe: Recipe) -> tuple[Family, Any]:
     return family, args
 
 
-def check_float8(recipe: Recipe, layout: meshlib.Layout) -> None:
-    """``model.float8``: the parallel dims it composes with so far."""
-    m = recipe.model
-    if m.float8 == "none":
-        return
-    if layout.tp > 1:
-        raise RecipeError(f"model.float8 = {m.float8!r} with parallel.tp = {layout.tp} is not built yet (torchao's "
-                          f"float8 tensor-parallel styles); use tp = 1, or model.float8 = \"none\"", "model.float8")
-
-
 def check_float8_device(recipe: Recipe) -> None:
     """``meshpar train``'s check that this machine runs ``model.float8`` (``meshpar plan`` plans any)."""
     m = recipe.model
@@ -121,7 +111,6 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
         check_seq_len(t.seq_len, layout.tp)
     check_document_attention(recipe, layout)
     check_mixed_precision(recipe.parallel, layout)
-    check_float8(recipe, layout)
     check_profile(recipe.profile, world_size)
     if layout.pp > 1:
         p = recipe.parallel

@@ -129,7 +129,10 @@ class Model:
     stages: torch.nn.ModuleList
     pipeline: Schedule | None  # the schedule when pp > 1
     loss_parallel: bool  # logits are vocab-sharded DTensors: the loss runs under loss_parallel
-    after_step: Callable[[], None] | None = None  # after each optimizer step (float8 scales: parallel/float8.py)
+    # after each optimizer step, and before the first (float8 scales: parallel/float8.py ``precompute_scales``)
+    after_step: Callable[[], None] | None = None
+    # what forward and backward run under (float8 all-gathers over gloo: parallel/float8.py ``around_step``)
+    around_step: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     def state_dict(self) -> dict[str, Any]:
         """Parameter names of the whole model: stages hold disjoint blocks under their global names."""
@@ -188,7 +191,7 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
         loss_sum = torch.zeros((), device=device)
         aux_sum: torch.Tensor | None = None
         load: torch.Tensor | None = None  # [Note: expert load]
-        with loss_parallel_context(model.loss_parallel):
+        with loss_parallel_context(model.loss_parallel), model.around_step():
             with phase("data"):
                 microbatches = next_batch()
                 if sync.cp is not None:  # this cp rank's tokens of every sequence ([Note: balanced sequence split])

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -121,11 +121,17 @@ def _parallelize(module: nn.Module, tp_mesh: DeviceMesh, style: ParallelStyle, p
     label_new_hooks(module, before, "tp", path)
 
 
-def _apply_table(root: nn.Module, tp_mesh: DeviceMesh, table: Mapping[str, ParallelStyle], prefix: str = "") -> None:
+# ``restyle(module, style)``: the style to apply in place of the plan's for that module (float8's
+# TP styles: meshpar/parallel/float8.py ``float8_tp_style``); plans stay data, written once per family.
+Restyle = Callable[[nn.Module, ParallelStyle], ParallelStyle]
+
+
+def _apply_table(root: nn.Module, tp_mesh: DeviceMesh, table: Mapping[str, ParallelStyle], prefix: str = "",
+                 restyle: Restyle | None = None) -> None:
     for path, style in table.items():
         module = _find(root, path)
         if module is not None:
-            _parallelize(module, tp_mesh, style, prefix + path)
+            _parallelize(module, tp_mesh, restyle(module, style) if restyle else style, prefix + path)
 
 
 def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str, str]]]:
@@ -157,7 +163,7 @@ def _retie(groups: list[list[tuple[nn.Module, str, str]]]) -> None:
             module_parameters(module)[attr] = param
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, restyle: Restyle | None = None) -> nn.Module:
     """Apply ``plan`` to ``model`` (a whole model or a pipeline stage) on the 1-D ``tp_mesh``, in place.
 
     Call it on the model as built on meta, before ``fully_shard``, ``to_empty`` and
@@ -165,13 +171,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
     values one process would have). Tied parameters stay one Parameter. At a stage boundary
     (``plan.embedding`` or ``plan.output`` missing), the stage takes and returns local
     sequence-sharded hidden states [B, T/tp, D]; see [Note: the residual stream is a DTensor].
+    ``restyle`` swaps a plan entry's style for a module in its place (``Restyle``).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp takes the 1-D tp mesh (mesh['tp']), got a {tp_mesh.ndim}-D mesh")
     tied = _tied_groups(model)
-    _apply_table(model, tp_mesh, plan.root)
+    _apply_table(model, tp_mesh, plan.root, restyle=restyle)
     for name, block in model.layers.items():
-        _apply_table(block, tp_mesh, plan.block, prefix=f"layers.{name}.")
+        _apply_table(block, tp_mesh, plan.block, prefix=f"layers.{name}.", restyle=restyle)
     _retie(tied)
     seq = (Shard(1),)  # h[B, T/tp, D] on each rank
     if _find(model, plan.embedding) is None:  # local [B, T/tp, D] in -> DTensor [B, T, D]
