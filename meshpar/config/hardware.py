@@ -36,6 +36,7 @@ class HardwareProfile:
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         name = str(dtype).removeprefix("torch.")
+        name = "float8" if name.startswith("float8") else name  # one float8 peak (e4m3 and e5m2 alike)
         if name not in self.peak_tflops:
             raise RecipeError(f"hardware profile '{self.name}' has no peak for {name}; "
                               f"add it under [peak_tflops] (has: {', '.join(self.peak_tflops)})")

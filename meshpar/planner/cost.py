@@ -59,6 +59,38 @@ OPTIMIZER_BYTES_PER_PARAM = 40  # fp32 AdamW: param, grad, 2 moments read, 3 wri
 # On the CPU the two are close, and the model leaves the difference out.
 RING_ATTENTION_SLOWDOWN = {"cuda": 8.0}
 
+# [Note: float8 in the time model]
+# ``model.float8`` converts the blocks' linear layers (not the output projection, not the experts of a
+# mixture of experts: ``float8_params_per_block``). Their matmul FLOPs run at the profile's float8
+# peak x ``efficiency`` x FLOAT8_MATMUL[mode]: the share of float8's rate a converted layer keeps
+# once its casts (amax, scale, cast: memory-bound passes over inputs, weights and output gradients)
+# are paid. ``rowwise_with_gw_hp`` keeps the weight gradient, a third of a layer's FLOPs, in high
+# precision. Under tensorwise FSDP all-gathers the converted weights in float8 (1 byte a weight, not
+# param_dtype's) and tensor parallelism its activations; rowwise gathers in param_dtype. The
+# constants are fitted to torchao's published Llama 3 8B figures, float8 over bf16 on 8 H100s, with
+# this model (docs/performance.md#float8-in-the-planner): no GPU has measured meshpar's float8 yet.
+FLOAT8_MATMUL = {"tensorwise": 0.69, "rowwise": 0.57, "rowwise_with_gw_hp": 0.57}
+
+
+def float8_params_per_block(args) -> float:
+    """Weights per block in the linear layers ``model.float8`` converts: every block linear (all of a
+    shipped model's dims are multiples of 16), or for a mixture of experts the attention projections only."""
+    if hasattr(args, "inactive_params"):
+        d, dh = args.dim, args.resolved_head_dim
+        return d * args.n_heads * dh * 2 + d * args.n_kv_heads * dh * 2  # wq, wo; wk, wv
+    return (args.matmul_params() - args.vocab_size * args.dim) / args.n_layers
+
+
+def float8_rate(profile: HardwareProfile, mode: str) -> float:
+    """The FLOP/s a converted layer's float8 matmuls run at, before ``efficiency``: the float8 peak x
+    ``FLOAT8_MATMUL[mode]`` ([Note: float8 in the time model])."""
+    return profile.peak_flops(torch.float8_e4m3fn) * FLOAT8_MATMUL[mode]
+
+
+def float8_gathered_share(args, n_params: int) -> float:
+    """The share of the parameters FSDP gathers in float8 under tensorwise: the converted weights."""
+    return float8_params_per_block(args) * args.n_layers / n_params
+
 
 def default_efficiency(compiled: bool, world_size: int) -> float:
     """[Note: the efficiency constants]: compute efficiency of a step of ``world_size`` ranks."""
@@ -143,11 +175,13 @@ def _link(dim: str, layout: Layout, gpus_per_node: int, profile: HardwareProfile
 
 
 def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: int, seq_len: int, *,
-                           ring: bool = False, ring_slowdown: float = 1.0) -> tuple[float, float]:
-    """(model FLOPs, executed FLOPs) per token of one pipeline stage: [Note: the time model]. ``ring``:
-    cp's attention is the ring, whose forward selective checkpointing recomputes ([Note: the ring's
-    overlap]), and whose every attention FLOP costs ``ring_slowdown`` of the gather's (as executed
-    FLOPs at the common rate: ``RING_ATTENTION_SLOWDOWN``)."""
+                           ring: bool = False, ring_slowdown: float = 1.0,
+                           float8: str = "none") -> tuple[float, float, float]:
+    """(model FLOPs, executed FLOPs, of those in float8) per token of one pipeline stage: [Note: the time
+    model]. ``ring``: cp's attention is the ring, whose forward selective checkpointing recomputes
+    ([Note: the ring's overlap]), and whose every attention FLOP costs ``ring_slowdown`` of the gather's
+    (as executed FLOPs at the common rate: ``RING_ATTENTION_SLOWDOWN``). ``float8``: ``model.float8``
+    ([Note: float8 in the time model])."""
     vocab_matmul = args.vocab_size * args.dim
     per_block_weights = (args.matmul_params() - vocab_matmul) / args.n_layers
     per_block_attention = (args.flops_per_token(seq_len) - 6.0 * args.matmul_params()) / args.n_layers
@@ -159,18 +193,30 @@ def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: i
     if ring:  # its attention, the recomputed forward included, at 1 / ring_slowdown of the common rate
         again = checkpointed / 3 if ac in ("full", "selective") else 0.0
         executed += (ring_slowdown - 1.0) * per_block_attention * (len(layers) + again)
-    return model, executed
+    in_float8 = 0.0
+    if float8 != "none":  # forward (2), input gradient (2), weight gradient (2, or 0 kept in high precision)
+        per_weight = 4.0 if float8 == "rowwise_with_gw_hp" else 6.0
+        recomputed_forward = checkpointed * 2.0 if ac == "full" else 0.0
+        in_float8 = float8_params_per_block(args) * (per_weight * len(layers) + recomputed_forward)
+    return model, executed, in_float8
 
 
 def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
-                 profile: HardwareProfile) -> list[DimComm]:
+                 profile: HardwareProfile, float8_share: float = 0.0) -> list[DimComm]:
     """A stage's communication per mesh dim in one step: the bytes of its simulated step, plus
     the pipeline's transfers by arithmetic: each microbatch a stage sends one fp32 [mb, T/(cp tp), D]
     to each neighbour (activations on, gradients back) and receives as many over the other
-    direction of the link; an end stage has one neighbour."""
+    direction of the link; an end stage has one neighbour. ``float8_share``: of FSDP's all-gathered
+    parameters, the share gathered in float8 ([Note: float8 in the time model])."""
     t = recipe.train
     per_dim: Counter = Counter()
-    for (_, dim), nbytes in r.measured.comm_bytes.items():
+    float8 = recipe.model.float8 == "tensorwise"  # [Note: float8 in the time model]
+    itemsize = torch.tensor([], dtype=getattr(torch, recipe.parallel.param_dtype)).element_size()
+    for (op, dim), nbytes in r.measured.comm_bytes.items():
+        if float8 and op == "all_gather" and dim == "tp":  # the blocks' activations (output: 1 in 4L + 1)
+            nbytes /= itemsize
+        elif float8 and op == "all_gather" and _parts(dim)[:1] == ["dp_shard"]:  # FSDP's: the converted weights
+            nbytes *= 1.0 - float8_share * (1.0 - 1.0 / itemsize)
         per_dim[dim] += nbytes
     if layout.pp > 1:
         hidden = t.micro_batch * (t.seq_len // (layout.cp * layout.tp)) * args.dim * 4
@@ -235,11 +281,15 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
     ring = p.cp_attention == "ring" and layout.cp > 1
     slowdown = RING_ATTENTION_SLOWDOWN.get(profile.device, 1.0) if ring else 1.0
     stages = []  # (compute s, critical comm s, DimComms) per stage; the step is set by the largest sum
+    float8 = recipe.model.float8
+    peak8 = float8_rate(profile, float8) if float8 != "none" else peak
     for r in ranks:
-        _, executed = _stage_flops_per_token(args, r.layers, r.stage == layout.pp - 1, p.activation_checkpoint,
-                                             p.ac_every, t.seq_len, ring=ring, ring_slowdown=slowdown)
-        compute = executed * tokens / layout.tp / (peak * efficiency)
-        comms = _stage_comms(r, recipe, layout, args, accum, gpn, profile)
+        _, executed, in_float8 = _stage_flops_per_token(args, r.layers, r.stage == layout.pp - 1,
+                                                        p.activation_checkpoint, p.ac_every, t.seq_len, ring=ring,
+                                                        ring_slowdown=slowdown, float8=float8)
+        compute = ((executed - in_float8) / peak + in_float8 / peak8) * tokens / layout.tp / efficiency
+        comms = _stage_comms(r, recipe, layout, args, accum, gpn, profile,
+                             float8_gathered_share(args, sum(x.n_params for x in ranks)) if float8 != "none" else 0)
         if ring:
             comms = [dataclasses.replace(c, hidden_s=_ring_hidden(c, recipe, layout, args, len(r.layers), accum,
                                                                   peak * efficiency / slowdown)) if c.dim == "cp" else c

@@ -7,7 +7,7 @@ the part of the peak the change shrinks most.
 from __future__ import annotations
 
 from meshpar.models import get_family
-from meshpar.planner.cost import RING_ATTENTION_SLOWDOWN
+from meshpar.planner.cost import RING_ATTENTION_SLOWDOWN, float8_rate
 from meshpar.planner.dry_run import Plan, RankPlan
 
 GIB = 2**30
@@ -119,9 +119,14 @@ def time_table(plan: Plan) -> str:
     world = plan.layout.world_size
     lines.append(f"  step {t.step_s:.3f} s | {t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / world:,.0f} per GPU) | "
                  f"MFU {100 * t.mfu:.1f}%")
-    if plan.recipe.model.float8 != "none":  # issue 29's planner item: float8 peak and bytes not yet priced
-        lines.append(f"  model.float8 = {plan.recipe.model.float8!r} is not priced yet: memory and time are those "
-                     f"of the same run without float8")
+    float8 = plan.recipe.model.float8
+    if float8 != "none":  # [Note: float8 in the time model]
+        gathers = "FSDP gathers the converted weights and tp the activations in float8" if float8 == "tensorwise" \
+            else "all-gathers in the parameter dtype"
+        rate = float8_rate(plan.profile, float8) / 1e12
+        lines.insert(2, f"  {'':<{w}} of which the blocks' linear layers (model.float8 = {float8!r}) at "
+                        f"{t.efficiency:.2f} x {rate:g} TFLOP/s (float8 peak x FLOAT8_MATMUL, planner/cost.py); "
+                        f"{gathers}; memory as without float8")
     return "\n".join(lines)
 
 

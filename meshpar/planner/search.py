@@ -55,7 +55,7 @@ from meshpar.distributed.mesh import Layout, resolve
 from meshpar.models import get_family
 from meshpar.parallel.parallelize import check_mixed_precision
 from meshpar.parallel.pipeline import check_microbatches, stage_layers
-from meshpar.planner.cost import _stage_flops_per_token, default_efficiency
+from meshpar.planner.cost import _stage_flops_per_token, default_efficiency, float8_rate
 from meshpar.training.preflight import check_context_parallel
 
 AC_MODES = ("none", "selective", "full")
@@ -232,7 +232,9 @@ def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, pro
     t, p = recipe.train, recipe.parallel
     itemsize = getattr(torch, p.param_dtype).itemsize
     efficiency = efficiency or default_efficiency(p.compile, pp * tp * cp * dp)
-    flops = profile.peak_flops(getattr(torch, p.param_dtype)) * efficiency
+    peak = profile.peak_flops(getattr(torch, p.param_dtype))
+    float8 = recipe.model.float8
+    peak8 = float8_rate(profile, float8) if float8 != "none" else peak
     gbps = profile.intra_node_gbps if tp <= gpus_per_node else profile.inter_node_gbps
     cp_gbps = profile.intra_node_gbps if gpus_per_node % (cp * tp) == 0 else profile.inter_node_gbps
     local = t.micro_batch * t.seq_len // cp  # a microbatch's tokens on one rank
@@ -242,10 +244,12 @@ def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, pro
         kv = hop if p.cp_attention == "ring" else 2 * hop * (cp - 1)
     worst = 0.0
     for i, layers in enumerate(stage_layers(args.n_layers, pp)):
-        executed = _stage_flops_per_token(args, layers, i == pp - 1, p.activation_checkpoint, p.ac_every,
-                                          t.seq_len)[1]
-        compute = executed * t.global_batch * t.seq_len / dp / cp / tp / flops
-        tp_bytes = 8 * local * args.dim * itemsize * (tp - 1) / tp * len(layers) * n
+        _, executed, in_float8 = _stage_flops_per_token(args, layers, i == pp - 1, p.activation_checkpoint,
+                                                        p.ac_every, t.seq_len, float8=float8)
+        compute = ((executed - in_float8) / peak + in_float8 / peak8) * t.global_batch * t.seq_len / dp / cp / tp
+        compute /= efficiency
+        gathered = 1 if float8 == "tensorwise" else itemsize  # tensorwise all-gathers activations in float8
+        tp_bytes = 4 * (itemsize + gathered) * local * args.dim * (tp - 1) / tp * len(layers) * n
         comm = tp_bytes / (gbps * 1e9) + kv * len(layers) * n / (cp_gbps * 1e9)
         worst = max(worst, compute + comm + _all_to_all_s(args, recipe, layers, n, profile, gpus_per_node))
     return t.global_batch * t.seq_len / (worst * (n + pp - 1) / n)
