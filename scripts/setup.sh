@@ -13,7 +13,10 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
 fi
-pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# --no-compile: pip would byte-compile every module of every package (torch's thousands, most never
+# imported: 29 s of torch's 39 s install here); Python writes the bytecode of what is imported at
+# its first import instead (docs/performance.md#test-suite-and-set-up).
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile)
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
