@@ -129,6 +129,18 @@ def test_prepare_command_and_training_from_the_folder(hf_folder, tmp_path):
     assert len(train_losses(records)) == 2 and all(np.isfinite(train_losses(records)))
 
 
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory) -> Path:
+    """A folder holding only a byte-level BPE's tokenizer.json (vocabulary up to 512, with an EOS), trained
+    on a slice of the built-in text: what the recipe errors below read of a Hugging Face folder."""
+    from meshpar.data.tokenizer import BPETokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    for name, data in BPETokenizer.train(_documents()[:40], 512).hf_files().items():
+        (out / name).write_bytes(data)
+    return out
+
+
 @pytest.mark.parametrize("case, overrides, key, message", [
     ("unknown tokenizer", ["--data.tokenizer={d}/nope.json"], "data.tokenizer", "no such file"),
     ("missing text field", ["--data.path={d}/plays.jsonl.gz", "--data.text_field=body"], "data.text_field", "body"),
@@ -140,10 +152,10 @@ def test_prepare_command_and_training_from_the_folder(hf_folder, tmp_path):
     ("auto without a tokenizer", ["--checkpoint.hf_weights={d}", "--data.tokenizer=auto"], "data.tokenizer",
      "no tokenizer.json"),
 ])
-def test_errors_before_any_process(hf_folder, tmp_path, case, overrides, key, message):
+def test_errors_before_any_process(tokenizer_folder, tmp_path, case, overrides, key, message):
     write_corpora(tmp_path)
     (tmp_path / "empty.jsonl").write_text("\n")
-    args = [o.format(d=tmp_path, hf=hf_folder) for o in overrides]
+    args = [o.format(d=tmp_path, hf=tokenizer_folder) for o in overrides]
     recipe = load_recipe("llama_debug.toml", tmp_path / "run", f"--data.cache_dir={tmp_path / 'cache'}", *args)
     with pytest.raises(RecipeError, match=message) as err:
         preflight(recipe, 2 if "--parallel.pp=2" in args else 1)

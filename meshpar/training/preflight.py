@@ -17,6 +17,7 @@ from typing import Any
 
 from meshpar.config.recipe import Recipe, RecipeError
 from meshpar.data import BPETokenizer, ByteTokenizer, Corpus, prepare
+from meshpar.data.tokenizer import load_tokenizer
 from meshpar.distributed import mesh as meshlib
 from meshpar.models import Family, get_family
 from meshpar.parallel.parallelize import check_mixed_precision
@@ -139,6 +140,13 @@ def check_context_parallel(recipe: Recipe, layout) -> None:
     check_seq_len(t.seq_len // cp, tp)
 
 
+def _check_tokenizer_vocabulary(name: str, vocab_size: int, args: Any) -> None:
+    if vocab_size > args.vocab_size:
+        raise RecipeError(f"data.tokenizer: {name} has a vocabulary of {vocab_size} tokens but the model's is "
+                          f"{args.vocab_size}; use the model's own tokenizer, or set model.vocab_size >= {vocab_size}",
+                          "data.tokenizer")
+
+
 def preflight(recipe: Recipe, world_size: int) -> Preflight:
     """Every check that needs no process group; raises RecipeError naming the key to change.
 
@@ -150,13 +158,13 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
     if t.eval_every and recipe.data.val_fraction == 0:
         raise RecipeError("train.eval_every > 0 needs held-out data; set data.val_fraction > 0 or "
                           "train.eval_every = 0")
+    if recipe.data.tokenizer not in ("bpe", "byte", "auto"):  # a tokenizer file: its vocabulary before tokenizing
+        _check_tokenizer_vocabulary(recipe.data.tokenizer, load_tokenizer(recipe.data.tokenizer).vocab_size, args)
     corpus = prepare(recipe.data, recipe.checkpoint.hf_weights)
     if corpus.vocab_size > args.vocab_size:
         if recipe.data.tokenizer not in ("bpe", "byte") and corpus.tokenizer is not None \
                 and not isinstance(corpus.tokenizer, (BPETokenizer, ByteTokenizer)):
-            raise RecipeError(f"data.tokenizer: {corpus.name} has a vocabulary of {corpus.vocab_size} tokens but the "
-                              f"model's is {args.vocab_size}; use the model's own tokenizer, or set model.vocab_size "
-                              f">= {corpus.vocab_size}", "data.tokenizer")
+            _check_tokenizer_vocabulary(corpus.name, corpus.vocab_size, args)
         raise RecipeError(f"the data has {corpus.vocab_size} token ids but model.vocab_size is {args.vocab_size}; "
                           f"set model.vocab_size = {corpus.vocab_size} (or a smaller data.vocab_size)")
     args = _attention(recipe, layout, args, corpus)
