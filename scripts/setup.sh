@@ -14,8 +14,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 # --no-compile: pip would byte-compile every module of every package (torch's thousands, most never
-# imported: 29 s of torch's 39 s install here); Python writes the bytecode of what is imported at
-# its first import instead (docs/performance.md#test-suite-and-set-up).
+# imported); Python writes the bytecode of what is imported at its first import instead (the
+# difference: docs/performance.md#test-suite-and-set-up).
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile)
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then

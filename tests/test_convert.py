@@ -321,7 +321,7 @@ def test_rope_permutation_to_and_from_meta_layout():
 
 
 @pytest.mark.parity
-@pytest.mark.slow  # imports transformers (3 s); the inner loop checks the export's tensors bit for bit instead
+@pytest.mark.slow  # imports transformers (seconds); the inner loop checks the export's tensors bit for bit instead
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_export_gives_the_same_logits_in_transformers(ckpts, tmp_path, family):
     transformers = pytest.importorskip("transformers", reason="transformers is a test-only extra: "

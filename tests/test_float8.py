@@ -112,10 +112,10 @@ def _case_float8_all_gather() -> dict:
 # the model's dtype; tp gives BLAS other shapes, so its sums round differently, by ~1e-7 relative.
 # Where such a value sits that close to a float8 rounding boundary it rounds to the neighbouring
 # float8 value (a step of 2^-3, 2^-2 for the e5m2 gradients), and the models differ there. So tp and
-# one process are not bit-identical: on the first step (equal parameters) the loss differed by at
-# most 1.6e-8 relative here, the gradients (as one vector) by up to 1.6e-2 (Qwen2's grouped kv
-# heads). float8 itself moves this loss by 3.7e-5 (GPT-2) to 7.2e-5 (Llama): the loss is compared at
-# 1e-6, the gradients not at all (their noise overlaps float8's effect), and the gathers are counted.
+# one process are not bit-identical. On the first step (equal parameters) the loss differs by a small
+# fraction of what float8 itself moves it, the gradients by as much as float8 does (measured:
+# docs/performance.md#float8-tensor-parallel-parity): the loss is compared at 1e-6, the gradients
+# not at all, and the gathers are counted.
 LOSS_TOL = 1e-6
 
 

@@ -108,7 +108,7 @@ def test_search_tries_cp_for_long_sequences_only():
             for c in candidates([*base, "--train.seq_len=8192"], 32, H100, 8, None)} == {1}
 
 
-@pytest.mark.slow  # four dry runs (10 s)
+@pytest.mark.slow  # four dry runs
 def test_plan_counts_document_masks_once_without_cp_and_never_whole_with_it():
     """``model.attention = "document"`` is planned, not ignored. At cp 1 a forward leaves alive, more
     than causal attention (fp32, exactly): the [B, 1, T, T] mask, once for every layer; per layer,

@@ -51,7 +51,7 @@ def _assert_parity(records: list, state: dict[str, torch.Tensor], reference) -> 
         torch.testing.assert_close(state[name], ref, rtol=TOL, atol=TOL, msg=name)
 
 
-@pytest.mark.slow  # 40 training steps in one process, 6-7 s each family; the inner loop overfits one batch instead
+@pytest.mark.slow  # 40 training steps in one process per family; the inner loop overfits one batch instead
 @pytest.mark.parametrize("name", ["llama_debug.toml", "gpt2_debug.toml"])
 def test_loss_falls_on_shakespeare(name, tmp_path, data_cache):
     recipe = load_recipe(name, tmp_path, "--train.steps=40", "--train.eval_every=20", "--train.eval_batches=2")
