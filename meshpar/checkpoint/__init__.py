@@ -1,13 +1,11 @@
-"""Checkpoints: sharded save / resume / reshard through DCP, the file layer under it, and the
-crash-safe writes every durable file of meshpar goes through.
+"""Checkpoints: sharded save / resume / reshard through DCP, and the file layer under it.
 
 Reading order: ``checkpointer.py`` (what a checkpoint holds, save, load;
 [Note: a checkpoint is complete or invisible]) -> ``folders.py`` (the ``step_<N>`` folders: which
 are complete, ``latest``, ``meshpar.json``) -> ``state.py`` (a run's tensors by global name:
 parameters, optimizer state, generator state) -> ``format.py`` (the DCP file layer: per-chunk
-CRCs, fused projections stored as chunks) -> ``atomic.py`` (fsync-and-rename; [Note: fsync,
-then rename, then fsync the folder]). Offline conversion between layouts and formats is
-meshpar/convert/.
+CRCs, fused projections stored as chunks). Every file goes through meshpar/runtime/atomic.py's
+crash-safe writes. Offline conversion between layouts and formats is meshpar/convert/.
 """
 
 from meshpar.checkpoint.checkpointer import FORMAT, Checkpointer, RunState

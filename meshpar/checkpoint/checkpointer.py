@@ -40,7 +40,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from meshpar.checkpoint.atomic import fsync_dir, write_atomic
 from meshpar.checkpoint.folders import MARKER, is_complete, latest, list_checkpoints, read_info
 from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it here
     CheckpointError,
@@ -53,6 +52,7 @@ from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it 
 )
 from meshpar.checkpoint.state import _rng_state, optimizer_state, param_names
 from meshpar.config.recipe import CheckpointConfig, RecipeError
+from meshpar.runtime.atomic import fsync_dir, write_atomic
 
 # [Note: a checkpoint is complete or invisible]
 # Every rank writes into ``<dir>/.step_<N>.partial/``. DCP's last step runs on the coordinator

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
-from meshpar.checkpoint.atomic import write_atomic
 from meshpar.distributed._torch import DCP_METADATA_GLOBALS, StridedShard, dtensor_like, local_tensor
+from meshpar.runtime.atomic import write_atomic
 
 # [Note: corrupt and truncated files]
 # DCP stores no checksums. Each rank, after writing its files, records the CRC-32 of every

@@ -27,11 +27,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from meshpar.checkpoint.atomic import fsync, write_atomic
 from meshpar.checkpoint.format import SafeReader, crc_key, crc_of_range, write_crcs
 from meshpar.convert.files import _fresh, _now, _read_json, copy_tokenizer
 from meshpar.convert.layout import layout_chunks
 from meshpar.convert.spec import ConvertError, ModelSpec, spec_from_info
+from meshpar.runtime.atomic import fsync, write_atomic
 
 
 class _Collect(LoadPlanner):

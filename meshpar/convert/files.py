@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from meshpar.checkpoint.atomic import write_atomic
 from meshpar.checkpoint.checkpointer import TOKENIZER_FILES as CHECKPOINT_TOKENIZER_FILES
 from meshpar.convert.spec import ConvertError
+from meshpar.runtime.atomic import write_atomic
 
 # what a checkpoint holds (meshpar/checkpoint/checkpointer.py), and what a Hugging Face folder may add
 TOKENIZER_FILES = (*CHECKPOINT_TOKENIZER_FILES, "special_tokens_map.json")

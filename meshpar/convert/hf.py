@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from meshpar.checkpoint.atomic import fsync
 from meshpar.convert.files import _bytes_view, _fresh, _now, _read_json, copy_tokenizer
 from meshpar.convert.layout import parse_layout
 from meshpar.convert.spec import ADAPTERS, ConvertError, ModelSpec
+from meshpar.runtime.atomic import fsync
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",

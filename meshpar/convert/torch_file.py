@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from meshpar.checkpoint.atomic import atomic_path
 from meshpar.convert.files import _fresh, _read_json
 from meshpar.convert.spec import ConvertError, spec_from_info
+from meshpar.runtime.atomic import atomic_path
 
 
 def _sidecar(path: Path) -> Path:

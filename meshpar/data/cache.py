@@ -30,8 +30,8 @@ import socket
 import tempfile
 from pathlib import Path
 
-from meshpar.checkpoint.atomic import fsync_dir
 from meshpar.config.recipe import RecipeError
+from meshpar.runtime.atomic import fsync_dir
 
 
 def cached(root: Path, key: str, build) -> Path:

@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from meshpar.checkpoint.atomic import fsync_dir, write_atomic
 from meshpar.config.errors import RecipeError
 from meshpar.data.stream import TokenStream, concat
 from meshpar.data.tokenizer import EOT, split_text
+from meshpar.runtime.atomic import fsync_dir, write_atomic
 
 FORMAT = "meshpar-prepared"
 VERSION = 1

@@ -31,13 +31,13 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction
 
-from meshpar.checkpoint.atomic import atomic_path, write_atomic
 from meshpar.config.recipe import ProfileConfig, RecipeError
 from meshpar.distributed import comm_record
 from meshpar.distributed._torch import attach_cuda_oom_observer, dump_cuda_memory_snapshot, record_cuda_memory_history
 from meshpar.distributed.mesh import DIMS, Mesh
 from meshpar.profiling.memory import AllocationTracker
 from meshpar.profiling.report.traces import cap_trace
+from meshpar.runtime.atomic import atomic_path, write_atomic
 
 # [Note: memory in the profiled steps]
 # With ``profile.profile_memory``, each traced window also gets a memory record, on any device:
