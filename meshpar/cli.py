@@ -25,7 +25,11 @@ import sys
 from pathlib import Path
 
 from meshpar.config import recipe as recipelib
+from meshpar.config.keys import local_world_size
 from meshpar.config.recipe import RecipeError
+
+# What each local rank runs (meshpar/runtime/launch.py): named, so the launcher need not import it
+RANK_ENTRYPOINT = "meshpar.train:run"
 
 # Only the recipe and argument parsing load at start; torch and the training stack load in the
 # command that needs them, so `--help`, `meshpar recipe` and every recipe error answer at once.
@@ -158,36 +162,36 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     recipe = recipelib.load(args.recipe, overrides)
     if args.max_restarts < 0:
         raise RecipeError(f"--max-restarts {args.max_restarts}: must be >= 0")
-    from meshpar.checkpoint import CheckpointError
-    from meshpar.training.nonfinite import NonFiniteError
-
-    try:
-        return _launch(args, recipe, overrides)
-    except (CheckpointError, NonFiniteError) as e:  # one process (no launcher): the same one line as a rank's
-        print(f"meshpar: error: {e}", file=sys.stderr)
-        return 1
-
-
-def _launch(args: argparse.Namespace, recipe: recipelib.Recipe, overrides: list[str]) -> int:
-    from meshpar.distributed import mesh as meshlib
-    from meshpar.runtime.fault import EXIT_PREEMPTED
-    from meshpar.train import run, train
-    from meshpar.training.preflight import preflight
-
     if "WORLD_SIZE" in os.environ:  # already a rank (torchrun, which does the restarting): train here
-        return EXIT_PREEMPTED if train(recipe).stopped_by else 0
-    nproc = meshlib.local_world_size(recipe.parallel) if args.nproc is None else args.nproc
+        return _train_here(recipe)
+    nproc = local_world_size(recipe.parallel) if args.nproc is None else args.nproc
     if nproc < 1:
         raise RecipeError(f"--nproc {nproc}: must be >= 1")
     local = nproc > 1 or args.max_restarts
-    if local:  # the ranks' forkserver imports torch and meshpar while preflight runs
-        from meshpar.runtime.launch import launch_local, start_forkserver
-        start_forkserver(run)
+    if local:  # first: the ranks' forkserver imports torch and meshpar while this process checks the recipe
+        from meshpar.runtime.forkserver import start_forkserver
+        start_forkserver(RANK_ENTRYPOINT)
+    from meshpar.training.preflight import preflight
     preflight(recipe, nproc)  # every recipe error before a process starts; tokenizes once for all ranks
     if not local:
-        return EXIT_PREEMPTED if train(recipe).stopped_by else 0
-    return launch_local(nproc, run, [str(args.recipe), *overrides], max_restarts=args.max_restarts,
+        return _train_here(recipe)
+    from meshpar.runtime.launch import launch_local
+    return launch_local(nproc, RANK_ENTRYPOINT, [str(args.recipe), *overrides], max_restarts=args.max_restarts,
                         signals=recipe.fault.signals)
+
+
+def _train_here(recipe: recipelib.Recipe) -> int:
+    """Train in this process (one rank, or a rank torchrun started)."""
+    from meshpar.checkpoint import CheckpointError
+    from meshpar.runtime.fault import EXIT_PREEMPTED
+    from meshpar.train import train
+    from meshpar.training.nonfinite import NonFiniteError
+
+    try:
+        return EXIT_PREEMPTED if train(recipe).stopped_by else 0
+    except (CheckpointError, NonFiniteError) as e:  # one process (no launcher): the same one line as a rank's
+        print(f"meshpar: error: {e}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> None:

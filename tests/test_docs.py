@@ -40,7 +40,7 @@ import pytest
 
 from meshpar import cli
 from meshpar.config import recipe as recipelib
-from meshpar.distributed.mesh import local_world_size
+from meshpar.config.keys import local_world_size
 from meshpar.planner import cli as plan_cli
 from meshpar.training.preflight import check_layout, check_model
 

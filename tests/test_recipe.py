@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from meshpar.config import recipe as recipelib
+from meshpar.config.keys import local_world_size
 from meshpar.config.recipe import SECTIONS, ParallelConfig, Recipe, RecipeError, dumps, load, parse_override
 from meshpar.distributed import mesh as meshlib
 from meshpar.models import FAMILIES, NOT_BUILT, get_family
@@ -353,7 +354,7 @@ def test_dp_shard_minus_one_with_indivisible_world_size():
     (ParallelConfig(dp_shard=4, cp=2), 8),
 ])
 def test_local_world_size(cfg, n):
-    assert meshlib.local_world_size(cfg) == n
+    assert local_world_size(cfg) == n
 
 
 # --- 7. preflight: checks that need data but no process group --------------------------------

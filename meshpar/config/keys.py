@@ -8,6 +8,7 @@ names: import them from ``meshpar.config.recipe``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,15 @@ class ModelConfig:
                                         "step's expert loads summed over data-parallel ranks.")
     bias_update_rate: float = option(1e-3, "Mixture of experts, aux_free_bias: the bias step per optimizer step "
                                            "(DeepSeek-V3's gamma).", gt=0)
+
+
+# The parallel dims, outermost first: the device mesh's order (meshpar/distributed/mesh.py).
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def local_world_size(cfg: ParallelConfig) -> int:
+    """Ranks a recipe asks for when nothing else says: the product, with ``dp_shard = -1`` as 1."""
+    return math.prod(max(getattr(cfg, d), 1) for d in DIMS)
 
 
 @dataclass(frozen=True)

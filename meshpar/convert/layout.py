@@ -8,10 +8,9 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from meshpar.config.keys import DIMS
 from meshpar.convert.spec import ConvertError
 from meshpar.distributed._torch import StridedShard
-
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # meshpar.distributed.mesh.DIMS, outermost first
 
 
 def _chunks(seq: Sequence[int], n: int) -> list[Sequence[int]]:

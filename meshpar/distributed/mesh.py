@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshpar.config.keys import DIMS
 from meshpar.config.recipe import ParallelConfig, RecipeError
 from meshpar.distributed._torch import concatenate_meshes, flatten_mesh, unflatten_mesh
-
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -78,11 +77,6 @@ def resolve(cfg: ParallelConfig, world_size: int) -> Layout:
         raise RecipeError(f"[parallel] ep = {ep} borrows its ranks from dp_shard = {degrees['dp_shard']}, which it "
                           f"must divide; choose an ep that divides dp_shard, or more dp_shard ranks", key="parallel.ep")
     return Layout(**degrees, ep=ep)
-
-
-def local_world_size(cfg: ParallelConfig) -> int:
-    """Ranks a recipe asks for when nothing else says: the product, with ``dp_shard = -1`` as 1."""
-    return math.prod(max(getattr(cfg, d), 1) for d in DIMS)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from meshpar.config import recipe as recipelib
 from meshpar.config.hardware import PROFILES_DIR, HardwareProfile, load_profile
+from meshpar.config.keys import local_world_size
 from meshpar.config.recipe import RecipeError
-from meshpar.distributed.mesh import local_world_size
 from meshpar.planner import LinkDefaults, plan, report, verdict
 from meshpar.planner.search import HEAD, best_recipe, search
 from meshpar.training.preflight import check_model

@@ -1,18 +1,12 @@
 """Start N local ranks through torch's elastic launcher, so ``meshpar train`` needs no torchrun.
 
-Each rank runs ``entrypoint(argv)`` (``meshpar.train.run``) with torchrun's environment;
+Each rank runs ``entrypoint(argv)`` (``"meshpar.train:run"``) with torchrun's environment;
 rendezvous is a c10d store on a free localhost port, as ``torchrun --standalone`` does.
 
-[Note: ranks fork from a forkserver]
-The ranks are forked from a multiprocessing forkserver that imported the entry point's module
-(torch, the training stack) once: N ranks, and each restart, cost forks, not N imports of several
-CPU-seconds (docs/performance.md#test-suite-and-set-up). It never touches CUDA. The ranks are its
-children, and torch.multiprocessing sends each SIGINT when its parent dies; the agent would also
-read every rank as exited (255). So the forkserver starts with the stop signals blocked: one sent
-to every process of the job (SLURM) reaches the ranks, which save, and the agent, and does not kill
-the forkserver. Each rank then gets back what a fresh ``python -u -m meshpar.train`` had: those
-signals, a line-buffered stdout, ``OMP_NUM_THREADS`` applied, and a name, ``meshpar rank R``, for
-``ps`` and ``pgrep -x`` (its command line is the forkserver's).
+The ranks fork from a forkserver (meshpar/runtime/forkserver.py [Note: ranks fork from a
+forkserver]); each gets back what a fresh ``python -u -m meshpar.train`` had: the stop signals, a
+line-buffered stdout, ``OMP_NUM_THREADS`` applied, and a name, ``meshpar rank R``, for ``ps`` and
+``pgrep -x`` (its command line is the forkserver's).
 
 Failures are torchelastic's to handle, as under ``torchrun --max-restarts N``: when a rank
 exits non-zero or dies on a signal, every rank is stopped and, while restarts are left,
@@ -30,16 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
 import re
 import signal
 import sys
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -48,11 +39,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshpar.runtime.fault import EXIT_PREEMPTED
+from meshpar.runtime.forkserver import SHIELDED, resolve, start_forkserver
 
 SHUTDOWN_GRACE_S = 120  # seconds ranks get to save after the agent forwards a stop signal, before SIGKILL
-# What a scheduler or a terminal may send every process of a job (SLURM at the time limit, Ctrl-C):
-# the forkserver blocks them ([Note: ranks fork from a forkserver]).
-_SHIELDED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
@@ -92,12 +81,12 @@ class _FailureLines(logging.Handler):
         print(f"meshpar: rank {rank} (pid {m.group(3)}) {what}; {then}", file=sys.stderr, flush=True)
 
 
-def _rank(entrypoint: Callable[[list[str]], int], argv: list[str]) -> None:
+def _rank(entrypoint: str, argv: list[str]) -> None:
     """One forked rank: made like a fresh interpreter's ([Note: ranks fork from a forkserver]),
-    then ``entrypoint(argv)``, whose return value is the exit code."""
-    for sig in _SHIELDED:  # as exec leaves them (a background shell job ignores SIGINT and SIGQUIT)
+    then ``entrypoint(argv)`` (``"package.module:function"``), whose return value is the exit code."""
+    for sig in SHIELDED:  # as exec leaves them (a background shell job ignores SIGINT and SIGQUIT)
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SHIELDED)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SHIELDED)
     name = f"meshpar rank {os.environ.get('RANK', '?')}"[:15]  # the kernel keeps 15 bytes
     with contextlib.suppress(OSError):  # not Linux
         Path("/proc/self/comm").write_text(name)
@@ -106,7 +95,7 @@ def _rank(entrypoint: Callable[[list[str]], int], argv: list[str]) -> None:
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        code = entrypoint(argv)
+        code = resolve(entrypoint)(argv)
     except KeyboardInterrupt:  # die of SIGINT, as an interpreter does (torch.multiprocessing would exit 0)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -119,24 +108,10 @@ def _rank(entrypoint: Callable[[list[str]], int], argv: list[str]) -> None:
         sys.exit(code)  # the process's exit code, which torchelastic reports; 0 returns normally
 
 
-def start_forkserver(entrypoint: Callable[[list[str]], int]) -> None:
-    """Start the forkserver the ranks fork from, importing ``entrypoint``'s module, and return at
-    once: its imports overlap what this process does before ``launch_local`` (a no-op when this
-    process's forkserver already runs: it keeps what it imported)."""
-    multiprocessing.set_forkserver_preload([entrypoint.__module__, __name__])
-    # multiprocessing's resource tracker unblocks SIGINT and SIGTERM after starting: started first
-    multiprocessing.resource_tracker.ensure_running()
-    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SHIELDED)  # inherited through exec and fork
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
-
-
-def launch_local(nproc: int, entrypoint: Callable[[list[str]], int], argv: list[str], *, max_restarts: int = 0,
+def launch_local(nproc: int, entrypoint: str, argv: list[str], *, max_restarts: int = 0,
                  signals: Sequence[str] = ("SIGTERM",)) -> int:
-    """Run ``entrypoint(argv)`` (a module-level function returning an exit code) on ``nproc`` local
-    ranks; returns the launch's exit code."""
+    """Run ``entrypoint(argv)`` (``"package.module:function"``, returning an exit code) on ``nproc``
+    local ranks; returns the launch's exit code."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     failures = _FailureLines(nproc, max_restarts)
     watched = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
