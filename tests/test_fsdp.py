@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -49,6 +49,7 @@ from meshpar.fsdp import DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy,
 from meshpar.fsdp.param_group import ParamGroup
 from meshpar.fsdp.sharded_param import ShardedParam
 from meshpar.models.gpt2.model import GPT2
+from meshpar.training.optim import ShardLocalAdamW
 from tests.distributed import CaseSet
 from tests.fsdp_models import (
     GPT,
@@ -837,6 +838,43 @@ def _case_hooks_survive_new_unsharded(ctx: Ctx) -> None:
 
 
 # --- the jobs ----------------------------------------------------------------------------------------------
+# --- the optimizer on local shards (meshpar/training/optim.py) -----------------------------------------
+def _case_local_shard_adamw(ctx: Ctx) -> None:
+    """meshpar's AdamW steps each rank's local shards as plain tensors ([Note: the optimizer on local
+    shards]): the fused kernel torch.optim.AdamW runs through DTensor's dispatch, on the same tensors,
+    so the same bits; against one process to TOL; its state stays DTensors. At 4 ranks hybrid
+    (Replicate, Shard(0)) placements. A gradient placed unlike its parameter goes through DTensor's
+    dispatch: the same update as torch's AdamW."""
+    mesh = ctx.mesh if ctx.world == 2 else init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    runs = []
+    for cls in (torch.optim.AdamW, ShardLocalAdamW):
+        ref = NET.build()
+        model = copy.deepcopy(ref)
+        shard_units(model, fully_shard, mesh=mesh)
+        opt = cls(model.parameters(), lr=NET.lr, weight_decay=0.1, fused=True)
+        run = train(model, ref, NET, optims=(opt, torch.optim.AdamW(ref.parameters(), lr=NET.lr, weight_decay=0.1)))
+        assert_parity(model, ref, run)
+        runs.append((model, opt, run))
+    (torch_model, torch_opt, torch_run), (model, opt, run) = runs
+    _eq([a for a, _ in run.losses], [a for a, _ in torch_run.losses], "losses")
+    for (name, p), q in zip(model.named_parameters(), torch_model.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local()), name
+        for key, value in opt.state[p].items():
+            if key != "step":
+                assert isinstance(value, DTensor) and value.placements == p.placements, (name, key, type(value))
+            theirs = torch_opt.state[q][key]
+            assert torch.equal(*(t.to_local() if isinstance(t, DTensor) else t for t in (value, theirs))), (name, key)
+    # a gradient placed unlike its parameter: the whole gradient, replicated, for a sharded weight
+    updated = []
+    for cls in (torch.optim.AdamW, ShardLocalAdamW):
+        torch.manual_seed(0)
+        weight = nn.Parameter(distribute_tensor(torch.randn(6, 3), ctx.mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(torch.randn(6, 3), ctx.mesh, [Replicate()])
+        cls([weight], lr=0.1, fused=True).step()
+        updated.append(weight.full_tensor())
+    assert torch.equal(*updated)
+
+
 def _setup(tmp: Path) -> Ctx:
     torch.set_default_dtype(torch.float64)  # models and batches: tests/parity.py [Note: parity in float64]
     world = dist.get_world_size()
@@ -866,6 +904,7 @@ CASES = CaseSet({
     "released": (_case_released, (1, 2)),
     "catches_bugs": (_case_catches_bugs, (2,)),
     "hooks_survive_new_unsharded": (_case_hooks_survive_new_unsharded, (2,)),
+    "local_shard_adamw": (_case_local_shard_adamw, (2, 4)),
     "nested_counts": (_case_nested_counts, (1,)),  # last: when it fails it leaves a stale counter behind
 }, setup=_setup, timeout=240)
 
@@ -994,3 +1033,8 @@ def test_parity_catches_planted_bugs(world):
 @_worlds("hooks_survive_new_unsharded")
 def test_hooks_survive_new_unsharded(world):
     CASES.check("hooks_survive_new_unsharded", world)
+
+
+@_worlds("local_shard_adamw")
+def test_adamw_on_local_shards_is_torchs_adamw_bit_for_bit(world):
+    CASES.check("local_shard_adamw", world)

@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = [
     "REQUIRED", "CUDA_ONLY", "StridedShard", "tree_leaves", "flatten_mesh",
     "unflatten_mesh", "concatenate_meshes", "dtensor_like", "dtensor_where_it_is", "foreach_norm", "foreach_mul_",
-    "local_tensor",
+    "local_tensor", "adam_init_group",
     "module_parameters", "forward_hook_dicts",
     "queue_backward_callback", "post_accumulate_grad_hooks", "preserve_version_counter", "c10d_functional_ops",
     "attention_ops",
@@ -128,6 +128,14 @@ def local_tensor(dt: DTensor) -> torch.Tensor:
     ``param.grad``). Public alternative: ``dt.to_local()``, which is autograd-aware and, under
     grad mode, returns a view through an autograd function."""
     return dt._local_tensor
+
+
+def adam_init_group(optimizer: torch.optim.Adam, group: dict, *lists: list[torch.Tensor]) -> bool:
+    """``Adam._init_group``: fills ``lists`` (parameters with a gradient, gradients, exp_avg, exp_avg_sq,
+    max_exp_avg_sq, step) for ``group``, creating missing state as AdamW itself does, so a
+    checkpoint sees AdamW's state; returns whether any parameter is complex. Public alternative:
+    rebuilding that state creation (dtypes and devices per option) in meshpar."""
+    return optimizer._init_group(group, *lists)
 
 
 def module_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
@@ -340,6 +348,7 @@ REQUIRED: dict[str, str] = {
     "torch.distributed.tensor._dtensor_spec.DTensorSpec": "FSDP's CPU-offloaded shards (dtensor_where_it_is)",
     "torch.distributed.tensor._dtensor_spec.TensorMeta": "FSDP's CPU-offloaded shards (dtensor_where_it_is)",
     "torch._foreach_norm": "gradient clipping (clip.py)",
+    "torch.optim.Adam._init_group": "the optimizer on local shards (training/optim.py ShardLocalAdamW)",
     "torch._foreach_mul_": "gradient clipping (clip.py)",
     "torch.nn.Module()._parameters": "FSDP and tensor parallel: tied and replaced parameters",
     "torch.nn.Module()._forward_pre_hooks": "tensor-parallel trace labels (profiling/labels.py)",
