@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 
 from meshpar.distributed.comm_record import FlightEntry, comm_buffers, forced, native_layout, record_collective
+from meshpar.distributed.tracing import trace_range
 
 # [Note: reduce-scatter on gloo]
 # gloo implements reduce-scatter as an all-reduce of the whole input followed by a local slice:
@@ -73,7 +73,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     all-gather (``FSDPModule.set_custom_all_gather``), called as PyTorch's engine calls it."""
     n = dist.get_world_size(group)
     entry = record_collective("all_gather", dim, output.numel() * output.element_size() * (n - 1) / n)
-    with record_function(f"meshpar::comm.all_gather[{dim}]"):
+    with trace_range(f"meshpar::comm.all_gather[{dim}]"):
         if custom is not None:
             return Work(custom(output_tensor=output, input_tensor=input, group=group, async_op=async_op),
                         entry=entry)
@@ -152,7 +152,7 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
     """``input.output <- sum over ranks of row (this rank)``; see [Note: reduce-scatter on gloo]."""
     n = input.n
     entry = record_collective("reduce_scatter", dim, input.nbytes * (n - 1) / n)
-    with record_function(f"meshpar::comm.reduce_scatter[{dim}]"):
+    with trace_range(f"meshpar::comm.reduce_scatter[{dim}]"):
         if input.custom is not None:
             return Work(input.custom(output_tensor=input.output, input_tensor=input.send.view(-1), group=group,
                                      op=dist.ReduceOp.SUM, async_op=async_op), entry=entry)
@@ -193,7 +193,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     row = input[0].numel() * input.element_size() if input.shape[0] else 0
     entry = record_collective("all_to_all", dim, row * (sum(input_splits) - input_splits[rank]))
-    with record_function(f"meshpar::comm.all_to_all[{dim}]"):
+    with trace_range(f"meshpar::comm.all_to_all[{dim}]"):
         if n == 1 and not forced():
             output.copy_(input)
             return Work(None, entry=entry)
@@ -224,7 +224,7 @@ class _AllToAllRows(torch.autograd.Function):
 
 
 def _labelled(label: str | None) -> contextlib.AbstractContextManager:
-    return record_function(f"meshpar::{label}") if label else contextlib.nullcontext()
+    return trace_range(f"meshpar::{label}") if label else contextlib.nullcontext()
 
 
 def all_to_all_rows(input: torch.Tensor, output_splits: list[int], input_splits: list[int],
@@ -252,7 +252,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: str, asyn
     """Reduce ``tensor`` over ``group`` in place (a sum unless ``op`` says otherwise)."""
     n = dist.get_world_size(group)
     entry = record_collective("all_reduce", dim, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
-    with record_function(f"meshpar::comm.all_reduce[{dim}]"):
+    with trace_range(f"meshpar::comm.all_reduce[{dim}]"):
         if n == 1 and not forced():
             return Work(None, entry=entry)
         return Work(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), entry=entry)
@@ -264,7 +264,7 @@ def send_recv(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, 
     """One hop of a ring: ``send`` to group rank ``to`` while ``recv`` fills from group rank ``frm``, both
     in flight until ``wait()`` (ring attention posts a hop, then computes). Counted as the bytes sent."""
     entry = record_collective("send_recv", dim, send.numel() * send.element_size())
-    with record_function(f"meshpar::comm.send_recv[{dim}]"):
+    with trace_range(f"meshpar::comm.send_recv[{dim}]"):
         if dist.get_world_size(group) == 1 and not forced():
             recv.copy_(send)
             return Work(None, entry=entry)

@@ -18,10 +18,10 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
-from torch.autograd.profiler import record_function
 
 from meshpar.distributed import comm
 from meshpar.distributed.comm_record import gradient_buffers
+from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp.sharded_param import ShardedParam
 from meshpar.fsdp.streams import _wait
 
@@ -121,7 +121,7 @@ class GroupReduce:
     def post_backward(self) -> None:
         """After this unit's backward: reduce (or keep, without sync) its gradients; reshard."""
         self._grads_ready.clear()
-        with record_function("meshpar::fsdp.post_backward"):
+        with trace_range("meshpar::fsdp.post_backward"):
             if self.reshard_after_backward:  # first: the gradients outlive the parameters, and the
                 self.reshard()  # reduction's buffers then take the unsharded parameters' place
             if self.requires_gradient_sync:
@@ -175,7 +175,7 @@ class GroupReduce:
                     p.add_sharded_grad(grad)
         elif trainable and (any(grads[id(p)] is not None for p in trainable) or self._partial is not None):
             group = self.reduce_group or self.mesh_info.shard_group
-            with record_function("meshpar::fsdp.reduce_copy_in"):
+            with trace_range("meshpar::fsdp.reduce_copy_in"):
                 buffer = comm.ReduceScatterInput(sum(p.padded_numel for p in trainable), group, dtype=reduce_dtype,
                                                  device=trainable[0].compute_device, custom=self.custom_reduce_scatter)
                 offset = 0
@@ -215,7 +215,7 @@ class GroupReduce:
         if self.all_reduce_hook is None:
             return
         hook, stream = self.all_reduce_hook
-        with record_function("meshpar::fsdp.all_reduce_hook"):
+        with trace_range("meshpar::fsdp.all_reduce_hook"):
             if stream is not None:
                 with torch.cuda.stream(stream):
                     hook(output)
@@ -229,7 +229,7 @@ class GroupReduce:
             return
         work, recv, params, with_grad, event, _ = self._reduce
         self._reduce = None  # the input is freed here, after the compute stream waited on it
-        with record_function("meshpar::fsdp.reduce_scatter_wait"):
+        with trace_range("meshpar::fsdp.reduce_scatter_wait"):
             _wait(work, event)
         if self.mesh_info.replicate_dim is not None:
             if self._partial is not None:  # an earlier microbatch's reduce-scatter without the all-reduce
@@ -245,7 +245,7 @@ class GroupReduce:
                 self._partial, self._partial_params = recv, params
                 self._partial_with_grad = {id(p) for p in with_grad}
                 return
-            with record_function("meshpar::fsdp.all_reduce_replicas"):
+            with trace_range("meshpar::fsdp.all_reduce_replicas"):
                 comm.all_reduce(recv, self.mesh_info.replicate_group,
                                 dim=self.mesh_info.dim_name(self.mesh_info.replicate_dim))
         recv.div_(self._divide_factors()[1])

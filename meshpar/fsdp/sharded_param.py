@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
@@ -39,6 +38,7 @@ from meshpar.distributed._torch import (
     post_accumulate_grad_hooks,
     preserve_version_counter,
 )
+from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp.policies import CPUOffloadPolicy
 
 # [Note: sharding on another dim]
@@ -366,7 +366,7 @@ class ShardedParam:
             if self.mesh_info.spmd is not None:  # FSDP reduces the data-parallel dims itself
                 dp = {i for i in self.mesh_info.spmd_dims if i is not None}
                 target = tuple(grad.placements[i] if i in dp else pl for i, pl in enumerate(target))
-            with record_function("meshpar::tp.partial_grad"):  # Partial -> Replicate: an all-reduce
+            with trace_range("meshpar::tp.partial_grad"):  # Partial -> Replicate: an all-reduce
                 grad = grad.redistribute(placements=target).to_local()
         if self.accumulated_grad is not None:
             grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function
 
 from meshpar.distributed._torch import queue_backward_callback
+from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp.param_group import ParamGroup
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.reduce import ReduceQueue
@@ -141,7 +141,7 @@ class FSDPState:
         if self.is_root is None:
             self._lazy_init()
         it = self.iteration
-        with record_function("meshpar::fsdp.pre_forward"):
+        with trace_range("meshpar::fsdp.pre_forward"):
             if self.post_optim_event is not None:  # the all-gathers wait for the optimizer step
                 self.post_optim_event.wait()
                 self.post_optim_event = None
@@ -169,7 +169,7 @@ class FSDPState:
         return order[i + 1:i + 2]
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        with record_function("meshpar::fsdp.post_forward"):
+        with trace_range("meshpar::fsdp.post_forward"):
             if self._in_backward:  # recomputation (activation checkpointing): backward reshards
                 return self._cast_output(output)
             self._to_run.discard(id(module))
@@ -211,7 +211,7 @@ class FSDPState:
         if not it.callback_queued:
             it.callback_queued = True
             queue_backward_callback(self._root_end_of_backward)
-        with record_function("meshpar::fsdp.pre_backward"):
+        with trace_range("meshpar::fsdp.pre_backward"):
             if self.group is not None and self.group.unshard_in_backward:
                 self.group.unshard()  # ours first: [Note: prefetch after our own unshard]
             if not self._in_backward:
@@ -253,7 +253,7 @@ class FSDPState:
         return order[i - 1:i] if i > 0 else []
 
     def _root_end_of_backward(self) -> None:
-        with record_function("meshpar::fsdp.end_of_backward"):
+        with trace_range("meshpar::fsdp.end_of_backward"):
             self._end_iteration(ParamGroup.finish_backward)
 
     def _end_iteration(self, end_group: Callable[[ParamGroup], None]) -> None:

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from meshpar.distributed import comm
 from meshpar.distributed.comm_record import comm_buffers
+from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp.sharded_param import ParamState, ShardedParam
 from meshpar.fsdp.streams import _wait
 
@@ -95,7 +95,7 @@ class GroupUnshard:
 
     def _copy_in(self, send: torch.Tensor, segments: list[int]) -> None:
         """This rank's chunks of every parameter, cast to param_dtype, into the flat ``send``."""
-        with record_function("meshpar::fsdp.copy_in"):
+        with trace_range("meshpar::fsdp.copy_in"):
             offset = 0
             for p, seg in zip(self.params, segments, strict=True):
                 n = p.local_shape.numel()  # elements past n are padding
@@ -129,7 +129,7 @@ class GroupUnshard:
         return torch.uint8, pieces
 
     def _copy_in_pieces(self, send: torch.Tensor, pieces: list[Piece]) -> None:
-        with record_function("meshpar::fsdp.copy_in"):
+        with trace_range("meshpar::fsdp.copy_in"):
             offset = 0
             for piece in pieces:
                 dst = send[offset:offset + piece.seg]
@@ -160,7 +160,7 @@ class GroupUnshard:
             outputs[id(p)][piece.index].view(world, -1).copy_(block)
         for p in self.extended:
             param_dtype = self.mp.param_dtype or p.orig_dtype
-            with record_function("meshpar::fsdp.post_all_gather"):
+            with trace_range("meshpar::fsdp.post_all_gather"):
                 tensor = p.extension.unsharded(p.local, param_dtype, p.unsharded, p.shape[0])
             if tensor is not None:
                 p.unsharded = p.as_unsharded_param(tensor)
@@ -171,10 +171,10 @@ class GroupUnshard:
             self._gather = None
             post_forward = self._post_forward_shards is not None
             self._post_forward_shards = None
-            with record_function("meshpar::fsdp.all_gather_wait"):
+            with trace_range("meshpar::fsdp.all_gather_wait"):
                 _wait(work, event)
             extension_pieces, self._gather_pieces = self._gather_pieces, None
-            with record_function("meshpar::fsdp.copy_out"), torch.no_grad():
+            with trace_range("meshpar::fsdp.copy_out"), torch.no_grad():
                 if extension_pieces is not None:
                     self._copy_out_pieces(recv, world, extension_pieces)
                 else:
@@ -188,7 +188,7 @@ class GroupUnshard:
                         p.write_unsharded(piece, world)
         # the local tensor is the whole parameter: replicated ones, and all on one rank ([Note: one
         # data-parallel rank]); [Note: the unsharded parameter keeps its identity] in sharded_param.py
-        with record_function("meshpar::fsdp.cast"), torch.no_grad():
+        with trace_range("meshpar::fsdp.cast"), torch.no_grad():
             for p in self.replicated + (self.params if self.single else []):
                 dtype = self.compute_dtype(p)
                 if p.local.device != p.compute_device or p.local.dtype != dtype:

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction
 
 from meshpar.config.recipe import ProfileConfig, RecipeError
 from meshpar.distributed import comm_record
 from meshpar.distributed._torch import attach_cuda_oom_observer, dump_cuda_memory_snapshot, record_cuda_memory_history
 from meshpar.distributed.mesh import DIMS, Mesh
+from meshpar.distributed.tracing import trace_range
 from meshpar.profiling.memory import AllocationTracker
 from meshpar.profiling.report.traces import cap_trace
 from meshpar.runtime.atomic import atomic_path, write_atomic
@@ -50,8 +50,8 @@ from meshpar.runtime.atomic import atomic_path, write_atomic
 # ``rank<r>.oom_memory_snapshot.pickle``.
 
 def label(name: str):
-    """``record_function("meshpar::<name>")``."""
-    return record_function(f"meshpar::{name}")
+    """``trace_range("meshpar::<name>")``."""
+    return trace_range(f"meshpar::{name}")
 
 
 def traced_ranks(spec: str, world_size: int, stage_of_rank: list[int]) -> set[int]:

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -38,6 +37,7 @@ from torch.distributed.pipelining import (
 )
 
 from meshpar.config.recipe import RecipeError
+from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp import FSDPModule
 from meshpar.profiling.labels import install_p2p_labels, label_p2p_ops
 
@@ -218,11 +218,11 @@ class Stage(PipelineStage):
         return output
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        with record_function(f"meshpar::pp.forward[{self.stage_index},{fwd_chunk_id}]"), self.scheduled():
+        with trace_range(f"meshpar::pp.forward[{self.stage_index},{fwd_chunk_id}]"), self.scheduled():
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        with record_function(f"meshpar::pp.backward[{self.stage_index},{bwd_chunk_id}]"):
+        with trace_range(f"meshpar::pp.backward[{self.stage_index},{bwd_chunk_id}]"):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     # point-to-point transfers, labelled meshpar::pp.<send|recv>_<forward|backward>[stage,microbatch]
@@ -303,7 +303,7 @@ class Pipeline:
     def step_microbatches(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """``step`` over a loader's (inputs, targets) microbatches: concatenated here, the
         schedule splits them into the same microbatches again (``meshpar.training.step.train_step``)."""
-        with record_function("meshpar::data"):
+        with trace_range("meshpar::data"):
             inputs, targets = (torch.cat(x).to(self.stages[0].device) for x in zip(*microbatches, strict=True))
         return self.step(inputs, targets)
 
@@ -339,13 +339,13 @@ def _send(t: torch.Tensor, peer: int, group: dist.ProcessGroup) -> list:
     header = torch.zeros(_HEADER, dtype=torch.int64, device=t.device)
     header[:2 + t.ndim] = torch.tensor([_DTYPES.index(t.dtype), t.ndim, *t.shape])
     t = t.contiguous()
-    with record_function("meshpar::pp.send_eval"):
+    with trace_range("meshpar::pp.send_eval"):
         return [dist.isend(header, group_dst=peer, group=group), dist.isend(t, group_dst=peer, group=group)]
 
 
 def _recv(peer: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    with record_function("meshpar::pp.recv_eval"):
+    with trace_range("meshpar::pp.recv_eval"):
         dist.recv(header, group_src=peer, group=group)
         dtype, ndim, *shape = header.tolist()
         t = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
