@@ -85,6 +85,7 @@ class ParamGroup(GroupUnshard, GroupReduce):
         self._partial_with_grad: set[int] = set()
         self.reduce_queue: ReduceQueue | None = None  # shared by the units of one root (set at lazy init)
         self._grads_ready: set[int] = set()
+        self._grads_expected = 0  # trainable parameters, counted at each backward's first gradient
         self.refresh_layout()
 
     # --- sizes and dtypes --------------------------------------------------------------------------

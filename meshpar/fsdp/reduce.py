@@ -104,8 +104,10 @@ class GroupReduce:
             self = group()
             if self is None:
                 return
+            if not self._grads_ready:  # this backward's first: how many to wait for (requires_grad_ may change)
+                self._grads_expected = sum(q.requires_grad for q in self.all_params)
             self._grads_ready.add(key)
-            if len(self._grads_ready) == sum(q.requires_grad for q in self.all_params):
+            if len(self._grads_ready) == self._grads_expected:
                 self.post_backward()
 
         p.unsharded.register_post_accumulate_grad_hook(on_grad)

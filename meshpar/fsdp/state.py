@@ -101,6 +101,8 @@ class FSDPState:
         self._to_run: set[int] = set()  # ids of this unit's modules yet to run in this forward pass
         self.post_optim_event: Any = None  # FSDPModule.set_post_optim_event (read at the root)
         self.last_backward = True  # FSDPModule.set_is_last_backward: recorded, changes nothing here
+        self._nested_units: list[FSDPState] = []  # _nested's answer for the Iteration in _nested_of
+        self._nested_of: Iteration | None = None
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward, prepend=False)
@@ -237,11 +239,16 @@ class FSDPState:
     # neither prefetch the next block (the forward's order) nor reshard. The root does not: every
     # block is inside it.
     def _nested(self) -> list[FSDPState]:
+        """The units inside this one, found once per root's lazy initialization (its ``Iteration``):
+        every backward asks, and walking the module tree each time cost ~0.1 ms a unit."""
         if self.is_root or self.iteration is None:
             return []
-        inside = {id(m) for top in self.modules for m in top.modules() if m is not top}
-        return [s for s in self.iteration.states
-                if s is not self and s.group is not None and any(id(m) in inside for m in s.modules)]
+        if self._nested_of is not self.iteration:
+            inside = {id(m) for top in self.modules for m in top.modules() if m is not top}
+            self._nested_units = [s for s in self.iteration.states
+                                  if s is not self and s.group is not None and any(id(m) in inside for m in s.modules)]
+            self._nested_of = self.iteration
+        return self._nested_units
 
     def _backward_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
