@@ -185,14 +185,16 @@ def _train_matches(recipe, world: int, reference) -> None:
 LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
     "cp2-dp_shard2": ([], 4),  # the recipe: FSDP over dp_shard x cp
     "cp2": (["--parallel.dp_shard=1"], 2),  # no FSDP: gradients averaged over cp as over replicas
-    "cp2-tp2": (["--parallel.dp_shard=1", "--parallel.tp=2"], 4),  # cp outside tp
+    # cp outside tp; the loss in 3 chunks of each rank's 128 tokens, vocabulary-sharded (meshpar/training/loss.py)
+    "cp2-tp2-chunked-loss": (["--parallel.dp_shard=1", "--parallel.tp=2", "--train.loss_chunks=3"], 4),
     "pp2-cp2": (["--parallel.dp_shard=1", "--parallel.pp=2"], 4),
     "replicate2-cp2": (["--parallel.dp_shard=1", "--parallel.dp_replicate=2"], 4),
     # 3D, with the ring: its K/V chunks are a tp rank's heads, passed over that rank's cp group, per stage
     "pp2-cp2-tp2-ring": (["--parallel.dp_shard=1", "--parallel.pp=2", "--parallel.tp=2",
                           '--parallel.cp_attention="ring"'], 8),
     # each chunk's attention is itself checkpointed on CPU: [Note: the causal mask off the fused kernels]
-    "cp2-dp_shard2-selective-ac": (['--parallel.activation_checkpoint="selective"'], 4),
+    "cp2-dp_shard2-selective-ac-chunked-loss": (['--parallel.activation_checkpoint="selective"',
+                                                 "--train.loss_chunks=3"], 4),
     # K/V passed around the ring instead of gathered ([Note: ring attention], tests/test_ring_attention.py),
     # under selective checkpointing, which recomputes the ring's forward whole (its hops included)
     "cp2-dp_shard2-ring-selective-ac": (['--parallel.cp_attention="ring"',

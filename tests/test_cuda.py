@@ -52,7 +52,7 @@ from meshpar.parallel import activation_checkpoint as aclib
 from meshpar.runtime.process import init_process_group, rank_info
 from meshpar.training import loop as looplib
 from meshpar.training import step as steplib
-from meshpar.training.step import cross_entropy
+from meshpar.training.loss import cross_entropy
 from tests.distributed import CaseSet
 from tests.fsdp_models import gather_params, shard_units
 from tests.helpers import CpRank, build_model, load_recipe, train_losses

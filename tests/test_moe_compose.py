@@ -26,10 +26,13 @@ STEPS = ["--train.steps=3", "--train.micro_batch=1", "--model.n_layers=4"]  # sp
 AUX_FREE = ("--model.aux_free_bias=true", "--model.bias_update_rate=0.05")
 LAYOUTS = {  # name: (overrides, world size[, model overrides shared with the reference])
     "pp2-ep2": (["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
-    "pp2-ep2-aux-free": (["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4, AUX_FREE),
+    # the loss in 3 chunks (meshpar/training/loss.py) on the last stage, the auxiliary loss joined to h
+    "pp2-ep2-aux-free-chunked-loss": (["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2",
+                                       "--train.loss_chunks=3"], 4, AUX_FREE),
     "replicate2-ep2": (["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
     "tp2-dp_shard2": (["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=1"], 4),
-    "tp2-ep2": (["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
+    "tp2-ep2-chunked-loss": (["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=2",
+                              "--train.loss_chunks=3"], 4),
     "cp2-ep2": (["--parallel.cp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
     "cp2-tp2-ep2": (["--parallel.cp=2", "--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 8),
     # the experts a unit inside each block, gathered over the 2 ranks ep leaves: [Note: units inside a unit]
@@ -38,7 +41,7 @@ LAYOUTS = {  # name: (overrides, world size[, model overrides shared with the re
 }
 
 
-RESUMED = {"pp2-ep2", "tp2-ep2"}  # layouts whose step-2 checkpoint is also resumed on one rank
+RESUMED = {"pp2-ep2", "tp2-ep2-chunked-loss"}  # layouts whose step-2 checkpoint is also resumed on one rank
 
 
 @pytest.fixture(scope="module")

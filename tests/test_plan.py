@@ -203,8 +203,9 @@ def test_profile_without_links_uses_named_defaults(tmp_path):
     assert "links.intra_node_gbps" in note and "defaults" in note
 
 
-# Both layouts are 4-rank: one spawned job measures them in turn.
-CALIBRATED = ["dp_shard 2 x tp 2, full AC, bf16", "pp 2 x dp_shard 2, 1f1b"]
+# The layouts are 4-rank: one spawned job measures them in turn.
+CALIBRATED = ["dp_shard 2 x tp 2, full AC, bf16", "pp 2 x dp_shard 2, 1f1b",
+              "pp 2 x dp_shard 2, 1f1b, loss in 4 chunks"]
 MEASURED = CaseSet({layout: (functools.partial(calibrate_plan.measure_rank,
                                                calibrate_plan.BASE + calibrate_plan.LAYOUTS[layout][1], 2),
                              calibrate_plan.LAYOUTS[layout][0]) for layout in CALIBRATED}, timeout=300)
@@ -213,7 +214,7 @@ MEASURED = CaseSet({layout: (functools.partial(calibrate_plan.measure_rank,
 @pytest.mark.parametrize("layout", CALIBRATED)
 def test_planned_peak_is_a_real_steps(layout):
     """The planned peak per stage against AllocationTracker's in a real training step on gloo
-    (tests/benchmarks/calibrate_plan.py runs all twelve layouts)."""
+    (tests/benchmarks/calibrate_plan.py runs all of them)."""
     world, extra = calibrate_plan.LAYOUTS[layout]
     overrides = calibrate_plan.BASE + extra
     measured: dict[int, int] = {}

@@ -81,7 +81,7 @@ BAD_FILES = [
      r"checkpoint, profile, metrics, fault$"),
     ("unknown-key-train", "[train]\nstpes = 3\n",
      r"unknown key in \[train\] 'stpes' \(did you mean 'steps'\?\); allowed: steps, output_dir, .*device, "
-     r"on_nonfinite, max_skips$"),
+     r"on_nonfinite, max_skips, loss_chunks$"),
     ("unknown-key-no-hint", "[train]\nzzz = 3\n", r"unknown key in \[train\] 'zzz'; allowed: steps, "),
     ("unknown-key-model", '[model]\nfamilly = "llama"\n',
      r"unknown key in \[model\] 'familly' \(did you mean 'family'\?\); allowed: family, size, "),

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.parallelize import llama_tp_plan
 from meshpar.parallel.tensor_parallel.plan import apply_tp, loss_parallel_context
-from meshpar.training.step import cross_entropy
+from meshpar.training.loss import cross_entropy
 from tests.distributed import run_distributed
 
 ARGS = dataclasses.replace(LLAMA_SIZES["debug"], n_layers=2)

@@ -153,6 +153,11 @@ class TrainConfig:
                                "skip (no optimizer step; counted in metrics.jsonl as skipped_steps).",
                                choices=("stop", "skip"))
     max_skips: int = option(3, "on_nonfinite = skip: stop after this many consecutive skipped steps.", ge=1)
+    loss_chunks: int = option(1, "Compute the output projection and the loss this many chunks of tokens at a time, "
+                                 "so no [tokens, vocabulary] logits tensor lives across the loss (each chunk's "
+                                 "logits are recomputed in backward: one more forward of the output layer). 1: the "
+                                 "whole microbatch at once; 0: chunks sized from the vocabulary and the tokens.",
+                              ge=0)
 
 
 @dataclass(frozen=True)

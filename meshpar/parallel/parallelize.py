@@ -35,12 +35,14 @@ from meshpar.parallel.tensor_parallel.plan import TPPlan, apply_tp
 from meshpar.parallel.wrap import wrap_forward
 
 
-def mixed_precision(cfg: ParallelConfig, *, root: bool) -> MixedPrecisionPolicy:
-    """The recipe's dtypes; only the root casts its output (logits) back to fp32 for the loss."""
+def mixed_precision(cfg: ParallelConfig, *, logits_out: bool) -> MixedPrecisionPolicy:
+    """The recipe's dtypes; only a unit whose output is logits (the root's, unless the loss applies the
+    head) casts it back to fp32 for the loss."""
     param, reduce = getattr(torch, cfg.param_dtype), getattr(torch, cfg.reduce_dtype)
     if param == torch.float32 and reduce == torch.float32:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=torch.float32 if root else None)
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce,
+                                output_dtype=torch.float32 if logits_out else None)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -73,7 +75,7 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
     reshard = cfg.reshard_after_forward and layout.pp == 1
     # microbatches without sync sum their gradients in the compute dtype (None, without mixed
     # precision: the parameters' own): [Note: accumulating in reduce_dtype] (meshpar/fsdp/reduce.py)
-    block_mp = mixed_precision(cfg, root=False)
+    block_mp = mixed_precision(cfg, logits_out=False)
     extras = dict(shard_threshold=cfg.shard_threshold, accumulate_dtype=block_mp.param_dtype)
     for block in model.layers.values():
         moe = getattr(block, "moe", None)
@@ -92,8 +94,9 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
                 moe.set_gradient_divide_factor(layout.dp * layout.cp)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **extras)
     # the root keeps its parameters after forward (None), backward needs them first
+    logits_out = not getattr(model, "head_in_loss", False)  # else h[B, T, D], for the head in the loss
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False,
-                mp_policy=mixed_precision(cfg, root=True), **extras)
+                mp_policy=mixed_precision(cfg, logits_out=logits_out), **extras)
 
 
 def one_device_fsdp(layout) -> bool:
@@ -145,11 +148,13 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
 
 
 def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: ParallelConfig,
-          device: torch.device, seed: int, *, float8: str = "none",
-          float8_emulate: bool = False) -> list[tuple[int, nn.Module]]:
+          device: torch.device, seed: int, *, float8: str = "none", float8_emulate: bool = False,
+          head_in_loss: bool = False) -> list[tuple[int, nn.Module]]:
     """This rank's stages of the model, parallelized and initialized: ``[(stage index, module)]``.
     ``tp_plan``: the family's plan table, ``family.tp_plan``. ``float8``: ``model.float8``, its
-    linear layers converted first (meshpar/parallel/float8.py).
+    linear layers converted first (meshpar/parallel/float8.py). ``head_in_loss``: the stage holding the
+    output projection returns hidden states and the loss applies it (``train.loss_chunks``,
+    meshpar/training/loss.py).
 
     Every stage is initialized from the same base seed, so by meshpar.models.init's layout-independent
     initialization each holds exactly the values of the same layers of the whole model.
@@ -165,6 +170,7 @@ def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: Pa
         stages = [(0, whole)]
     built = []
     for index, stage in stages:
+        stage.head_in_loss = head_in_loss and stage.head is not None
         if float8 != "none":  # before any parallel dim wraps the linears
             apply_float8(stage, float8, emulate=float8_emulate, fsdp_all_gather=float8_all_gather(float8, layout))
         # still on meta: shards only from here on

@@ -25,13 +25,15 @@ import torch
 from meshpar.config.hardware import HardwareProfile
 from meshpar.config.recipe import Recipe
 from meshpar.distributed.mesh import DIMS, Layout
+from meshpar.training.loss import layout_chunks
 
 # [Note: the time model]
 # A step is the slowest pipeline stage's (compute + critical communication) per microbatch times
 # the n + p - 1 slots of n microbatches on p stages, plus the data-parallel communication compute
 # does not hide, the step's first all-gather and last reduce-scatter, and the optimizer step.
 # Compute: the stage's model FLOPs (``flops_per_token``: 6 per weight plus attention), one more
-# forward per checkpointed block under "full" (selective keeps matmul and attention outputs), over
+# forward per checkpointed block under "full" (selective keeps matmul and attention outputs), one more
+# forward of the output projection when the loss runs in chunks (meshpar/training/loss.py), over
 # tp and cp (the balanced split gives each cp rank 1/cp of the causal attention exactly), at
 # ``efficiency`` x the dense peak. Critical: tp, pp, ep and cp transfers (a matmul, stage, expert
 # or attention waits for them; the ring's hops: [Note: the ring's overlap]). Hidden: FSDP and
@@ -175,13 +177,14 @@ def _link(dim: str, layout: Layout, gpus_per_node: int, profile: HardwareProfile
 
 
 def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: int, seq_len: int, *,
-                           ring: bool = False, ring_slowdown: float = 1.0,
-                           float8: str = "none") -> tuple[float, float, float]:
+                           ring: bool = False, ring_slowdown: float = 1.0, float8: str = "none",
+                           head_recomputed: bool = False) -> tuple[float, float, float]:
     """(model FLOPs, executed FLOPs, of those in float8) per token of one pipeline stage: [Note: the time
     model]. ``ring``: cp's attention is the ring, whose forward selective checkpointing recomputes
     ([Note: the ring's overlap]), and whose every attention FLOP costs ``ring_slowdown`` of the gather's
     (as executed FLOPs at the common rate: ``RING_ATTENTION_SLOWDOWN``). ``float8``: ``model.float8``
-    ([Note: float8 in the time model])."""
+    ([Note: float8 in the time model]). ``head_recomputed``: the loss runs in chunks, recomputing the output
+    projection's forward in backward ([Note: chunked cross-entropy] in meshpar/training/loss.py)."""
     vocab_matmul = args.vocab_size * args.dim
     per_block_weights = (args.matmul_params() - vocab_matmul) / args.n_layers
     per_block_attention = (args.flops_per_token(seq_len) - 6.0 * args.matmul_params()) / args.n_layers
@@ -190,6 +193,8 @@ def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: i
     checkpointed = sum(1 for i in layers if i % ac_every == 0)
     recomputed = {"full": per_block, "selective": per_block_attention if ring else 0.0}.get(ac, 0.0)
     executed = model + checkpointed * recomputed / 3  # a forward is a third of forward + backward
+    if last and head_recomputed:
+        executed += 2.0 * vocab_matmul
     if ring:  # its attention, the recomputed forward included, at 1 / ring_slowdown of the common rate
         again = checkpointed / 3 if ac in ("full", "selective") else 0.0
         executed += (ring_slowdown - 1.0) * per_block_attention * (len(layers) + again)
@@ -283,10 +288,12 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
     stages = []  # (compute s, critical comm s, DimComms) per stage; the step is set by the largest sum
     float8 = recipe.model.float8
     peak8 = float8_rate(profile, float8) if float8 != "none" else peak
+    chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, args.vocab_size, layout, p.loss_parallel)
     for r in ranks:
         _, executed, in_float8 = _stage_flops_per_token(args, r.layers, r.stage == layout.pp - 1,
                                                         p.activation_checkpoint, p.ac_every, t.seq_len, ring=ring,
-                                                        ring_slowdown=slowdown, float8=float8)
+                                                        ring_slowdown=slowdown, float8=float8,
+                                                        head_recomputed=chunks > 1)
         compute = ((executed - in_float8) / peak + in_float8 / peak8) * tokens / layout.tp / efficiency
         comms = _stage_comms(r, recipe, layout, args, accum, gpn, profile,
                              float8_gathered_share(args, sum(x.n_params for x in ranks)) if float8 != "none" else 0)

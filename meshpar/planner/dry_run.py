@@ -43,6 +43,7 @@ from meshpar.parallel.wrap import wrappers
 from meshpar.planner import extrapolate
 from meshpar.planner.cost import LinkDefaults, StepTime, step_time
 from meshpar.planner.simulate import Measured, schedule_actions, simulate
+from meshpar.training.loss import layout_chunks
 from meshpar.training.preflight import check_layout
 
 PLANNED_SCHEDULES = ("1f1b", "gpipe")
@@ -239,6 +240,9 @@ def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe,
         layers = [layers[j] for j in keep]
     stage = split_model(whole, index, layout.pp, layers)  # a copy: ``whole`` is shared
     cfg = dataclasses.replace(p, compile=False)  # compiled or not, eager memory is what is planned
+    t = recipe.train  # the loss in chunks: as meshpar.parallel.parallelize.build defers the head
+    chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, args.vocab_size, layout, p.loss_parallel)
+    stage.head_in_loss = chunks > 1 and stage.head is not None
     return [(index, parallelize_transformer(stage, mesh, cfg, family.tp_plan))]
 
 

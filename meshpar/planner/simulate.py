@@ -45,7 +45,8 @@ from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.parallel.pipeline import Stage
 from meshpar.planner.moe import balance_routing
 from meshpar.profiling.memory import AllocationTracker
-from meshpar.training.step import GradSync, Microbatch, Model, cross_entropy, train_step
+from meshpar.training.loss import TokenLoss, last_head, layout_chunks
+from meshpar.training.step import GradSync, Microbatch, Model, train_step
 
 # [Note: what the simulation leaves to arithmetic]
 # - The optimizer step is not run: under FakeTensorMode fused AdamW decomposes into ops that
@@ -281,9 +282,9 @@ class _OneAtATime:
     does), ``grads``: the gradients the next stage sends back."""
 
     def __init__(self, stage: Stage, accum: int, received: list[torch.Tensor], grads: list[torch.Tensor],
-                 phase: Callable[..., contextlib.AbstractContextManager]) -> None:
+                 phase: Callable[..., contextlib.AbstractContextManager], loss: TokenLoss) -> None:
         self.stage, self.accum, self.received, self.grads, self.phase = stage, accum, received, grads, phase
-        self.stages = [stage]
+        self.stages, self.loss = [stage], loss
 
     def step_microbatches(self, microbatches: Sequence[Microbatch]) -> None:
         pipe, n = self.stage, len(microbatches)
@@ -292,7 +293,7 @@ class _OneAtATime:
             with self.phase("forward", i):
                 with pipe.scheduled():  # [Note: forwards outside the schedule]
                     out = pipe.submod(inputs)
-                loss = cross_entropy(out, targets) / self.accum if pipe.is_last else None
+                loss = self.loss(out, targets) / self.accum if pipe.is_last else None
             with self.phase("backward", i):
                 kwargs = {"stage_output": loss if pipe.is_last else (out,),
                           "output_grads": None if pipe.is_last else (self.grads[i],),
@@ -338,7 +339,9 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
         received = [torch.empty(t.micro_batch, seq, dim, requires_grad=True) for _ in range(n_run)]
         grads = [torch.empty(t.micro_batch, seq, dim) for _ in range(n_run)]
         microbatches = [(tokens, tokens)] * n_run
-        model = Model(torch.nn.ModuleList([stage]), None, layout.tp > 1 and p.loss_parallel)
+        chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, stage.args.vocab_size, layout, p.loss_parallel)
+        loss = TokenLoss(last_head([stage]), chunks)
+        model = Model(torch.nn.ModuleList([stage]), None, layout.tp > 1 and p.loss_parallel, loss=loss)
         pipe = None
         if layout.pp > 1:
             pipe = Stage(stage, index, layout.pp, device, mesh["pp"].get_group(), p.grad_reduce == "microbatch")
@@ -346,7 +349,7 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
         with _Tracker(stage, groups=_groups(mesh)) as tracker, _label_blocks(stage, tracker):
             phase = _priced(tracker, phases)
             if pipe is not None:
-                model.pipeline = _OneAtATime(pipe, accum, received, grads, phase)
+                model.pipeline = _OneAtATime(pipe, accum, received, grads, phase, loss)
             train_step(model, lambda: microbatches, accum, sync, device, phase=phase)
     return measured(phases, n_run, accum)
 

@@ -71,11 +71,16 @@ class AllocationTracker(MemTracker):
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         # MemTracker keeps per-module statistics for one forward of the outermost module and
         # refuses a second (gradient accumulation, several steps); the totals this class
-        # reports do not depend on them, so start them afresh instead.
+        # reports do not depend on them, so start them afresh instead: all of them for the
+        # outermost module, only its own for a submodule called on its own again (a chunked
+        # loss's head, once per chunk).
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
+                if "." in name:
+                    del self.memory_tracking[module]
+                else:
+                    self.reset_mod_stats()
         super()._pre_fw_hook(module, inputs)
 
     # --- categories ---------------------------------------------------------------------------------

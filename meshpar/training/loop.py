@@ -45,6 +45,7 @@ from meshpar.profiling.capture import StepProfiler, label
 from meshpar.runtime.fault import EXIT_PREEMPTED, StopSignals
 from meshpar.runtime.process import RankInfo
 from meshpar.runtime.progress import Progress, print_line
+from meshpar.training.loss import TokenLoss, last_head, layout_chunks, plain
 from meshpar.training.metrics import MetricsLogger, expert_load_fields, peak_memory_gb
 from meshpar.training.nonfinite import NonFiniteGuard
 from meshpar.training.optim import build_lr_schedule, build_optimizer
@@ -53,9 +54,7 @@ from meshpar.training.step import (
     GradSync,
     Model,
     StepResult,
-    cross_entropy,
     model_sparse_layers,
-    plain,
     train_step,
 )
 
@@ -259,7 +258,7 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
                 n += 1
                 continue
             for inputs, targets in microbatches:
-                total += plain(cross_entropy(model.stages[0](inputs.to(device)), targets.to(device)))
+                total += plain(model.loss(model.stages[0](inputs.to(device)), targets.to(device)))
                 n += 1
     model.stages.train()
     total /= n
@@ -287,19 +286,22 @@ def _announce(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: to
 def _build_model(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: torch.device) -> Model:
     """This rank's stages, parallelized and initialized, and the pipeline schedule that runs them.
     Layout-independent values (meshpar.models.init): every layout starts from the same model."""
-    p, m = recipe.parallel, recipe.model
-    stages = build(checked.family.model_cls, checked.args, checked.family.tp_plan, mesh, p, device, recipe.train.seed,
-                   float8=m.float8, float8_emulate=m.float8_emulate)
+    p, m, t = recipe.parallel, recipe.model, recipe.train
+    chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, checked.args.vocab_size, mesh.layout,
+                           p.loss_parallel)
+    stages = build(checked.family.model_cls, checked.args, checked.family.tp_plan, mesh, p, device, t.seed,
+                   float8=m.float8, float8_emulate=m.float8_emulate, head_in_loss=chunks > 1)
+    loss = TokenLoss(last_head(m for _, m in stages), chunks)
     pipeline = None
     if mesh.layout.pp > 1:
         pipeline = build_schedule(stages, mesh.layout.pp * p.pp_virtual_stages, mesh["pp"], device, p.pp_schedule,
-                                  checked.accum, cross_entropy, reduce_every_microbatch=p.grad_reduce == "microbatch")
+                                  checked.accum, loss, reduce_every_microbatch=p.grad_reduce == "microbatch")
     modules = torch.nn.ModuleList(m for _, m in stages)
     after_step = None
     if float8lib.float8_all_gather(m.float8, mesh.layout):
         after_step = functools.partial(float8lib.precompute_scales, modules)
     around_step = functools.partial(float8lib.around_step, m.float8, mesh["tp"] if mesh.layout.tp > 1 else None)
-    return Model(modules, pipeline, mesh.layout.tp > 1 and p.loss_parallel, after_step, around_step)
+    return Model(modules, pipeline, mesh.layout.tp > 1 and p.loss_parallel, after_step, around_step, loss)
 
 
 def _float8_line(recipe: Recipe, model: Model, mesh: meshlib.Mesh) -> str:

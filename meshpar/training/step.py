@@ -37,9 +37,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from meshpar.config.recipe import OptimConfig, ParallelConfig
 from meshpar.distributed import comm
@@ -50,7 +48,7 @@ from meshpar.parallel.context_parallel.apply import shard_sequence
 from meshpar.parallel.data_parallel import all_reduce_gradients
 from meshpar.parallel.tensor_parallel.plan import loss_parallel_context, reduce_partial_grads
 from meshpar.profiling.capture import label
-from meshpar.profiling.labels import run_labelled
+from meshpar.training.loss import TokenLoss, plain
 from meshpar.training.nonfinite import NonFiniteGuard
 
 # [Note: losses do not depend on the layout]
@@ -97,23 +95,6 @@ from meshpar.training.nonfinite import NonFiniteGuard
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [micro_batch, seq_len]
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # logits[B, T, V] targets[B, T] -> mean over B*T tokens, computed in fp32 (fp64 logits, a float64
-    # model's, stay fp64); with loss parallel logits are a DTensor sharded on V and the loss is
-    # computed on the shards
-    def loss(x: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(x.flatten(0, 1).to(torch.promote_types(x.dtype, torch.float32)), targets.flatten())
-
-    if isinstance(logits, DTensor):  # its all-reduces (max, sum) run on the tp mesh
-        return run_labelled("tp.loss_parallel", "cross_entropy", loss, logits)
-    return loss(logits)
-
-
-def plain(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor (under loss parallel it is a replicated DTensor scalar)."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-
 class Schedule(Protocol):
     """What a step needs of a pipeline: ``meshpar.parallel.pipeline.Pipeline`` (or the planner's stand-in)."""
 
@@ -133,6 +114,8 @@ class Model:
     after_step: Callable[[], None] | None = None
     # what forward and backward run under (float8 all-gathers over gloo: parallel/float8.py ``around_step``)
     around_step: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    # a microbatch's mean loss from the last stage's output (whole logits, or chunk by chunk: training/loss.py)
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = TokenLoss()
 
     def state_dict(self) -> dict[str, Any]:
         """Parameter names of the whole model: stages hold disjoint blocks under their global names."""
@@ -216,8 +199,8 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
                         aux = getattr(stage, "aux_loss", None)  # [Note: auxiliary losses]
                         if aux is not None:  # its backward joins the loss's (logits may be DTensors)
                             out = _JoinAux.apply(out, aux, 1.0 / accum)
-                        loss = cross_entropy(out, targets) / accum
-                        del out  # the logits: backward needs the loss's saved tensors only
+                        loss = model.loss(out, targets) / accum
+                        del out  # the logits (or h): backward needs the loss's saved tensors only
                     with phase("backward", i):
                         loss.backward()
                     loss_sum += plain(loss.detach())

@@ -31,9 +31,10 @@ from meshpar.parallel.pipeline import build_schedule
 from meshpar.planner import plan
 from meshpar.planner.cli import load_hardware
 from meshpar.profiling.memory import AllocationTracker
+from meshpar.training.loss import TokenLoss, last_head, layout_chunks
 from meshpar.training.optim import build_optimizer
 from meshpar.training.preflight import _check_batch
-from meshpar.training.step import GradSync, Model, cross_entropy, train_step
+from meshpar.training.step import GradSync, Model, train_step
 from tests.distributed import run_distributed
 
 BASE = ["--model.size=debug", "--model.vocab_size=8192", "--train.seq_len=256", "--metrics.hardware=cpu",
@@ -64,6 +65,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
                                     "--train.micro_batch=2"]),
     "pp 2 x dp_shard 2 x tp 2": (8, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2",
                                      "--train.global_batch=16", "--train.micro_batch=2"]),
+    "pp 2 x dp_shard 2, 1f1b, loss in 4 chunks": (4, ["--parallel.pp=2", "--parallel.dp_shard=2",
+                                                      "--train.global_batch=16", "--train.micro_batch=2",
+                                                      "--train.loss_chunks=4"]),
     "pp 2 x dp_shard 2, reduce every microbatch": (4, ["--parallel.pp=2", "--parallel.dp_shard=2",
                                                        "--train.global_batch=16", "--train.micro_batch=2",
                                                        '--parallel.grad_reduce="microbatch"']),
@@ -115,12 +119,14 @@ def build_training(recipe: recipelib.Recipe) -> Training:
     args = family.model_args(recipe.model)
     mesh = meshlib.build(layout, "cpu")
     device = torch.device("cpu")
-    stages = build(family.model_cls, args, family.tp_plan, mesh, p, device, t.seed)
+    chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, args.vocab_size, layout, p.loss_parallel)
+    stages = build(family.model_cls, args, family.tp_plan, mesh, p, device, t.seed, head_in_loss=chunks > 1)
+    loss = TokenLoss(last_head(m for _, m in stages), chunks)
     pipeline = None
     if layout.pp > 1:
-        pipeline = build_schedule(stages, layout.pp, mesh["pp"], device, p.pp_schedule, accum, cross_entropy,
+        pipeline = build_schedule(stages, layout.pp, mesh["pp"], device, p.pp_schedule, accum, loss,
                                   reduce_every_microbatch=p.grad_reduce == "microbatch")
-    model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, layout.tp > 1 and p.loss_parallel)
+    model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, layout.tp > 1 and p.loss_parallel, loss=loss)
     loader = _RandomBatches(accum, t.micro_batch, t.seq_len, args.vocab_size)
     return Training(layout, accum, args, mesh, pipeline, model, build_optimizer(model.stages, recipe.optim), loader,
                     GradSync.of(mesh, p, recipe.optim), device)

@@ -142,7 +142,9 @@ class GPT2(nn.Module):
 
     Passthrough for pipeline stages: with ``wte`` None the input is hidden states
     [B, T, D] (and ``wpe`` is not used either); with ``ln_f`` None it is skipped; with
-    ``lm_head`` None hidden states are returned.
+    ``lm_head`` None hidden states are returned. ``head_in_loss``: when True, a forward that records
+    gradients stops after ``ln_f`` and returns h[B, T, D], and the loss applies ``head`` chunk by chunk
+    (meshpar/training/loss.py); a no-grad forward (validation) still returns logits.
 
     Init (``init_weights``): normal std 0.02 for embeddings and weights, the residual
     projections (``c_proj``) 0.02 / sqrt(2 * n_layers), biases zero, LayerNorm ones/zeros.
@@ -159,7 +161,13 @@ class GPT2(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.head_in_loss = False
         self.tie_weights()
+
+    @property
+    def head(self) -> nn.Linear | None:
+        """The output projection (None on a pipeline stage without it)."""
+        return self.lm_head
 
     def tie_weights(self) -> None:
         """Make lm_head.weight wte's Parameter when both are present."""
@@ -203,4 +211,6 @@ class GPT2(nn.Module):
             h = layer(h, mask)
         if self.ln_f is not None:
             h = self.ln_f(h)
-        return h if self.lm_head is None else self.lm_head(h)  # h[B, T, D] @ lm_head[D, V] -> logits[B, T, V]
+        if self.lm_head is None or (self.head_in_loss and torch.is_grad_enabled()):
+            return h
+        return self.lm_head(h)  # h[B, T, D] @ lm_head[D, V] -> logits[B, T, V]

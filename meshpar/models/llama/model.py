@@ -190,7 +190,9 @@ class Transformer(nn.Module):
 
     Slots where parallelism enters: ``positions`` (where this forward's tokens sit in their
     sequences and documents: a ``SequencePositions`` unless context parallelism filled it), and
-    each block's ``attention.inner_attention``.
+    each block's ``attention.inner_attention``. ``head_in_loss``: when True, a forward that records
+    gradients stops after the final norm and returns h[B, T, D], and the loss applies ``head`` chunk by
+    chunk (meshpar/training/loss.py); a no-grad forward (validation) still returns logits.
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -206,8 +208,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, half), persistent=False)
         # a plain object, not a child module: pipeline stages and checkpoint keys see only the children
         self.positions: SequencePositions = SequencePositions()
+        self.head_in_loss = False
         self.tie_weights()
         self._init_rope()
+
+    @property
+    def head(self) -> nn.Linear | None:
+        """The output projection (None on a pipeline stage without it)."""
+        return self.output
 
     def tie_weights(self) -> None:
         """Make output.weight the embedding's Parameter when tied and both are present."""
@@ -260,4 +268,6 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
-        return h if self.output is None else self.output(h)  # h[B, T, D] @ output[D, V] -> logits[B, T, V]
+        if self.output is None or (self.head_in_loss and torch.is_grad_enabled()):
+            return h
+        return self.output(h)  # h[B, T, D] @ output[D, V] -> logits[B, T, V]
