@@ -3,6 +3,7 @@ import os
 import pytest
 
 from tests import tiers
+from tests.distributed import select_cases
 
 # Tests run on 2 cores next to other ranks: one thread per process keeps timings sane.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -33,6 +34,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.multirank)
         if item.path.name.startswith("test_bench_"):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Each spawned CaseSet job runs only the cases the selected tests check (tests/distributed.py)."""
+    select_cases(session.items)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -221,6 +221,10 @@ class CaseSet:
     this object, so the rest of the session's tests read them without another spawn. Cases
     may be closures or partials: the spawned ranks find this object by importing the module
     that created it and looking it up by name, so it must be a module-level global.
+
+    A job runs only the cases the session's selected tests check, when conftest.py could read
+    them (``select_cases``: one test run alone spawns one case, not its whole world's); a case
+    checked that was not foreseen runs in one more job, with the world's other unrun ones.
     """
 
     def __init__(self, cases: dict[str, tuple[Callable, int | tuple[int, ...]]] | None = None, *,
@@ -230,6 +234,7 @@ class CaseSet:
         self.module = sys._getframe(1).f_globals["__name__"]  # where the ranks look this set up
         self._cases: dict[str, tuple[Callable, tuple[int, ...]]] = {}
         self._outcomes: dict[int, list[dict[str, tuple[bool, Any]]] | AssertionError] = {}
+        self.wanted: set[str] | None = None  # the cases the selected tests check (select_cases); None: all
         self.spawned: list[int] = []  # the world size of each job started, in order
         for name, (fn, worlds) in (cases or {}).items():
             self.add(name, fn, worlds)
@@ -261,7 +266,7 @@ class CaseSet:
 
         if world not in self.worlds(name):
             raise ValueError(f"case {name!r} is not registered at {world} ranks, only {self.worlds(name)}")
-        outcomes = self._job(world)
+        outcomes = self._job(world, name)
         if isinstance(outcomes, AssertionError):
             pytest.fail(f"{name} at {world} ranks: the job failed\n{outcomes}", pytrace=False)
         failures = [f"--- rank {r}:\n{out[name][1]}" for r, out in enumerate(outcomes) if not out[name][0]]
@@ -269,20 +274,26 @@ class CaseSet:
             pytest.fail(f"{name} at {world} ranks:\n" + "\n".join(failures), pytrace=False)
         return [out[name][1] for out in outcomes]
 
-    def _job(self, world: int) -> list[dict[str, tuple[bool, Any]]] | AssertionError:
-        if world not in self._outcomes:
-            self.spawned.append(world)
-            tmp = tempfile.mkdtemp(prefix=f"meshpar-cases{world}-")
-            try:
-                self._outcomes[world] = run_distributed(_run_cases, world, self.module, self._attr(), tmp,
-                                                        timeout=self.timeout)
-            except AssertionError as e:  # a hang or a crash: every case of this world fails with it
-                self._outcomes[world] = e
-            except BaseException as e:  # pytest-timeout's, or ^C: the rest of this world's cases fail at
-                self._outcomes[world] = AssertionError(f"the job was interrupted: {e!r}")  # once, unspawned
-                raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+    def _job(self, world: int, name: str) -> list[dict[str, tuple[bool, Any]]] | AssertionError:
+        done = self._outcomes.get(world)
+        if isinstance(done, AssertionError) or (done is not None and name in done[0]):
+            return done
+        ran = set(done[0]) if done is not None else set()
+        every = self.wanted is None or name not in self.wanted  # an unforeseen case: the selection missed some
+        names = [n for n in self.names(world) if n not in ran and (every or n in self.wanted)]
+        self.spawned.append(world)
+        tmp = tempfile.mkdtemp(prefix=f"meshpar-cases{world}-")
+        try:
+            outcomes = run_distributed(_run_cases, world, self.module, self._attr(), tmp, names, timeout=self.timeout)
+            self._outcomes[world] = outcomes if done is None else [
+                {**before, **after} for before, after in zip(done, outcomes, strict=True)]
+        except AssertionError as e:  # a hang or a crash: every case of this world fails with it
+            self._outcomes[world] = e
+        except BaseException as e:  # pytest-timeout's, or ^C: the rest of this world's cases fail at
+            self._outcomes[world] = AssertionError(f"the job was interrupted: {e!r}")  # once, unspawned
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return self._outcomes[world]
 
     def _attr(self) -> str:
@@ -292,22 +303,60 @@ class CaseSet:
         return names[0]
 
 
-def _run_cases(module: str, attr: str, tmp: str) -> dict[str, tuple[bool, Any]]:
-    """On one rank: every case of this world size, each ``(True, its return value)`` or
+def select_cases(items: list[Any]) -> None:
+    """Before the session's tests run (conftest.py): each ``CaseSet`` a selected test calls ``check`` on
+    directly gets the cases they name (a string, or the test's parameter the name is passed from) as
+    ``wanted``. A set whose checks cannot be read this way (a name computed in the test, a check made
+    in a helper) keeps None: its jobs run every case of their world."""
+    import ast
+    import inspect
+    import textwrap
+
+    wanted: dict[int, tuple[CaseSet, set[str] | None]] = {}
+    for item in items:
+        fn = getattr(item, "function", None)
+        if fn is None:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "check"
+                    and isinstance(node.func.value, ast.Name) and node.args):
+                continue
+            cases = fn.__globals__.get(node.func.value.id)
+            if not isinstance(cases, CaseSet):
+                continue
+            _, names = wanted.setdefault(id(cases), (cases, set()))
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                name = first.value
+            elif isinstance(first, ast.Name) and isinstance(params.get(first.id), str):
+                name = params[first.id]
+            else:
+                wanted[id(cases)] = (cases, None)
+                continue
+            if names is not None:
+                names.add(name)
+    for cases, names in wanted.values():
+        cases.wanted = names
+
+
+def _run_cases(module: str, attr: str, tmp: str, names: list[str]) -> dict[str, tuple[bool, Any]]:
+    """On one rank: the cases ``names`` (of this world size), each ``(True, its return value)`` or
     ``(False, its traceback)``; a failed ``setup`` fails every case with its traceback."""
     import importlib
 
-    import torch.distributed as dist
-
     cases: CaseSet = getattr(importlib.import_module(module), attr)
-    world = dist.get_world_size()
     outcomes: dict[str, tuple[bool, Any]] = {}
     try:
         arg = (cases.setup(Path(tmp)),) if cases.setup is not None else ()
     except Exception:  # noqa: BLE001 - reported by every test of this world size
         error = traceback.format_exc()
-        return {name: (False, f"setup failed:\n{error}") for name in cases.names(world)}
-    for name in cases.names(world):
+        return {name: (False, f"setup failed:\n{error}") for name in names}
+    for name in names:
         try:
             outcomes[name] = (True, cases._cases[name][0](*arg))
         except Exception:  # noqa: BLE001 - reported by the test that owns the case

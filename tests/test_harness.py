@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import CaseSet, run_distributed
+from tests.distributed import CaseSet, run_distributed, select_cases
 
 
 def _sum_ranks() -> int:
@@ -108,3 +108,46 @@ def test_cases_at_two_world_sizes_spawn_two_jobs():
     assert sorted(CASES.spawned) == [1, 2]
     with pytest.raises(ValueError, match="not registered at 4 ranks"):
         CASES.check("sum", 4)
+
+
+SELECTED = CaseSet({"first": (_case_sum, 2), "second": (_case_sum, 2), "third": (_case_sum, 2)},
+                   setup=_setup, timeout=120)
+
+
+def test_a_job_runs_the_wanted_cases_and_an_unforeseen_one_runs_in_another():
+    SELECTED.wanted = {"first"}  # as select_cases leaves it when the session's tests check only "first"
+    assert SELECTED.check("first", 2) == [(0, 3), (1, 3)]
+    assert SELECTED.spawned == [2]
+    assert SELECTED.check("third", 2) == [(0, 3), (1, 3)]  # not foreseen: one more job, with "second"
+    assert SELECTED.check("second", 2) == [(0, 3), (1, 3)]
+    assert SELECTED.spawned == [2, 2]
+
+
+class _Item:
+    def __init__(self, function, **params) -> None:
+        self.function = function
+        self.callspec = type("CallSpec", (), {"params": params})()
+
+
+def _checks_first():
+    SELECTED.check("first", 2)
+
+
+def _checks_its_parameter(case):
+    SELECTED.check(case, 2)
+
+
+def _checks_a_computed_name():
+    for name in ("first", "second"):
+        SELECTED.check(name, 2)
+
+
+def test_select_cases_reads_the_names_the_tests_check():
+    before = SELECTED.wanted
+    try:
+        select_cases([_Item(_checks_first), _Item(_checks_its_parameter, case="third")])
+        assert SELECTED.wanted == {"first", "third"}
+        select_cases([_Item(_checks_first), _Item(_checks_a_computed_name)])
+        assert SELECTED.wanted is None  # every case: the name is not readable
+    finally:
+        SELECTED.wanted = before
