@@ -186,7 +186,7 @@ class GroupReduce:
                     if grad is None:
                         buffer.zero_rows(offset, p.padded_numel)
                     else:
-                        buffer.copy_rows(offset, p.rows_of(grad.to(reduce_dtype), self.world))
+                        buffer.copy_rows(offset, p.rows_of(grad, self.world))  # cast by the copy
                     offset += p.padded_numel
                 before = self._divide_factors()[0]
                 if before != 1:
