@@ -23,7 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from meshpar.data.prepared import builtin_text
 from meshpar.distributed import comm_record
+from meshpar.parallel.context_parallel import ulysses as ulysseslib
 from meshpar.parallel.context_parallel.apply import ATTENTIONS, apply_context_parallel, sequence_indices, shard_sequence
+from meshpar.parallel.context_parallel.ulysses import check_heads, kv_repeats
 from meshpar.train import train
 from meshpar.training.preflight import preflight
 from tests.distributed import CaseSet, run_distributed
@@ -53,12 +55,12 @@ def _case_parity(mesh) -> dict:
     return out
 
 
-def reference_model(seed: int = 0, documents: bool = False):
+def reference_model(seed: int = 0, documents: bool = False, n_kv_heads: int = 4):
     """The debug Llama (2 blocks, vocabulary 64), a batch [B, T + 1] of tokens, and its logits after
     one process's forward and backward (its parameters hold their gradients). With ``documents``
     the tokens are packed documents (DOCUMENTS) and the model's attention is document-causal."""
     ref = build_model("llama", "debug", n_layers=2, vocab_size=64, max_seq_len=T,
-                      document_eos=EOS if documents else -1)
+                      document_eos=EOS if documents else -1, n_kv_heads=n_kv_heads)
     if documents:
         tokens, _ = packed_documents(64, DOCUMENTS, seed=seed)
     else:
@@ -112,8 +114,33 @@ def _case_documents(mesh) -> dict:
     return out
 
 
-JOBS = CaseSet({"parity": (_case_parity, (2, 4)), "documents": (_case_documents, (2, 4))},
-               setup=_setup, timeout=240)
+def _case_ulysses(mesh) -> dict:
+    """Ulysses (meshpar/parallel/context_parallel/ulysses.py) against one process, balanced and
+    contiguous, with 4, 2 and 1 kv heads (at cp 4 the last two repeat kv heads: [Note: Ulysses with
+    grouped-query attention]); then with the balanced split's reorder left out (a planted bug)."""
+    out = {}
+    for kv in (4, 2, 1):
+        ref, tokens, logits = reference_model(n_kv_heads=kv)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        for balanced in (True, False):
+            local, grads, calls = run_cp(ref, inputs, targets, mesh, balanced, "ulysses")
+            idx = sequence_indices(T, mesh.size(), mesh.get_local_rank(), balanced=balanced)
+            diff = {"logits": (local - logits[:, idx]).abs().max().item()}
+            diff.update({name: ((grads[name] - q.grad).abs().max() / q.grad.abs().max()).item()
+                         for name, q in ref.named_parameters()})
+            out[kv, balanced] = {"diff": diff, "calls": calls}
+    ref, tokens, logits = reference_model()
+    order, ulysseslib._sequence_order = ulysseslib._sequence_order, lambda held: torch.arange(len(held))
+    try:
+        local = run_cp(ref, tokens[:, :-1], tokens[:, 1:], mesh, True, "ulysses")[0]
+    finally:
+        ulysseslib._sequence_order = order
+    out["unordered"] = (local - logits[:, sequence_indices(T, mesh.size(), mesh.get_local_rank())]).abs().max().item()
+    return out
+
+
+JOBS = CaseSet({"parity": (_case_parity, (2, 4)), "documents": (_case_documents, (2, 4)),
+                "ulysses": (_case_ulysses, (2, 4))}, setup=_setup, timeout=240)
 
 
 def test_sequence_indices_balance_the_causal_work():
@@ -156,9 +183,32 @@ def test_document_attention_under_cp_matches_one_process(world):
             assert worst <= TOL, (attention, balanced, rank, {k: v for k, v in case["diff"].items() if v > TOL})
             must_fail(lambda case=case: _close([case["causal"]], [0.0], "causal"), "documents dropped under cp")
             layers, hops = 2, world - 1
-            want = ({("all_gather", "cp"): 1 + 2 * layers, ("reduce_scatter", "cp"): 2 * layers}
-                    if attention == "allgather" else {("all_gather", "cp"): 1, ("send_recv", "cp"): 3 * layers * hops})
+            want = {"allgather": {("all_gather", "cp"): 1 + 2 * layers, ("reduce_scatter", "cp"): 2 * layers},
+                    "ring": {("all_gather", "cp"): 1, ("send_recv", "cp"): 3 * layers * hops},
+                    # q, k, v and the output each way, forward and backward
+                    "ulysses": {("all_gather", "cp"): 1, ("all_to_all", "cp"): 8 * layers}}[attention]
             assert case["calls"] == want, (attention, case["calls"])
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_matches_one_process(world):
+    """Every rank's logits and every parameter's gradient equal one process's to TOL, for every kv
+    head count and both splits; per layer four all-to-alls forward and four backward, nothing else;
+    without the reorder of the balanced split's chunks the logits are wrong."""
+    for rank, r in enumerate(JOBS.check("ulysses", world)):
+        for (kv, balanced), case in ((k, c) for k, c in r.items() if k != "unordered"):
+            worst = max(case["diff"].values())
+            assert worst <= TOL, (kv, balanced, rank, {k: v for k, v in case["diff"].items() if v > TOL})
+            assert case["calls"] == {("all_to_all", "cp"): 8 * 2}, case["calls"]
+        must_fail(lambda r=r: _close([r["unordered"]], [0.0], "unordered"), "chunks left in rank order")
+
+
+def test_ulysses_kv_repeats_and_head_checks():
+    assert [kv_repeats(8, kv, 4) for kv in (8, 4, 2, 1)] == [1, 1, 2, 4]
+    assert kv_repeats(32, 8, 16) == 2  # Llama 3 70B's heads over cp 16: each kv head twice
+    assert check_heads(32, 8, 4, 8) is None
+    assert "use cp in [2]" in check_heads(8, 4, 4, 4)
 
 
 def _close(got: list[float], want: list[float], what: str) -> None:
@@ -199,6 +249,10 @@ LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
     # under selective checkpointing, which recomputes the ring's forward whole (its hops included)
     "cp2-dp_shard2-ring-selective-ac": (['--parallel.cp_attention="ring"',
                                          '--parallel.activation_checkpoint="selective"'], 4),
+    # the heads split over cp for attention (meshpar/parallel/context_parallel/ulysses.py), each tp rank's 4
+    "cp2-tp2-ulysses": (["--parallel.dp_shard=1", "--parallel.tp=2", '--parallel.cp_attention="ulysses"'], 4),
+    "pp2-cp2-ulysses-full-ac": (["--parallel.dp_shard=1", "--parallel.pp=2", '--parallel.cp_attention="ulysses"',
+                                 '--parallel.activation_checkpoint="full"'], 4),
 }
 RESUMED = {"cp2-dp_shard2"}  # its step-2 checkpoint also resumes on one rank and on cp 4
 
@@ -247,6 +301,7 @@ def test_meshpar_train_with_cp_matches_one_rank(layout, reference, tmp_path, dat
 DOC_LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
     "cp2-dp_shard2": ([], 4),
     "cp2-tp2-ring": (["--parallel.dp_shard=1", "--parallel.tp=2", '--parallel.cp_attention="ring"'], 4),
+    "cp2-dp_shard2-ulysses": (['--parallel.cp_attention="ulysses"'], 4),
 }
 
 

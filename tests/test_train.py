@@ -239,8 +239,11 @@ def test_cli_refuses_a_layout_for_the_wrong_world_size(tmp_path):
     (["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.pp_schedule=zbv", "--parallel.pp_virtual_stages=2",
       '--parallel.grad_reduce="microbatch"'], 2,
      r"parallel\.grad_reduce = 'microbatch' with parallel\.pp_schedule = 'zbv'.* use grad_reduce = 'step'"),
+    (["--parallel.cp=4", "--parallel.tp=4", "--parallel.dp_shard=1", '--parallel.cp_attention="ulysses"'], 16,
+     r"parallel\.cp_attention = 'ulysses' splits each tp rank's 2 query heads over cp = 4, which does not divide "
+     r"them; use cp in \[2\] or cp_attention = 'allgather'"),
 ], ids=["tp-heads", "tp-seq", "pp-microbatches", "pp-layers", "gpt2-tp-fsdp", "bf16-without-fsdp",
-        "zero-bubble-reduce-every-microbatch"])
+        "zero-bubble-reduce-every-microbatch", "ulysses-heads"])
 def test_layout_errors_before_launch(overrides, world, message, tmp_path, data_cache):
     """Bad N-D layouts stop in preflight (before any process group) with the key and a remedy."""
     recipe = recipelib.load(ROOT / "recipes" / "llama_debug.toml", [f"--train.output_dir={tmp_path}",

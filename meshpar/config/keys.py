@@ -87,10 +87,13 @@ class ParallelConfig:
                            valid=(lambda v: v == -1 or v >= 1, "-1 (the ranks left over) or >= 1"))
     cp: int = option(1, "Context-parallel degree (sequence split across ranks).", ge=1)
     cp_attention: str = option("allgather", "Context parallel attention: allgather (K and V gathered over cp, "
-                                            "one attention over all T keys) or ring (K/V chunks passed rank to "
+                                            "one attention over all T keys), ring (K/V chunks passed rank to "
                                             "rank, each hop beside a chunk's attention; two chunks held at a time; "
-                                            "meshpar/parallel/context_parallel/ring.py).",
-                                            choices=("allgather", "ring"))
+                                            "meshpar/parallel/context_parallel/ring.py) or ulysses (an all-to-all "
+                                            "splits the heads over cp for one whole-sequence attention per rank; "
+                                            "the query heads per tp rank must divide by cp; "
+                                            "meshpar/parallel/context_parallel/ulysses.py).",
+                                            choices=("allgather", "ring", "ulysses"))
     tp: int = option(1, "Tensor-parallel degree (innermost mesh dim, fastest links).", ge=1)
     ep: int = option(1, "Expert-parallel degree for mixture-of-experts models: experts split over ep ranks "
                         "borrowed from dp_shard (which it must divide); FSDP shards the experts over the "

@@ -193,7 +193,7 @@ def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_no
             family.check_layout(args, layout)
             check_mixed_precision(cand.parallel, layout)
             if lay.cp > 1:
-                check_context_parallel(cand, layout)
+                check_context_parallel(cand, layout, args)
             if lay.pp > 1:
                 check_microbatches("1f1b", n, lay.pp, local_batch=t.global_batch // lay.dp)
         except RecipeError:

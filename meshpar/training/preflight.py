@@ -20,6 +20,7 @@ from meshpar.data import BPETokenizer, ByteTokenizer, Corpus, prepare
 from meshpar.data.tokenizer import load_tokenizer
 from meshpar.distributed import mesh as meshlib
 from meshpar.models import Family, get_family
+from meshpar.parallel.context_parallel.ulysses import check_heads
 from meshpar.parallel.parallelize import check_mixed_precision
 from meshpar.parallel.pipeline import SCHEDULES, check_microbatches, stage_layers
 from meshpar.parallel.tensor_parallel.checks import check_seq_len
@@ -107,7 +108,7 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
     accum = _check_batch(recipe, layout)
     family.check_layout(args, layout)
     if layout.cp > 1:
-        check_context_parallel(recipe, layout)
+        check_context_parallel(recipe, layout, args)
     else:
         check_seq_len(t.seq_len, layout.tp)
     check_document_attention(recipe, layout)
@@ -129,7 +130,7 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
     return layout, accum, family, args
 
 
-def check_context_parallel(recipe: Recipe, layout) -> None:
+def check_context_parallel(recipe: Recipe, layout, args: Any) -> None:
     """cp > 1: the sequence cuts into 2cp chunks ([Note: balanced sequence split]) and each rank's
     T/cp tokens split again over tp; what context parallelism does not run yet is refused."""
     t, cp, tp = recipe.train, layout.cp, layout.tp
@@ -138,6 +139,10 @@ def check_context_parallel(recipe: Recipe, layout) -> None:
                           f"equal chunks (each cp rank holds one from the front and its mirror from the back); "
                           f"use a multiple of {2 * cp}", key="parallel.cp")
     check_seq_len(t.seq_len // cp, tp)
+    if recipe.parallel.cp_attention == "ulysses":
+        why = check_heads(args.n_heads, args.n_kv_heads, cp, tp)
+        if why is not None:
+            raise RecipeError(why, key="parallel.cp")
 
 
 def _check_tokenizer_vocabulary(name: str, vocab_size: int, args: Any) -> None:

@@ -4,14 +4,16 @@
     tokens_local = tokens[:, idx]                                          # [B, T/cp]
     apply_context_parallel(model, cp_mesh)                                 # before FSDP, on meta
     apply_context_parallel(model, cp_mesh, attention="ring")               # or K/V around a ring
+    apply_context_parallel(model, cp_mesh, attention="ulysses")            # or heads split for attention
 
 Each cp rank holds ``T / cp`` tokens of every sequence of its data-parallel batch and runs the
 whole model on them; only attention needs the other ranks' tokens. The model files hold no
 parallel code: cp fills two slots they expose, ``Transformer.positions``
 (``ContextParallelPositions``: RoPE at the global positions of the rank's tokens, documents over
 the whole sequence) and each ``Attention.inner_attention`` (``ContextParallelAttention``: K and V
-gathered over cp, or passed around a ring, meshpar/parallel/context_parallel/ring.py).
-docs/context_parallel.md compares the two attentions; docs/performance.md has their measurements.
+gathered over cp, or passed around a ring, meshpar/parallel/context_parallel/ring.py, or the heads
+split over cp for a whole-sequence attention, meshpar/parallel/context_parallel/ulysses.py).
+docs/context_parallel.md compares the attentions; docs/performance.md has their measurements.
 
 Limits: the gathered K/V are materialized per layer (the ring holds two chunks of T/cp); under
 torch.compile attention stays eager; GPT-2 (learned positions) has no context parallelism.
@@ -36,6 +38,7 @@ from meshpar.models.attention import (
     masked_attention,
 )
 from meshpar.parallel.context_parallel.ring import ring_attention
+from meshpar.parallel.context_parallel.ulysses import ulysses_attention
 
 # [Note: balanced sequence split]
 # Causal attention costs query t work proportional to t, so contiguous slices would give the last
@@ -80,7 +83,8 @@ from meshpar.parallel.context_parallel.ring import ring_attention
 # ([Note: ring attention]); a block of queries may meet a key chunk with none of its document.
 
 
-ATTENTIONS = ("allgather", "ring")  # parallel.cp_attention: [Note: all-gather of K and V], [Note: ring attention]
+# parallel.cp_attention: [Note: all-gather of K and V], [Note: ring attention], ulysses.py
+ATTENTIONS = ("allgather", "ring", "ulysses")
 
 
 def sequence_indices(seq_len: int, cp: int, rank: int, *, balanced: bool = True) -> Tensor:
@@ -148,15 +152,16 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool
     rank's slice of each sequence, by filling its slots: ``model.positions`` gives RoPE at global
     positions (and the whole sequence's documents when the model's ``document_eos`` is set: [Note:
     documents under context parallelism]), each block's ``attention.inner_attention`` attends over
-    ``mesh`` (1-D, ``cp``) with K and V gathered (``attention="allgather"``) or passed around a ring
-    (``"ring"``, meshpar/parallel/context_parallel/ring.py). The inputs must be sliced alike
-    (``shard_sequence``)."""
+    ``mesh`` (1-D, ``cp``) with K and V gathered (``attention="allgather"``), passed around a ring
+    (``"ring"``, meshpar/parallel/context_parallel/ring.py), or with the heads split over cp for one
+    whole-sequence attention (``"ulysses"``, meshpar/parallel/context_parallel/ulysses.py). The inputs
+    must be sliced alike (``shard_sequence``)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"cp attention {attention!r} is none of {ATTENTIONS} (parallel.cp_attention)")
     layout = _Layout(mesh, balanced)
     model.positions = ContextParallelPositions(layout)
     for block in model.layers.values():
-        block.attention.inner_attention = ContextParallelAttention(layout, ring=attention == "ring")
+        block.attention.inner_attention = ContextParallelAttention(layout, attention)
 
 
 def attends_over_cp(block: nn.Module) -> bool:
@@ -187,18 +192,20 @@ class ContextParallelPositions(SequencePositions):
 
 class ContextParallelAttention(InnerAttention):
     """An attention's ``inner_attention`` slot on a cp rank: q[B, H, T/cp, Dh] over the keys of the
-    whole sequence, gathered ([Note: all-gather of K and V]) or around a ring ([Note: ring attention])."""
+    whole sequence, gathered ([Note: all-gather of K and V]), around a ring ([Note: ring attention]),
+    or for this rank's share of the heads after an all-to-all (ulysses.py)."""
 
-    def __init__(self, layout: _Layout, *, ring: bool) -> None:
+    def __init__(self, layout: _Layout, attention: str = "allgather") -> None:
         super().__init__()
-        self.layout, self.ring = layout, ring
+        self.layout, self.attention = layout, attention
 
     @torch.compiler.disable  # [Note: compiling a block under cp]: eager, between two graphs
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        return (_attend_ring if self.ring else _attend)(self.layout, q, k, v, mask, self.kernels)
+        attend = {"allgather": _attend, "ring": _attend_ring, "ulysses": _attend_ulysses}[self.attention]
+        return attend(self.layout, q, k, v, mask, self.kernels)
 
     def extra_repr(self) -> str:
-        return f"cp={self.layout.mesh.size()}, {'ring' if self.ring else 'allgather'}, balanced={self.layout.balanced}"
+        return f"cp={self.layout.mesh.size()}, {self.attention}, balanced={self.layout.balanced}"
 
 
 def _whole_sequence(layout: _Layout, tokens: Tensor) -> Tensor:
@@ -247,6 +254,13 @@ def _attend_ring(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor 
     if doc is not None:  # each rank's tokens' documents, [B, cp, T/cp]
         doc = doc[:, layout.every_rank(q.shape[2]).to(doc.device)]
     return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced, documents=doc, kernels=kernels)
+
+
+def _attend_ulysses(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                    kernels: Kernels) -> Tensor:
+    """ulysses.py: q[B, H, T/cp, Dh] for H/cp heads over the whole sequence after an all-to-all."""
+    held = layout.every_rank(q.shape[2]).flatten()  # global positions in rank order
+    return ulysses_attention(q, k, v, held, layout.mesh.get_group(), _documents(mask), kernels)
 
 
 def _chunk_attention(q: Tensor, k: Tensor, v: Tensor, q_doc: Tensor | None = None, k_doc: Tensor | None = None,
