@@ -82,6 +82,7 @@ from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.args import ModelArgs
 from meshpar.parallel.context_parallel import apply as cp_module
 from meshpar.parallel.context_parallel.apply import _Layout, apply_context_parallel, shard_sequence
+from meshpar.parallel.context_parallel.ulysses import kv_repeats
 from meshpar.parallel.data_parallel import all_reduce_gradients
 from tests.benchmarks.probes import PeakMemory
 from tests.distributed import run_distributed
@@ -90,8 +91,9 @@ from tests.helpers import CpRank
 MiB = 2**20
 BATCH = 1  # sequences per step (each cp rank holds T / cp tokens of it)
 ITEMSIZE = 4  # fp32
-OPS = ("all_gather", "reduce_scatter", "send_recv", "all_reduce")  # on cp: K/V, their gradients, ring hops, gradients
-ATTENTIONS = ("allgather", "ring")  # parallel.cp_attention
+# on cp: K/V, their gradients, ring hops, Ulysses' exchanges, gradients
+OPS = ("all_gather", "reduce_scatter", "send_recv", "all_to_all", "all_reduce")
+ATTENTIONS = ("allgather", "ring", "ulysses")  # parallel.cp_attention
 SPLITS = {True: "balanced", False: "contiguous", None: "-"}
 
 
@@ -188,7 +190,9 @@ def analytic_bytes(args: ModelArgs, seq_len: int, cp: int, params: int, attentio
                                                                                                             Fraction]:
     """Per step and rank, as [Note: bytes counted] counts them (see the module docstring); the ring
     sends, per layer, (cp - 1) hops of one K/V chunk, 2 x B x Hkv x T/cp x Dh elements, in forward,
-    and in backward (cp - 1) of K/V again and (cp - 1) of dK/dV ([Note: ring attention])."""
+    and in backward (cp - 1) of K/V again and (cp - 1) of dK/dV ([Note: ring attention]); Ulysses
+    sends (cp - 1) / cp of q, k, v (kv heads repeated r times) and the output, B x T/cp x Dh x
+    (2H + 2 Hkv r) elements, each way ([Note: Ulysses with grouped-query attention])."""
     out = dict.fromkeys(OPS, Fraction(0))
     if cp == 1:
         return out
@@ -196,6 +200,10 @@ def analytic_bytes(args: ModelArgs, seq_len: int, cp: int, params: int, attentio
     share = Fraction(cp - 1, cp)
     if attention == "ring":
         out["send_recv"] = 3 * kv * share  # (cp - 1) hops of kv / cp, three times
+    elif attention == "ulysses":
+        heads = 2 * args.n_heads + 2 * args.n_kv_heads * kv_repeats(args.n_heads, args.n_kv_heads, cp)
+        per_layer = BATCH * seq_len // cp * args.resolved_head_dim * heads * ITEMSIZE
+        out["all_to_all"] = 2 * args.n_layers * per_layer * share
     else:
         out["all_gather"] = out["reduce_scatter"] = kv * share
     out["all_reduce"] = 2 * params * ITEMSIZE * share
@@ -219,9 +227,15 @@ def kept_bytes(args: ModelArgs, seq_len: int, cp: int, rank: int, balanced: bool
     gathered K and V in sequence order (per layer 2 x [B, Hkv, T, Dh]), and the masks: a chunk with
     more keys than queries reaches the CPU kernel as a materialized lower-right causal mask, which
     SDPA turns into a float [n, keys] and saves for backward ([Note: masks on CPU]). The ring keeps
-    neither: its own K/V chunk and the log-sum-exp ([Note: ring attention])."""
+    neither: its own K/V chunk and the log-sum-exp ([Note: ring attention]). Ulysses keeps its heads'
+    share of q, k, v and the output over the whole sequence, the size of its own tokens' (plus the
+    repeated kv heads), and no mask (one causal call)."""
     if attention == "ring":
         return {"kv": 0, "masks": 0}
+    if attention == "ulysses":
+        r = kv_repeats(args.n_heads, args.n_kv_heads, cp)
+        extra = 2 * BATCH * args.n_kv_heads * (r - 1) * seq_len // cp * args.resolved_head_dim * ITEMSIZE
+        return {"kv": args.n_layers * extra, "masks": 0}
     kv = 2 * BATCH * args.n_kv_heads * seq_len * args.resolved_head_dim * ITEMSIZE
     masks = sum(n * keys * ITEMSIZE for _, n, keys in query_chunks(seq_len, cp, rank, balanced) if keys > n)
     return {"kv": args.n_layers * kv, "masks": args.n_layers * masks}
@@ -263,7 +277,8 @@ def summarize(args: ModelArgs, seq_len: int, cp: int, attention: str, balanced: 
            # every term is a whole number of bytes (T cuts into 2cp chunks), so the float sums are exact
            "bytes_equal": all(r["bytes"][op] == float(analytic[op]) for r in records for op in OPS)}
     if cp > 1:
-        pairs = [causal_pairs(seq_len, cp, r, balanced) for r in range(cp)]
+        pairs = [causal_pairs(seq_len, cp, r, balanced) if attention != "ulysses"
+                 else seq_len * (seq_len + 1) // 2 // cp for r in range(cp)]  # Ulysses: every query, H / cp heads
         kept = [kept_bytes(args, seq_len, cp, r, balanced, attention) for r in range(cp)]
         row.update(pairs_per_rank=pairs, pairs_imbalance=max(pairs) / min(pairs),
                    kv_kept_bytes=kept[0]["kv"], mask_bytes=max(k["masks"] for k in kept))
@@ -294,7 +309,7 @@ def measure_length(args: ModelArgs, seq_len: int, degrees: list[int], warmup: in
 
 # --- output ----------------------------------------------------------------------------------------
 
-KV_OPS = ("all_gather", "reduce_scatter", "send_recv")  # K/V and their gradients on cp, either attention
+KV_OPS = ("all_gather", "reduce_scatter", "send_recv", "all_to_all")  # attention's traffic on cp, any attention
 
 
 def _label(r: dict) -> str:
@@ -319,7 +334,7 @@ def memory_table(rows: list[dict]) -> list[str]:
 
 def traffic_table(rows: list[dict]) -> list[str]:
     """Bytes on the cp dim against the analytic figures, and attention work per rank."""
-    lines = [f"{HEAD} {'AG/RS/P2P calls':>15} {'K/V MiB':>8} {'analytic':>8} {'AR MiB':>7} {'analytic':>8} "
+    lines = [f"{HEAD} {'AG/RS/P2P/A2A':>15} {'K/V MiB':>8} {'analytic':>8} {'AR MiB':>7} {'analytic':>8} "
              f"{'bytes':>6}  {'pairs max/min':>13} {'attn ms per rank':>17} {'max/min':>7}"]
     for r in rows:
         if r["cp"] == 1:
@@ -347,7 +362,7 @@ def ring_vs_allgather(rows: list[dict]) -> list[dict]:
              "activation": both["ring"]["activation_bytes"] / both["allgather"]["activation_bytes"],
              "kv_bytes": sum(both["ring"]["bytes"][op] for op in KV_OPS)
              / sum(both["allgather"]["bytes"][op] for op in KV_OPS)}
-            for (t, cp, split), both in pairs.items() if set(both) == set(ATTENTIONS)]
+            for (t, cp, split), both in pairs.items() if {"ring", "allgather"} <= set(both)]
 
 
 def ratio_table(ratios: list[dict]) -> list[str]:
@@ -370,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=4, help="transformer blocks")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2, help="timed steps")
-    ap.add_argument("--attention", default="allgather,ring", help="cp attentions, comma-separated")
+    ap.add_argument("--attention", default="allgather,ring,ulysses", help="cp attentions, comma-separated")
     ap.add_argument("--attention-reps", type=int, default=2, help="attention probe repeats; 0 skips it")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--smoke", action="store_true", help="2 blocks, T 1024, 1 timed step (for a test)")
@@ -393,9 +408,9 @@ def main(argv: list[str] | None = None) -> None:
     print("\nstep time and memory per rank (act: peak minus the bytes live at the step's start; K/V kept, "
           "masks: analytic, [Note: masks on CPU])")
     print("\n".join(memory_table(rows)))
-    print("\nper step and rank: K/V and their gradients on cp (all-gather AG and reduce-scatter RS, or the "
-          "ring's hops P2P) against the analytic figure; gradient all-reduce (AR); attention: causal pairs per "
-          "rank, one layer's measured all-gather attention per rank")
+    print("\nper step and rank: K/V and their gradients on cp (all-gather AG and reduce-scatter RS, the ring's "
+          "hops P2P, or Ulysses' all-to-alls A2A of q, k, v and the output) against the analytic figure; gradient "
+          "all-reduce (AR); attention: causal pairs per rank, one layer's measured all-gather attention per rank")
     print("\n".join(traffic_table(rows)))
     ratios = ring_vs_allgather(rows)
     if ratios:
