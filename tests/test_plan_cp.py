@@ -158,3 +158,18 @@ def test_search_bound_is_above_the_planned_speed(attention):
     lay = plan.layout
     bound = search._bound(plan.args, plan.recipe, lay.pp, lay.tp, lay.cp, lay.dp, plan.accum, plan.profile, 8, None)
     assert bound >= plan.time.tokens_per_s
+
+
+def test_compare_cp_plans_each_attention():
+    """``--compare-cp``: the recipe planned with each cp attention, the recipe's own marked; on an H100
+    the ring is priced slower ([Note: the ring on a GPU]), Ulysses sends q and the output too."""
+    code, out, err, plan, _ = _run(str(RECIPES / "llama_debug_cp.toml"), "--compare-cp", "--world=4")
+    assert code == 0, err
+    rows = {line.split()[0].lstrip("*"): line for line in out.split("context-parallel attentions")[1].splitlines()[1:4]}
+    assert set(rows) == {"allgather", "ring", "ulysses"} and rows["allgather"].lstrip().startswith("*")
+
+    def figure(name: str, unit: str) -> float:
+        return float(rows[name].split(unit)[0].split()[-1].replace(",", ""))
+
+    assert figure("ring", " s |") > figure("allgather", " s |")
+    assert figure("allgather", " GB per step") > 0 and figure("ulysses", " GB per step") > 0

@@ -20,6 +20,7 @@ the best as a recipe.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,8 @@ from meshpar.config import recipe as recipelib
 from meshpar.config.hardware import PROFILES_DIR, HardwareProfile, load_profile
 from meshpar.config.keys import local_world_size
 from meshpar.config.recipe import RecipeError
-from meshpar.planner import LinkDefaults, plan, report, verdict
+from meshpar.parallel.context_parallel.apply import ATTENTIONS
+from meshpar.planner import LinkDefaults, Plan, plan, report, verdict
 from meshpar.planner.search import HEAD, best_recipe, search
 from meshpar.training.preflight import check_model
 
@@ -77,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
                     "compiled, scaled down beside collectives on more than one device: [Note: the efficiency "
                     "constants] in meshpar/planner/cost.py)")
     ap.add_argument("--all-params", action="store_true", help="print the parameter table of every stage's rank")
+    ap.add_argument("--compare-cp", action="store_true", help="with cp > 1: plan the recipe with each cp attention "
+                    "(allgather, ring, ulysses: one more dry run each) and print their step times and peaks")
     search = ap.add_argument_group("search (instead of a recipe)")
     search.add_argument("--model", help="FAMILY/SIZE to search layouts for, e.g. llama/70b")
     search.add_argument("--gpus", type=int, help="GPUs to search layouts on")
@@ -120,11 +124,34 @@ def main(argv: list[str]) -> int:
     print(report(result, all_params=args.all_params))
     if note:
         print(f"note: {note}")
+    if args.compare_cp and result.layout.cp > 1:
+        print("\n" + compare_cp(result, world, profile, args))
     fits, line = verdict(result)
     print(f"\n{line}\n(dry run in {time.perf_counter() - start:.0f} s)")
     if not fits:
         print(f"meshpar: error: {line}", file=sys.stderr)
     return 0 if fits else 1
+
+
+def compare_cp(result: Plan, world: int, profile: HardwareProfile, args: argparse.Namespace) -> str:
+    """The recipe planned with each context-parallel attention: step time, tokens/s, cp bytes, peak."""
+    lines = ["context-parallel attentions (parallel.cp_attention; the recipe's marked *):"]
+    for attention in ATTENTIONS:
+        if attention == result.recipe.parallel.cp_attention:
+            other = result
+        else:
+            recipe = dataclasses.replace(result.recipe, parallel=dataclasses.replace(result.recipe.parallel,
+                                                                                   cp_attention=attention))
+            other = plan(recipe, world, profile, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
+        cp = next((c for c in other.time.comm if c.dim == "cp"), None)
+        peak = max(r.peak_bytes for r in other.ranks) / 2**30
+        mark = "*" if other is result else " "
+        t, gb = other.time, 0 if cp is None else cp.bytes_per_step / 1e9
+        lines.append(f" {mark}{attention:<10} step {t.step_s:8.3f} s | {t.tokens_per_s:>12,.0f} tokens/s"
+                     f" | cp {gb:7.2f} GB per step | peak {peak:6.2f} GiB")
+    lines.append("  (every attention's FLOPs at the same rate but the ring's, [Note: the ring on a GPU]; the rate of\n"
+                 "  Ulysses' whole-sequence kernel call is not priced apart yet)")
+    return "\n".join(lines)
 
 
 def run_search(args: argparse.Namespace, overrides: list[str]) -> int:
