@@ -35,6 +35,8 @@ LAYOUTS = {  # name: (overrides, world size[, model overrides shared with the re
                               "--train.loss_chunks=3"], 4),
     "cp2-ep2": (["--parallel.cp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 4),
     "cp2-tp2-ep2": (["--parallel.cp=2", "--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=2"], 8),
+    "cp2-ep2-ulysses": (["--parallel.cp=2", "--parallel.dp_shard=2", "--parallel.ep=2",
+                         '--parallel.cp_attention="ulysses"'], 4),
     # the experts a unit inside each block, gathered over the 2 ranks ep leaves: [Note: units inside a unit]
     "ep2-in-dp_shard4-selective-ac": (["--parallel.dp_shard=4", "--parallel.ep=2",
                                        '--parallel.activation_checkpoint="selective"'], 4),
