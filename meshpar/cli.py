@@ -1,6 +1,7 @@
 """The ``meshpar`` command line.
 
     meshpar train RECIPE [--nproc N] [--max-restarts N] [--section.key=value ...]
+    meshpar train RECIPE --auto [--gpus N]             # search the layout (keeping what is set), then train it
     meshpar recipe RECIPE [--section.key=value ...]     # resolve and check, print the TOML
     meshpar recipe --keys                               # every key, its default and meaning
     meshpar convert SRC DST --to {hf,torch,dcp} [--layout dp_shard=4,tp=2] [--verify] [--shard-size 5GB]
@@ -52,6 +53,14 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, default=0, metavar="N", help="restart every rank up to N "
                        "times after a rank fails; each restart resumes from the newest complete checkpoint "
                        "(torchelastic's restarts, as torchrun --max-restarts)")
+    train.add_argument("--auto", action="store_true", help="search the layout first (meshpar/planner/auto.py): "
+                       "parallel degrees, cp attention, checkpointing, resharding, gradient reduction and micro "
+                       "batch, keeping each the recipe's [parallel] table or the command line sets; print the "
+                       "winner's plan and what it beat, write it as <train.output_dir>/auto.toml and train that")
+    train.add_argument("--gpus", type=int, default=None, help="with --auto: the ranks to search for and start "
+                       "(default: --nproc, else this machine's CUDA devices)")
+    train.add_argument("--budget-s", type=float, default=600, help="with --auto: stop dry-running layouts after this "
+                       "many seconds (default 600)")
     train.add_argument("--profile", action="store_true", help="trace steps with the torch profiler (the same as "
                        "--profile.enable=true; schedule and ranks from [profile]); then `meshpar profile summarize`")
     show = sub.add_parser("recipe", help="resolve a recipe, check it and print it as TOML", epilog=EPILOG)
@@ -162,6 +171,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     recipe = recipelib.load(args.recipe, overrides)
     if args.max_restarts < 0:
         raise RecipeError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    if args.auto:
+        args.recipe, overrides, args.nproc = _auto(args, overrides)
+        recipe = recipelib.load(args.recipe)
+    elif args.gpus is not None:
+        raise RecipeError(f"--gpus {args.gpus} goes with --auto (the ranks to search layouts for); without it, "
+                          "--nproc N starts N ranks")
     if "WORLD_SIZE" in os.environ:  # already a rank (torchrun, which does the restarting): train here
         return _train_here(recipe)
     nproc = local_world_size(recipe.parallel) if args.nproc is None else args.nproc
@@ -178,6 +193,23 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshpar.runtime.launch import launch_local
     return launch_local(nproc, RANK_ENTRYPOINT, [str(args.recipe), *overrides], max_restarts=args.max_restarts,
                         signals=recipe.fault.signals)
+
+
+def _auto(args: argparse.Namespace, overrides: list[str]) -> tuple[Path, list[str], int]:
+    """``--auto``: the searched recipe's path, its (baked-in) overrides, its ranks."""
+    if "WORLD_SIZE" in os.environ:
+        raise RecipeError("--auto searches in the launching process, not in each rank: under torchrun, launch "
+                          "the recipe `meshpar train RECIPE --auto --gpus N` writes (<train.output_dir>/auto.toml)")
+    import torch
+
+    from meshpar.planner.auto import auto_recipe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpus = args.gpus or args.nproc or (torch.cuda.device_count() if device == "cuda" else 0)
+    if gpus < 1:
+        raise RecipeError("--auto on a machine without CUDA devices needs --gpus N: the local ranks to search "
+                          "layouts for and start")
+    return auto_recipe(args.recipe, overrides, gpus, device=device, budget_s=args.budget_s), [], gpus
 
 
 def _train_here(recipe: recipelib.Recipe) -> int:

@@ -162,6 +162,20 @@ def _recipe(path: str | Path, overrides: list[str], world: int | None = None) ->
     check_layout(recipe, local_world_size(recipe.parallel) if world is None else world)
 
 
+def _auto(path: str, overrides: list[str], gpus: int | None) -> None:
+    """``meshpar train RECIPE --auto --gpus N``: the search has candidates on N CPU ranks."""
+    from meshpar.config.hardware import load_profile
+    from meshpar.planner.auto import pinned
+    from meshpar.planner.search import candidates
+
+    if not gpus:
+        raise ParseError("meshpar train --auto in the docs names its ranks (--gpus N)")
+    path = Path(path) if Path(path).is_absolute() else REPO / path
+    if not candidates(overrides, gpus, load_profile("cpu", "cpu"), gpus, None, path=path,
+                      pinned=pinned(path, overrides)):
+        raise ParseError(f"meshpar train --auto: no layout of {gpus} ranks keeps what {path.name} pins")
+
+
 def _meshpar(args: list[str]) -> None:
     if args[:1] == ["plan"]:
         with _argparse_errors():
@@ -181,7 +195,10 @@ def _meshpar(args: list[str]) -> None:
         ns, extra = cli.parser().parse_known_args(args)  # meshpar/cli.py builds the parser here
     if ns.command == "train":
         overrides = _overrides(extra) + (["--profile.enable=true"] if ns.profile else [])
-        _recipe(ns.recipe, overrides, ns.nproc)
+        if ns.auto:
+            _auto(ns.recipe, overrides, ns.gpus or ns.nproc)
+        else:
+            _recipe(ns.recipe, overrides, ns.nproc)
     elif ns.command == "recipe":
         overrides = _overrides(extra)
         if ns.recipe is not None:

@@ -12,6 +12,7 @@ import pytest
 
 from meshpar.config import recipe as recipelib
 from meshpar.distributed.mesh import Layout
+from meshpar.parallel.context_parallel.apply import ATTENTIONS
 from meshpar.planner.cost import _degree, _link
 from meshpar.planner.search import MIN_CP_TOKENS, candidates
 from tests.test_plan import RECIPES, _check_recipe, _run, planlib
@@ -96,16 +97,30 @@ def test_pipeline_transfers_carry_a_cp_ranks_tokens():
 
 def test_search_tries_cp_for_long_sequences_only():
     base = ["--model.size=8b", "--train.global_batch=8", '--parallel.param_dtype="bfloat16"']
-    seen = set()
+    seen, attentions = set(), {}
     for c in candidates([*base, "--train.seq_len=131072"], 32, H100, 8, None):
         o = {k: v for k, v in (x.removeprefix("--").split("=", 1) for x in c.overrides)}
         tp, cp, pp = int(o["parallel.tp"]), int(o["parallel.cp"]), int(o["parallel.pp"])
         assert tp * cp * pp * int(o["parallel.dp_replicate"]) * int(o["parallel.dp_shard"]) == 32
         assert 131072 % (2 * cp * tp) == 0 and 131072 // cp >= MIN_CP_TOKENS and math.log2(cp).is_integer()
         seen.add(cp)
+        attentions.setdefault((cp, tp), set()).add(o["parallel.cp_attention"].strip('"'))
     assert seen == {1, 2, 4, 8, 16}
+    # each cp layout with each attention (cp x tp divides the 32 query heads in all of them, as Ulysses
+    # needs); without cp one candidate, not three
+    assert all(found == set(ATTENTIONS) if cp > 1 else found == {"allgather"} for (cp, _), found in attentions.items())
     assert {int(dict(x.split("=") for x in c.overrides)["--parallel.cp"])
             for c in candidates([*base, "--train.seq_len=8192"], 32, H100, 8, None)} == {1}
+
+
+def test_search_leaves_out_ulysses_where_it_cannot_split_the_heads():
+    """The debug Llama's 8 query heads: Ulysses at cp 4 x tp 4 (half a head a rank) is no candidate, the
+    all-gather and the ring are; at cp 4 x tp 2 all three are."""
+    found = {}
+    for c in candidates(["--model.size=debug", "--train.global_batch=8", "--train.seq_len=131072"], 32, H100, 8, None):
+        o = dict(x.removeprefix("--").split("=", 1) for x in c.overrides)
+        found.setdefault((o["parallel.cp"], o["parallel.tp"]), set()).add(o["parallel.cp_attention"].strip('"'))
+    assert found[("4", "4")] == {"allgather", "ring"} and found[("4", "2")] == set(ATTENTIONS)
 
 
 @pytest.mark.slow  # four dry runs
@@ -142,10 +157,10 @@ def test_plan_counts_document_masks_once_without_cp_and_never_whole_with_it():
     assert code == 2 and "model.attention = 'document' with parallel.pp > 1" in err, err
 
 
-@pytest.mark.parametrize("attention", ["allgather", "ring"])
+@pytest.mark.parametrize("attention", ["allgather", "ring", "ulysses"])
 def test_search_bound_is_above_the_planned_speed(attention):
     """The search prunes by ``_bound``, the tokens/s no dry run of a layout can exceed: so it must
-    be at least what the plan gives, for both cp attentions. The ring's hops are hidden behind its
+    be at least what the plan gives, for each cp attention. The ring's hops are hidden behind its
     attention but each block's last ([Note: the ring's overlap]), so the bound must count only that hop
     of cp traffic: pricing all of it, as the gather's, puts the bound below the plan of the debug Llama
     at cp 2 on H100 links without checkpointing, the case below."""

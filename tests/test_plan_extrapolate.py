@@ -41,7 +41,7 @@ def _both(name: str, world: int, nccl: bool, overrides: list[str]) -> list[tuple
 
 
 def _differences(full: Measured, short: Measured) -> list[tuple]:
-    """Every figure the plan reads that differs: bytes exactly, bytes sent (floats) to 1e-12."""
+    """Every figure the plan reads that differs: bytes and collectives issued exactly, bytes sent (floats) to 1e-12."""
     out = []
     assert list(full.phases) == list(short.phases)
     for name, f in full.phases.items():
@@ -52,6 +52,8 @@ def _differences(full: Measured, short: Measured) -> list[tuple]:
                 if abs(f.comm[k] - s.comm[k]) > 1e-12 * max(abs(f.comm[k]), 1)]
     out += [("comm_bytes", k, full.comm_bytes[k], short.comm_bytes[k]) for k in full.comm_bytes.keys()
             | short.comm_bytes.keys() if abs(full.comm_bytes[k] - short.comm_bytes[k]) > 1e-12 * full.comm_bytes[k]]
+    out += [("comm_calls", k, full.comm_calls[k], short.comm_calls[k]) for k in full.comm_calls.keys()
+            | short.comm_calls.keys() if full.comm_calls[k] != short.comm_calls[k]]
     if (full.activation_bytes, full.n_run) != (short.activation_bytes, short.n_run):
         out.append(("activation_bytes, n_run", full.activation_bytes, short.activation_bytes))
     return out

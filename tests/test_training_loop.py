@@ -177,9 +177,10 @@ def _nested_loop(gpus, gpus_per_node, seq_len, global_batch, args, dims) -> list
                     n = global_batch // (dp * mb)
                     for ac in AC_MODES:
                         sharded = dp // replicate > 1
-                        for reshard, reduce in itertools.product(
+                        for reshard, reduce, attention in itertools.product(
                                 (True, False) if pp == 1 and sharded else (True,),
-                                ("step", "microbatch") if n > 1 and sharded else ("step",)):
+                                ("step", "microbatch") if n > 1 and sharded else ("step",),
+                                ("allgather", "ring", "ulysses") if cp > 1 else ("allgather",)):
                             out.append((f"--parallel.tp={tp}", f"--parallel.pp={pp}",
                                         f"--parallel.dp_replicate={replicate}",
                                         f"--parallel.dp_shard={dp // replicate}",
@@ -187,7 +188,8 @@ def _nested_loop(gpus, gpus_per_node, seq_len, global_batch, args, dims) -> list
                                         f"--train.micro_batch={mb}", f'--parallel.activation_checkpoint="{ac}"',
                                         f"--parallel.reshard_after_forward={str(reshard).lower()}",
                                         f'--parallel.grad_reduce="{reduce}"',
-                                        *([f"--parallel.cp={cp}"] if "cp" in dims else [])))
+                                        *([f"--parallel.cp={cp}", f'--parallel.cp_attention="{attention}"']
+                                          if "cp" in dims else [])))
     return out
 
 

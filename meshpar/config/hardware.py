@@ -33,6 +33,8 @@ class HardwareProfile:
     peak_tflops: dict[str, float]  # dense, per device, by torch dtype name ("bfloat16")
     intra_node_gbps: float  # per device per direction
     inter_node_gbps: float
+    # a collective's fixed cost, whatever its size ([links] latency_us; 0 where a profile has none)
+    latency_s: float = 0.0
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         name = str(dtype).removeprefix("torch.")
@@ -67,6 +69,6 @@ def load_profile(spec: str, device_type: str) -> HardwareProfile:
             name=raw["name"], device=raw["device"], devices_per_node=raw["devices_per_node"],
             memory_gb=raw["memory_gb"], memory_bandwidth_gbps=raw["memory_bandwidth_gbps"],
             peak_tflops=dict(raw["peak_tflops"]), intra_node_gbps=raw["links"]["intra_node_gbps"],
-            inter_node_gbps=raw["links"]["inter_node_gbps"])
+            inter_node_gbps=raw["links"]["inter_node_gbps"], latency_s=raw["links"].get("latency_us", 0.0) / 1e6)
     except KeyError as e:
         raise RecipeError(f"{path}: hardware profile lacks {e}; see profiles/h100_sxm.toml for the format") from None

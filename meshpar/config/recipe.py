@@ -221,6 +221,16 @@ def load(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
     return recipe
 
 
+def set_keys(path: str | Path | None, overrides: Sequence[str] = ()) -> tuple[set[str], set[str]]:
+    """The "section.key"s the recipe file sets and those the overrides set (``load`` has checked both)."""
+    in_file = set()
+    if path is not None:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+        in_file = {f"{section}.{key}" for section, table in raw.items() if isinstance(table, dict) for key in table}
+    return in_file, {".".join(parse_override(arg)[:2]) for arg in overrides}
+
+
 def check(recipe: Recipe) -> None:
     """Checks across keys. Those against the model registry (family, size, the parallel dims a
     family runs) and the world size are meshpar.training.preflight's."""

@@ -58,7 +58,8 @@ def load_hardware(spec: str, defaults: LinkDefaults | None = None) -> tuple[Hard
             devices_per_node=raw.get("devices_per_node", defaults.gpus_per_node), memory_gb=raw["memory_gb"],
             memory_bandwidth_gbps=raw.get("memory_bandwidth_gbps", 0.0), peak_tflops=dict(raw["peak_tflops"]),
             intra_node_gbps=links.get("intra_node_gbps", defaults.intra_node_gbps),
-            inter_node_gbps=links.get("inter_node_gbps", defaults.inter_node_gbps))
+            inter_node_gbps=links.get("inter_node_gbps", defaults.inter_node_gbps),
+            latency_s=links.get("latency_us", 0.0) / 1e6)
     except KeyError as e:
         raise RecipeError(f"{path}: hardware profile lacks {e}; see profiles/h100_sxm.toml for the format") from None
     missing = [k for k in ("devices_per_node",) if k not in raw] + [

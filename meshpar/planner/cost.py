@@ -94,6 +94,13 @@ def float8_gathered_share(args, n_params: int) -> float:
     return float8_params_per_block(args) * args.n_layers / n_params
 
 
+def host_share(profile: HardwareProfile, world_size: int, gpus_per_node: int) -> int:
+    """Ranks that share one device's peak and memory bandwidth: on a CPU the local ranks all run on
+    the host's cores (profiles/cpu.toml gives per-host figures), so each computes at 1/share of
+    them; on a GPU each rank has its own, 1."""
+    return max(1, min(world_size, gpus_per_node)) if profile.device == "cpu" else 1
+
+
 def default_efficiency(compiled: bool, world_size: int) -> float:
     """[Note: the efficiency constants]: compute efficiency of a step of ``world_size`` ranks."""
     return EFFICIENCY[bool(compiled)] * (BESIDE_COLLECTIVES if world_size > 1 else 1.0)
@@ -119,6 +126,7 @@ class DimComm:
     seconds: float
     overlapped: bool  # hidden behind compute (data parallel) or on the critical path (tp, pp)
     hidden_s: float = 0.0  # of a critical dim's seconds, what runs beside compute (cp's ring hops)
+    calls: int = 0  # collectives per step; ``seconds`` includes calls x the profile's latency
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,9 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
     parameters, the share gathered in float8 ([Note: float8 in the time model])."""
     t = recipe.train
     per_dim: Counter = Counter()
+    calls: Counter = Counter()
+    for (_, dim), n in r.measured.comm_calls.items():
+        calls[dim] += n
     float8 = recipe.model.float8 == "tensorwise"  # [Note: float8 in the time model]
     itemsize = torch.tensor([], dtype=getattr(torch, recipe.parallel.param_dtype)).element_size()
     for (op, dim), nbytes in r.measured.comm_bytes.items():
@@ -227,6 +238,7 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
         hidden = t.micro_batch * (t.seq_len // (layout.cp * layout.tp)) * args.dim * 4
         neighbours = (r.stage > 0) + (r.stage < layout.pp - 1)
         per_dim["pp"] += hidden * accum * neighbours
+        calls["pp"] += accum * neighbours
     comms = []
     known = {dim: _parts(dim) for dim in per_dim if _parts(dim)}  # [Note: flattened dims]
 
@@ -239,8 +251,9 @@ def _stage_comms(r, recipe: Recipe, layout: Layout, args, accum: int, gpn: int,
         if _degree(dim, layout) == 1:  # dp_shard_mod_ep 1 under ep = dp_shard: no wire
             continue
         link, gbps = _link(dim, layout, gpn, profile)
-        comms.append(DimComm(dim, _degree(dim, layout), link, gbps, nbytes, nbytes / (gbps * 1e9),
-                             dim not in ("tp", "pp", "ep", "cp")))
+        seconds = nbytes / (gbps * 1e9) + calls[dim] * profile.latency_s
+        comms.append(DimComm(dim, _degree(dim, layout), link, gbps, nbytes, seconds,
+                             dim not in ("tp", "pp", "ep", "cp"), calls=calls[dim]))
     return comms
 
 
@@ -270,7 +283,7 @@ def _ring_hidden(comm: DimComm, recipe: Recipe, layout: Layout, args, blocks: in
     step_s = attention / 3 * local / layout.tp / flops / layout.cp  # one ring step of its forward
     hops, last = comm.bytes_per_step / hop, blocks * accum
     exposed = max(0.0, hops - last) * max(0.0, hop_s - step_s) + min(hops, last) * hop_s
-    return max(0.0, comm.seconds - exposed)
+    return max(0.0, comm.bytes_per_step / (comm.gbps * 1e9) - exposed)  # each hop's latency stays exposed
 
 
 def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ranks, accum: int, *,
@@ -281,13 +294,14 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
     if efficiency is None:
         efficiency = default_efficiency(p.compile, layout.world_size)
     gpn = gpus_per_node or profile.devices_per_node or links.gpus_per_node
-    peak = profile.peak_flops(getattr(torch, p.param_dtype))
+    share = host_share(profile, layout.world_size, gpn)
+    peak = profile.peak_flops(getattr(torch, p.param_dtype)) / share
     tokens = t.global_batch * t.seq_len / (layout.dp * layout.cp)  # tokens per step on one rank (all its tp ranks)
     ring = p.cp_attention == "ring" and layout.cp > 1
     slowdown = RING_ATTENTION_SLOWDOWN.get(profile.device, 1.0) if ring else 1.0
     stages = []  # (compute s, critical comm s, DimComms) per stage; the step is set by the largest sum
     float8 = recipe.model.float8
-    peak8 = float8_rate(profile, float8) if float8 != "none" else peak
+    peak8 = float8_rate(profile, float8) / share if float8 != "none" else peak
     chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, args.vocab_size, layout, p.loss_parallel)
     for r in ranks:
         _, executed, in_float8 = _stage_flops_per_token(args, r.layers, r.stage == layout.pp - 1,
@@ -302,7 +316,7 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
                                                                   peak * efficiency / slowdown)) if c.dim == "cp" else c
                      for c in comms]
         # the optimizer step: every local fp32 parameter, memory-bound ([Note: the efficiency constants])
-        optimizer = r.param_bytes / 4 * OPTIMIZER_BYTES_PER_PARAM / (profile.memory_bandwidth_gbps * 1e9)
+        optimizer = r.param_bytes / 4 * OPTIMIZER_BYTES_PER_PARAM / (profile.memory_bandwidth_gbps * 1e9) * share
         stages.append((compute, sum(c.seconds - c.hidden_s for c in comms if not c.overlapped), comms, r, optimizer))
     compute, critical, comms, slowest, optimizer = max(stages, key=lambda x: x[0] + x[1] + x[4])
     overlappable = sum(c.seconds for c in comms if c.overlapped)

@@ -77,8 +77,9 @@ def extrapolate(m1: Measured, n1: int, m2: Measured, n2: int, *, n: int, period:
         segments = {k: (at(s1[k][0], s2[k][0]), {c: at(v, s2[k][1][c]) for c, v in s1[k][1].items()}) for k in s1}
         peak, at_peak = max(segments.values(), key=lambda s: s[0])  # the first of equals, as the tracker keeps
         comm = Counter({k: at(p1.comm.get(k, 0), p2.comm.get(k, 0)) for k in (*p2.comm, *p1.comm)})
+        calls = Counter({k: at(p1.calls.get(k, 0), p2.calls.get(k, 0)) for k in (*p2.calls, *p1.calls)})
         phases[name] = Phase(at(p1.start, p2.start), at(p1.end, p2.end), peak, at(p1.saved, p2.saved), at_peak,
-                             comm, segments)
+                             comm, segments, calls)
     return measured(phases, m1.n_run, accum)
 
 

@@ -7,7 +7,7 @@ the part of the peak the change shrinks most.
 from __future__ import annotations
 
 from meshpar.models import get_family
-from meshpar.planner.cost import RING_ATTENTION_SLOWDOWN, float8_rate
+from meshpar.planner.cost import RING_ATTENTION_SLOWDOWN, float8_rate, host_share
 from meshpar.planner.dry_run import Plan, RankPlan
 
 GIB = 2**30
@@ -96,12 +96,14 @@ def memory_table(plan: Plan) -> str:
 def time_table(plan: Plan) -> str:
     t = plan.time
     peak = plan.profile.peak_tflops.get(plan.recipe.parallel.param_dtype, 0)
+    share = host_share(plan.profile, plan.layout.world_size, t.gpus_per_node)
+    each = f", shared by the {share} ranks on a host" if share > 1 else ""
     w = max([14, *(len(c.dim) for c in t.comm)])  # flattened dims' names: [Note: flattened dims] in cost.py
     lines = ["step time (the slowest stage):",
              f"  {'compute':<{w}} {t.compute_s:8.3f} s   at {t.efficiency:.2f} x {peak:g} TFLOP/s "
-             f"{plan.recipe.parallel.param_dtype} (recomputation included)",
+             f"{plan.recipe.parallel.param_dtype}{each} (recomputation included)",
              f"  {'optimizer':<{w}} {t.optimizer_s:8.3f} s   clipping + AdamW, memory-bound at "
-             f"{plan.profile.memory_bandwidth_gbps:g} GB/s"]
+             f"{plan.profile.memory_bandwidth_gbps:g} GB/s{each}"]
     slowdown = RING_ATTENTION_SLOWDOWN.get(plan.profile.device, 1.0)
     if plan.recipe.parallel.cp_attention == "ring" and plan.layout.cp > 1 and slowdown > 1:
         lines.insert(2, f"  {'':<{w}} of which cp's ring attention at {slowdown:g}x the all-gather's time on "
@@ -111,8 +113,10 @@ def time_table(plan: Plan) -> str:
         how = "overlapped with compute" if c.overlapped else "on the critical path"
         if c.hidden_s and not c.overlapped:  # cp's ring: its hops run beside each ring step's attention
             how = f"{c.seconds - c.hidden_s:.3f} s of it on the critical path, the rest beside the attention"
+        latency = plan.profile.latency_s
+        calls = f" + {c.calls:,} collectives x {latency * 1e6:g} us" if latency else ""
         lines.append(f"  {c.dim:<{w}} {c.seconds:8.3f} s   {c.bytes_per_step / 1e9:9.2f} GB per step over {c.degree} "
-                     f"ranks, {c.link} {c.gbps:g} GB/s, {how}")
+                     f"ranks, {c.link} {c.gbps:g} GB/s{calls}, {how}")
     if plan.layout.pp > 1:
         lines.append(f"  pipeline bubble {t.bubble:.3f} = (p - 1) / (m + p - 1) with p = {plan.layout.pp}, "
                      f"m = {plan.accum}")

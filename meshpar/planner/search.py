@@ -43,8 +43,9 @@ import dataclasses
 import itertools
 import multiprocessing
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -53,14 +54,16 @@ from meshpar.config.hardware import HardwareProfile
 from meshpar.config.recipe import Recipe, RecipeError
 from meshpar.distributed.mesh import Layout, resolve
 from meshpar.models import get_family
+from meshpar.parallel.context_parallel.apply import ATTENTIONS
 from meshpar.parallel.parallelize import check_mixed_precision
 from meshpar.parallel.pipeline import check_microbatches, stage_layers
-from meshpar.planner.cost import _stage_flops_per_token, default_efficiency, float8_rate
+from meshpar.planner.cost import _stage_flops_per_token, default_efficiency, float8_rate, host_share
 from meshpar.training.preflight import check_context_parallel
 
 AC_MODES = ("none", "selective", "full")
 GRAD_REDUCE = ("step", "microbatch")
 MICRO_BATCHES = (1, 2, 4)
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")  # the mesh's, as parallel.<dim>
 MIN_CP_TOKENS = 8192  # tokens of each sequence a cp rank keeps at least: [Note: which cp degrees the search tries]
 
 
@@ -73,22 +76,26 @@ class Choice:
     activation_checkpoint: str  # one of AC_MODES
     reshard_after_forward: bool
     grad_reduce: str  # one of GRAD_REDUCE
+    cp_attention: str = "allgather"  # one of ATTENTIONS; tried each where cp > 1
 
     def overrides(self, dims: frozenset[str]) -> tuple[str, ...]:
         """The recipe overrides that make it, in the table's order; ep and cp only where the
         family runs them (``dims``, its ``mesh_dims``)."""
         lay = self.layout
+        cp = (f"--parallel.cp={lay.cp}", f'--parallel.cp_attention="{self.cp_attention}"') if "cp" in dims else ()
         return (f"--parallel.tp={lay.tp}", f"--parallel.pp={lay.pp}", f"--parallel.dp_replicate={lay.dp_replicate}",
                 f"--parallel.dp_shard={lay.dp_shard}", *([f"--parallel.ep={lay.ep}"] if "ep" in dims else []),
                 f"--train.micro_batch={self.micro_batch}",
                 f'--parallel.activation_checkpoint="{self.activation_checkpoint}"',
                 f"--parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}",
-                f'--parallel.grad_reduce="{self.grad_reduce}"', *([f"--parallel.cp={lay.cp}"] if "cp" in dims else []))
+                f'--parallel.grad_reduce="{self.grad_reduce}"', *cp)
 
     def apply(self, base: Recipe, dims: frozenset[str]) -> Recipe:
         """``base`` with this config: the recipe ``overrides`` load to, built from its sections."""
         lay = self.layout
         optional = {d: getattr(lay, d) for d in ("ep", "cp") if d in dims}
+        if "cp" in dims:
+            optional["cp_attention"] = self.cp_attention
         parallel = dataclasses.replace(base.parallel, tp=lay.tp, pp=lay.pp, dp_replicate=lay.dp_replicate,
                                        dp_shard=lay.dp_shard, activation_checkpoint=self.activation_checkpoint,
                                        reshard_after_forward=self.reshard_after_forward,
@@ -115,6 +122,7 @@ class Result:
     mfu: float
     step_s: float
     error: str = ""  # a candidate the planner refused, and why
+    report: str = ""  # the dry run's printed plan (meshpar/planner/report.py)
 
     def row(self) -> str:
         """One line of the table under ``HEAD``."""
@@ -137,53 +145,76 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(gpus: int, gpus_per_node: int, seq_len: int, args, dims: frozenset[str]) -> Iterator[Layout]:
+def layouts(gpus: int, gpus_per_node: int, seq_len: int, args, dims: frozenset[str],
+            fixed: Mapping[str, int] | None = None) -> Iterator[Layout]:
     """Every mesh of ``gpus`` ranks the search tries, tp slowest, then cp, pp, dp_replicate, ep.
     A dim the family does not run (``dims``) stays 1; tp divides the GPUs per node; cp as
     [Note: which cp degrees the search tries]; pp at most 16 and at most half the blocks; the
     rest is data parallel: dp_replicate 1, or hybrid (``_replicas``); ep, for a mixture-of-experts
     family, divides dp_shard (it borrows its ranks from there; with replicas the experts are
-    hybrid-sharded over dp_replicate x dp_shard / ep, Mesh.sparse) and the expert count."""
-    tps = [d for d in _divisors(gpus_per_node) if d == 1 or "tp" in dims]
-    pps = [d for d in _divisors(gpus) if d <= min(16, args.n_layers // 2) and (d == 1 or "pp" in dims)]
-    eps = _divisors(gpus) if "ep" in dims else [1]
-    for tp, cp, pp, replicate, ep in itertools.product(tps, _cp_degrees(gpus, seq_len, "cp" in dims), pps,
-                                                       _divisors(gpus), eps):
-        if gpus % (tp * cp * pp):
+    hybrid-sharded over dp_replicate x dp_shard / ep, Mesh.sparse) and the expert count. A dim in
+    ``fixed`` (degrees the user pinned: meshpar/planner/auto.py) takes only that degree."""
+    fixed = fixed or {}
+
+    def options(dim: str, default: list[int]) -> list[int]:
+        return [fixed[dim]] if dim in fixed else default
+
+    tps = options("tp", [d for d in _divisors(gpus_per_node) if d == 1 or "tp" in dims])
+    pps = options("pp", [d for d in _divisors(gpus) if d <= min(16, args.n_layers // 2) and (d == 1 or "pp" in dims)])
+    eps = options("ep", _divisors(gpus) if "ep" in dims else [1])
+    cps = options("cp", _cp_degrees(gpus, seq_len, "cp" in dims))
+    for tp, cp, pp, replicate, ep in itertools.product(tps, cps, pps, options("dp_replicate", _divisors(gpus)), eps):
+        if gpus % (tp * cp * pp) or (gpus // (tp * cp * pp)) % replicate:
             continue
         dp = gpus // (tp * cp * pp)
-        if replicate in (1, _replicas(dp, gpus_per_node // (tp * cp))) and (dp // replicate) % ep == 0 and (
-                ep == 1 or args.n_experts % ep == 0):
+        hybrid = "dp_replicate" in fixed or replicate in (1, _replicas(dp, gpus_per_node // (tp * cp)))
+        if fixed.get("dp_shard", dp // replicate) != dp // replicate:
+            continue
+        if hybrid and (dp // replicate) % ep == 0 and (ep == 1 or args.n_experts % ep == 0):
             yield Layout(pp=pp, dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp, ep=ep)
 
 
-def configs(meshes: Iterable[Layout], global_batch: int) -> Iterator[Choice]:
+def configs(meshes: Iterable[Layout], global_batch: int, pinned: Mapping[str, object] | None = None
+            ) -> Iterator[Choice]:
     """Every parallel config the search tries on ``meshes``, in its order: mesh, micro batch,
-    checkpointing, resharding, when gradients reduce. Each micro batch splits the global batch
-    over dp; not resharding after forward only without pipelining (pipeline units keep their
-    parameters gathered anyway) and reducing every microbatch only with several, and either only
-    where FSDP shards (dp_shard > 1)."""
-    for layout, mb, ac, reshard, reduce in itertools.product(meshes, MICRO_BATCHES, AC_MODES, (True, False),
-                                                             GRAD_REDUCE):
+    checkpointing, resharding, when gradients reduce, and with cp > 1 each cp attention. Each
+    micro batch splits the global batch over dp; not resharding after forward only without
+    pipelining (pipeline units keep their parameters gathered anyway) and reducing every
+    microbatch only with several, and either only where FSDP shards (dp_shard > 1). A key in
+    ``pinned`` ("train.micro_batch", "parallel.<key>") takes only that value."""
+    pinned = pinned or {}
+
+    def options(key: str, default: Iterable) -> tuple:
+        return (pinned[key],) if key in pinned else tuple(default)
+
+    for layout, mb, ac, reshard, reduce in itertools.product(
+            meshes, options("train.micro_batch", MICRO_BATCHES), options("parallel.activation_checkpoint", AC_MODES),
+            options("parallel.reshard_after_forward", (True, False)), options("parallel.grad_reduce", GRAD_REDUCE)):
         if global_batch % (layout.dp * mb):
             continue
         sharded = layout.dp_shard > 1
         n = global_batch // (layout.dp * mb)  # microbatches per step
         if (reshard or (layout.pp == 1 and sharded)) and (reduce == "step" or (n > 1 and sharded)):
-            yield Choice(layout, mb, ac, reshard, reduce)
+            attentions = ATTENTIONS if layout.cp > 1 else ("allgather",)
+            for attention in options("parallel.cp_attention", attentions):
+                yield Choice(layout, mb, ac, reshard, reduce, attention)
 
 
 def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_node: int,
-               efficiency: float | None) -> list[Candidate]:
-    """Every config of ``base`` (overrides naming model, sequence and global batch) on ``gpus``
-    that the family's and the planner's own checks accept, best bound first; among equal
-    bounds, the smaller memory first (``_memory_key``)."""
-    recipe = recipelib.load(None, base)
+               efficiency: float | None, *, path: Path | None = None,
+               pinned: Mapping[str, object] | None = None) -> list[Candidate]:
+    """Every config of ``base`` (overrides naming model, sequence and global batch; on the recipe
+    file ``path`` if given) on ``gpus`` that the family's and the planner's own checks accept, with
+    the ``pinned`` keys' values (``configs``), best bound first; among equal bounds, the smaller
+    memory first (``_memory_key``)."""
+    recipe = recipelib.load(path, base)
     family = get_family(recipe.model.family)
     args = family.model_args(recipe.model)
     t, dims = recipe.train, family.mesh_dims
+    pinned = pinned or {}
+    fixed = {k.split(".")[1]: v for k, v in pinned.items() if k.split(".")[1] in DEGREES}
     out = []
-    for choice in configs(layouts(gpus, gpus_per_node, t.seq_len, args, dims), t.global_batch):
+    for choice in configs(layouts(gpus, gpus_per_node, t.seq_len, args, dims, fixed), t.global_batch, pinned):
         lay = choice.layout
         n = t.global_batch // (lay.dp * choice.micro_batch)
         cand = choice.apply(recipe, dims)
@@ -227,14 +258,16 @@ def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, pro
     of [micro_batch, T/cp, D] each way) and context parallelism's (K and V gathered in forward,
     their gradients reduce-scattered in backward: [micro_batch, Hkv/tp, T/cp, Dh] each, from
     cp - 1 ranks; with ``cp_attention = "ring"`` only each block's last dK/dV hop, the part
-    cost.py leaves on the critical path: [Note: the ring's overlap]), stretched by the pipeline
-    bubble."""
+    cost.py leaves on the critical path: [Note: the ring's overlap]; with "ulysses" the all-to-alls
+    of q, k, v and the output and of their gradients, (cp - 1) / cp of each, kv heads not
+    repeated), stretched by the pipeline bubble."""
     t, p = recipe.train, recipe.parallel
     itemsize = getattr(torch, p.param_dtype).itemsize
     efficiency = efficiency or default_efficiency(p.compile, pp * tp * cp * dp)
-    peak = profile.peak_flops(getattr(torch, p.param_dtype))
+    share = host_share(profile, pp * tp * cp * dp, gpus_per_node)  # a CPU's ranks share its cores
+    peak = profile.peak_flops(getattr(torch, p.param_dtype)) / share
     float8 = recipe.model.float8
-    peak8 = float8_rate(profile, float8) if float8 != "none" else peak
+    peak8 = float8_rate(profile, float8) / share if float8 != "none" else peak
     gbps = profile.intra_node_gbps if tp <= gpus_per_node else profile.inter_node_gbps
     cp_gbps = profile.intra_node_gbps if gpus_per_node % (cp * tp) == 0 else profile.inter_node_gbps
     local = t.micro_batch * t.seq_len // cp  # a microbatch's tokens on one rank
@@ -242,6 +275,9 @@ def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, pro
     if cp > 1:
         hop = 2 * local * args.n_kv_heads // tp * args.resolved_head_dim * itemsize  # a rank's K and V (or dK, dV)
         kv = hop if p.cp_attention == "ring" else 2 * hop * (cp - 1)
+        if p.cp_attention == "ulysses":
+            heads = 2 * args.n_heads // tp + 2 * args.n_kv_heads // tp  # q and the output; k and v
+            kv = 2 * local * heads * args.resolved_head_dim * itemsize * (cp - 1) / cp
     worst = 0.0
     for i, layers in enumerate(stage_layers(args.n_layers, pp)):
         _, executed, in_float8 = _stage_flops_per_token(args, layers, i == pp - 1, p.activation_checkpoint,
@@ -282,7 +318,7 @@ def _memory_key(overrides: tuple[str, ...]) -> tuple:
 
 def _same_layout(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     keys = ("--parallel.tp", "--parallel.pp", "--parallel.dp_replicate", "--parallel.dp_shard", "--parallel.ep",
-            "--parallel.cp")
+            "--parallel.cp", "--parallel.cp_attention")
     return [x for x in a if x.split("=")[0] in keys] == [x for x in b if x.split("=")[0] in keys]
 
 
@@ -306,18 +342,22 @@ def evaluate(recipe: Recipe, overrides: tuple[str, ...], gpus: int, profile: Har
         return Result(overrides, "", False, 0, 0, 0.0, 0.0, 0.0, str(e))
     except RuntimeError as e:  # the simulated step itself failed: one candidate, not the search
         return Result(overrides, "", False, 0, 0, 0.0, 0.0, 0.0, f"the dry run failed: {str(e).splitlines()[0]}")
+    from meshpar.planner.report import report
+
     peak = max(r.peak_bytes for r in p.ranks)
-    return Result(overrides, str(p.layout), peak <= p.usable_bytes, peak, p.usable_bytes, p.time.tokens_per_s,
-                  p.time.mfu, p.time.step_s)
+    layout = str(p.layout) + (f" ({recipe.parallel.cp_attention})" if p.layout.cp > 1 else "")
+    return Result(overrides, layout, peak <= p.usable_bytes, peak, p.usable_bytes, p.time.tokens_per_s,
+                  p.time.mfu, p.time.step_s, report=report(p))
 
 
 def search(base: list[str], gpus: int, profile: HardwareProfile, *, gpus_per_node: int, efficiency: float | None,
-           top: int = 5, budget_s: float = 600, workers: int = 2,
+           top: int = 5, budget_s: float = 600, workers: int = 2, path: Path | None = None,
+           pinned: Mapping[str, object] | None = None,
            progress: Callable[[Result], None] | None = None) -> tuple[list[Result], int, int, bool]:
     """(results best first: those that fit, then the rest; candidates in all; candidates skipped
     because a variant needing less memory did not fit; whether the search was complete, i.e.
-    stopped by the bound rather than the budget)."""
-    cands = candidates(base, gpus, profile, gpus_per_node, efficiency)
+    stopped by the bound rather than the budget). ``path`` and ``pinned`` as ``candidates``."""
+    cands = candidates(base, gpus, profile, gpus_per_node, efficiency, path=path, pinned=pinned)
     results: list[Result] = []
     start, complete, skipped = time.perf_counter(), True, 0
     ctx = multiprocessing.get_context("spawn")
@@ -352,11 +392,22 @@ def search(base: list[str], gpus: int, profile: HardwareProfile, *, gpus_per_nod
                 results.append(result)
                 if progress is not None:
                     progress(result)
-    results.sort(key=lambda r: (not r.fits, -r.tokens_per_s))
+    results.sort(key=_rank)
     return results, len(cands), skipped, complete
 
 
-def best_recipe(base: list[str], result: Result, hardware: str) -> Recipe:
+def _rank(r: Result) -> tuple:
+    """Results' order: those that fit, fastest first; among those predicted equally fast (to the
+    table's whole tokens/s), the one with less recomputation and fewer microbatches first, costs the
+    time model leaves out (host overhead per kernel launched, [Note: the efficiency constants])."""
+    if r.error:
+        return (True, 0.0, 0, 0, r.overrides)
+    o = dict(x.removeprefix("--").split("=", 1) for x in r.overrides)
+    ac = AC_MODES.index(o["parallel.activation_checkpoint"].strip('"'))
+    return (not r.fits, -round(r.tokens_per_s), ac, -int(o["train.micro_batch"]), r.overrides)
+
+
+def best_recipe(base: list[str], result: Result, hardware: str, path: Path | None = None) -> Recipe:
     """The winning candidate as a recipe (the hardware profile recorded for MFU)."""
-    recipe = recipelib.load(None, [*base, *result.overrides])
+    recipe = recipelib.load(path, [*base, *result.overrides])
     return dataclasses.replace(recipe, metrics=dataclasses.replace(recipe.metrics, hardware=hardware))

@@ -86,6 +86,7 @@ class Phase:
     # appearance: "start" (the phase's first value), then ("in" | "out" | "grad", block position)
     # from _label_blocks (what planner/extrapolate.py reads)
     segments: dict[Hashable, tuple[int, dict[str, int]]] = field(default_factory=dict)
+    calls: Counter = field(default_factory=Counter)  # (op, mesh dim) -> collectives issued
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Measured:
     n_run: int  # microbatches run (at most 3)
     activation_bytes: int  # left alive by one microbatch's forward: what a microbatch in flight costs
     comm_bytes: Counter  # (op, mesh dim) -> bytes per optimizer step, all microbatches
+    comm_calls: Counter = field(default_factory=Counter)  # (op, mesh dim) -> collectives per optimizer step
 
     def peak(self, actions: list[tuple[str, int]]) -> tuple[int, str, int]:
         """(peak live bytes, its phase, other microbatches in flight then) over a step's ``actions``
@@ -195,7 +197,9 @@ class _Tracker(AllocationTracker):
         # ring volumes per rank, as meshpar.distributed.comm counts them ([Note: bytes counted])
         wire = {"all_gather_into_tensor": nbytes * (n - 1), "reduce_scatter_tensor": nbytes * (n - 1) / n,
                 "all_reduce": 2 * nbytes * (n - 1) / n, "all_to_all_single": nbytes * (n - 1) / n}.get(op, nbytes)
-        self.current_phase.comm[(op.removesuffix("_into_tensor").removesuffix("_tensor"), dim)] += wire
+        key = (op.removesuffix("_into_tensor").removesuffix("_tensor"), dim)
+        self.current_phase.comm[key] += wire
+        self.current_phase.calls[key] += 1
 
     @contextlib.contextmanager
     def phase(self, ph: Phase) -> Iterator[Phase]:
@@ -213,6 +217,8 @@ class _Tracker(AllocationTracker):
         ph.saved = sum(after[c] - before[c] for c in ("Activation", "Temp"))
         for (op, dim), nbytes in counted.bytes.items():  # meshpar.distributed.comm's; "extra": clipping's pp groups
             ph.comm[(op, "pp" if dim == "extra" else dim)] += nbytes
+        for (op, dim), calls in counted.calls.items():
+            ph.calls[(op, "pp" if dim == "extra" else dim)] += calls
 
 
 # [Note: DTensor's shape propagation is not memory]
@@ -360,13 +366,17 @@ def measured(phases: dict[str, Phase], n_run: int, accum: int) -> Measured:
     # graph): the price of a microbatch in flight
     activation = phases["F0"].saved
     step_comm: Counter = Counter()
+    step_calls: Counter = Counter()
     for ph in phases.values():
         step_comm.update(ph.comm)
+        step_calls.update(ph.calls)
     if accum > n_run:  # the middle microbatches are alike, and like the first without pipelining
         for name in (("F1", "B1") if n_run == 3 else ("F0", "B0")):
             for k, v in phases[name].comm.items():
                 step_comm[k] += v * (accum - n_run)
-    return Measured(phases, n_run, activation, step_comm)
+            for k, v in phases[name].calls.items():
+                step_calls[k] += v * (accum - n_run)
+    return Measured(phases, n_run, activation, step_comm, step_calls)
 
 
 @contextlib.contextmanager
