@@ -3,7 +3,7 @@
     python -m tests.benchmarks.calibrate_plan [--layouts all | 1,3,7] [--steps 2]
 
 Each layout trains the debug Llama (4 blocks, dim 256; vocabulary 8192 so the loss is a real
-part of the peak) on gloo ranks (``tests/distributed.py``) through meshpar's own code: the
+part of the peak; the debug Qwen3 MoE for the ep layouts) on gloo ranks (``tests/distributed.py``) through meshpar's own code: the
 parallelize path (``meshpar.parallel.parallelize.build``), the pipeline schedule, ``meshpar.training.step.train_step``
 (the step ``meshpar train`` runs), fused AdamW. ``meshpar.profiling.memory.AllocationTracker``
 follows every tensor storage from before the first step; the measured peak is the second
@@ -17,6 +17,7 @@ the goal is every layout within 5%.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -74,6 +75,20 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pp 2 x tp 2, gpipe, full AC": (4, ["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.tp=2",
                                         "--train.global_batch=8", "--train.micro_batch=2",
                                         '--parallel.pp_schedule="gpipe"', '--parallel.activation_checkpoint="full"']),
+    # context parallelism, each attention, plain causal and over packed documents (the masks' memory,
+    # whatever the documents: random tokens end one at id 0), and a mixture of experts with ep
+    **{f"cp 2 x dp_shard 2, {attention}{', documents' if docs else ''}": (4, [
+        "--parallel.cp=2", "--parallel.dp_shard=2", "--train.global_batch=8", "--train.micro_batch=4",
+        f'--parallel.cp_attention="{attention}"', *(['--model.attention="document"'] if docs else [])])
+       for attention in ("allgather", "ring", "ulysses") for docs in (False, True)},
+    "cp 2 x tp 2, ulysses, selective AC": (4, ["--parallel.cp=2", "--parallel.tp=2", "--parallel.dp_shard=1",
+                                               "--train.global_batch=4", "--train.micro_batch=4",
+                                               '--parallel.cp_attention="ulysses"',
+                                               '--parallel.activation_checkpoint="selective"']),
+    "qwen3_moe dp_shard 4, ep 4": (4, ["--model.family=qwen3_moe", "--parallel.dp_shard=4", "--parallel.ep=4",
+                                       "--train.global_batch=16", "--train.micro_batch=4"]),
+    "qwen3_moe dp_shard 2 x tp 2, ep 2": (4, ["--model.family=qwen3_moe", "--parallel.dp_shard=2", "--parallel.tp=2",
+                                             "--parallel.ep=2", "--train.global_batch=8", "--train.micro_batch=4"]),
 }
 
 
@@ -84,7 +99,7 @@ class _RandomBatches:
         self.shape, self.accum, self.vocab = (micro_batch, seq_len), accum, vocab
         self.generator = torch.Generator().manual_seed(0)
 
-    def next_step(self):
+    def next_step(self):  # whole sequences: train_step gives each cp rank its tokens
         return [(torch.randint(0, self.vocab, self.shape, generator=self.generator),
                  torch.randint(0, self.vocab, self.shape, generator=self.generator)) for _ in range(self.accum)]
 
@@ -117,6 +132,8 @@ def build_training(recipe: recipelib.Recipe) -> Training:
     accum = _check_batch(recipe, layout)
     family = get_family(recipe.model.family)
     args = family.model_args(recipe.model)
+    if recipe.model.attention == "document":  # random tokens: id 0 ends a document
+        args = dataclasses.replace(args, document_eos=0)
     mesh = meshlib.build(layout, "cpu")
     device = torch.device("cpu")
     chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, args.vocab_size, layout, p.loss_parallel)
