@@ -33,7 +33,7 @@ def header(plan: Plan) -> str:
             f"microbatch{'es' if plan.accum > 1 else ''} per step | compute {dtype}, reduce {p.reduce_dtype}\n"
             f"  activation checkpointing {ac} | reshard_after_forward {str(p.reshard_after_forward).lower()} | "
             f"{plan.n_params:,} parameters{_active(plan)} | "
-            f"{plan.time.model_flops_per_token / 1e9:,.1f} GFLOP per token")
+            f"{_flops(plan.time.model_flops_per_token)} per token")
 
 
 def _active(plan: Plan) -> str:
@@ -91,6 +91,11 @@ def memory_table(plan: Plan) -> str:
     row(f"free of {plan.profile.memory_gb:g} GB ({plan.usable_bytes / scale:,.2f} {unit})",
         [b(plan.usable_bytes - r.peak_bytes) for r in ranks])
     return "\n".join(lines)
+
+
+def _flops(n: float) -> str:
+    """FLOPs in GFLOP to one decimal, or MFLOP where that would print 0.0 (the debug models)."""
+    return f"{n / 1e9:,.1f} GFLOP" if n >= 0.1e9 else f"{n / 1e6:,.1f} MFLOP"
 
 
 def time_table(plan: Plan) -> str:
