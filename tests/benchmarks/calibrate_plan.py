@@ -3,9 +3,10 @@
     python -m tests.benchmarks.calibrate_plan [--layouts all | 1,3,7] [--steps 2]
 
 Each layout trains the debug Llama (4 blocks, dim 256; vocabulary 8192 so the loss is a real
-part of the peak; the debug Qwen3 MoE for the ep layouts) on gloo ranks (``tests/distributed.py``) through meshpar's own code: the
-parallelize path (``meshpar.parallel.parallelize.build``), the pipeline schedule, ``meshpar.training.step.train_step``
-(the step ``meshpar train`` runs), fused AdamW. ``meshpar.profiling.memory.AllocationTracker``
+part of the peak; the debug Qwen3 MoE for the ep layouts) on gloo ranks (``tests/distributed.py``)
+through meshpar's own code: the parallelize path (``meshpar.parallel.parallelize.build``), the
+pipeline schedule, ``meshpar.training.step.train_step`` (the step ``meshpar train`` runs), fused
+AdamW. ``meshpar.profiling.memory.AllocationTracker``
 follows every tensor storage from before the first step; the measured peak is the second
 step's (the steady state: AdamW state exists, FSDP has recorded its prefetch order, the
 pipeline has its receive buffers), the largest over each pipeline stage's ranks. The
