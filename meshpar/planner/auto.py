@@ -88,5 +88,3 @@ def _beaten(fitting: list[Result], n: int, ran: int, skipped: int, complete: boo
         lines.append(f"the winner beats the next by {fitting[0].tokens_per_s / fitting[1].tokens_per_s:.2f}x "
                      "predicted tokens/s")
     return "\n".join(lines)
-
-

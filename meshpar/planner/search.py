@@ -274,10 +274,11 @@ def _bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int, pro
     kv = 0.0  # K and V bytes a rank receives per block: none without cp (gpt2's args have no n_kv_heads)
     if cp > 1:
         hop = 2 * local * args.n_kv_heads // tp * args.resolved_head_dim * itemsize  # a rank's K and V (or dK, dV)
-        kv = hop if p.cp_attention == "ring" else 2 * hop * (cp - 1)
         if p.cp_attention == "ulysses":
             heads = 2 * args.n_heads // tp + 2 * args.n_kv_heads // tp  # q and the output; k and v
             kv = 2 * local * heads * args.resolved_head_dim * itemsize * (cp - 1) / cp
+        else:
+            kv = hop if p.cp_attention == "ring" else 2 * hop * (cp - 1)
     worst = 0.0
     for i, layers in enumerate(stage_layers(args.n_layers, pp)):
         _, executed, in_float8 = _stage_flops_per_token(args, layers, i == pp - 1, p.activation_checkpoint,
