@@ -176,10 +176,13 @@ def test_search_bound_is_above_the_planned_speed(attention):
 
 
 def test_compare_cp_plans_each_attention():
-    """``--compare-cp``: the recipe planned with each cp attention, the recipe's own marked; on an H100
-    the ring is priced slower ([Note: the ring on a GPU]), Ulysses sends q and the output too."""
-    code, out, err, plan, _ = _run(str(RECIPES / "llama_debug_cp.toml"), "--compare-cp", "--world=4")
+    """``meshpar plan`` of a cp recipe (by default: ``--compare-cp``): the recipe planned with each cp
+    attention, the recipe's own marked; on an H100 the ring is priced slower ([Note: the ring on a
+    GPU]), Ulysses sends q and the output too. An attention the layout cannot take is named with the
+    reason, and the plan still stands."""
+    code, out, err, plan, _ = _run(str(RECIPES / "llama_debug_cp.toml"), "--world=4", compare_cp=True)
     assert code == 0, err
+    assert plan.recipe.parallel.cp_attention == "allgather"
     rows = {line.split()[0].lstrip("*"): line for line in out.split("context-parallel attentions")[1].splitlines()[1:4]}
     assert set(rows) == {"allgather", "ring", "ulysses"} and rows["allgather"].lstrip().startswith("*")
 
@@ -188,3 +191,9 @@ def test_compare_cp_plans_each_attention():
 
     assert figure("ring", " s |") > figure("allgather", " s |")
     assert figure("allgather", " GB per step") > 0 and figure("ulysses", " GB per step") > 0
+    # the debug model's 8 query heads over tp 4 leave 2 a rank, which cp 4 cannot split for Ulysses
+    code, out, err, _, _ = _run(str(RECIPES / "llama_debug_cp.toml"), "--world=16", "--parallel.tp=4",
+                                "--parallel.cp=4", "--parallel.dp_shard=1", compare_cp=True)
+    assert code == 0, err
+    refused = next(line for line in out.splitlines() if line.lstrip().startswith("ulysses"))
+    assert "not at this layout" in refused and "use cp in [2]" in refused, refused

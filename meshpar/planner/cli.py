@@ -1,7 +1,7 @@
 """``meshpar plan``: will a recipe fit on its target cluster, and how fast will it run? Checked here.
 
     meshpar plan RECIPE [--world N] [--hardware h100_sxm | profiles/X.toml] [--gpus-per-node 8]
-                 [--efficiency E] [--all-params] [--section.key=value ...]
+                 [--efficiency E] [--all-params] [--no-compare-cp] [--section.key=value ...]
     meshpar plan --model llama/70b --gpus 64 [--hardware ...] [--seq 8192] [--global-batch 16]
                  [--top 5] [--budget-s 600] [--out FILE]
 
@@ -9,7 +9,8 @@ A dry run at the target world size with no GPU and no real memory (meshpar/plann
 representative rank per pipeline stage builds its part of the model through meshpar's own
 parallelize path in a fake process group, runs a training step on fake tensors, and reports
 parameter placements and local shapes, memory by category and the peak, and the step time,
-tokens/s and MFU against the hardware profile. Exit codes: 0 when every rank fits in device
+tokens/s and MFU against the hardware profile; a context-parallel recipe is planned with each cp
+attention too (``--no-compare-cp`` skips those dry runs). Exit codes: 0 when every rank fits in device
 memory, 1 when one does not (the message names what to change), 2 for a recipe error.
 
 With ``--model`` instead of a recipe it searches the layouts of that model on ``--gpus`` GPUs
@@ -80,8 +81,10 @@ def parser() -> argparse.ArgumentParser:
                     "compiled, scaled down beside collectives on more than one device: [Note: the efficiency "
                     "constants] in meshpar/planner/cost.py)")
     ap.add_argument("--all-params", action="store_true", help="print the parameter table of every stage's rank")
-    ap.add_argument("--compare-cp", action="store_true", help="with cp > 1: plan the recipe with each cp attention "
-                    "(allgather, ring, ulysses: one more dry run each) and print their step times and peaks")
+    ap.add_argument("--compare-cp", action=argparse.BooleanOptionalAction, default=True,
+                    help="with cp > 1: plan the recipe with each cp attention (allgather, ring, ulysses: one more "
+                    "dry run each) and print their step times and peaks (default; --no-compare-cp plans the "
+                    "recipe's own only)")
     search = ap.add_argument_group("search (instead of a recipe)")
     search.add_argument("--model", help="FAMILY/SIZE to search layouts for, e.g. llama/70b")
     search.add_argument("--gpus", type=int, help="GPUs to search layouts on")
@@ -126,7 +129,9 @@ def main(argv: list[str]) -> int:
     if note:
         print(f"note: {note}")
     if args.compare_cp and result.layout.cp > 1:
-        print("\n" + compare_cp(result, world, profile, args))
+        print("\ncontext-parallel attentions (parallel.cp_attention; the recipe's marked *; a dry run each, "
+              "--no-compare-cp skips them):", flush=True)
+        compare_cp(result, world, profile, args)
     fits, line = verdict(result)
     print(f"\n{line}\n(dry run in {time.perf_counter() - start:.0f} s)")
     if not fits:
@@ -134,25 +139,28 @@ def main(argv: list[str]) -> int:
     return 0 if fits else 1
 
 
-def compare_cp(result: Plan, world: int, profile: HardwareProfile, args: argparse.Namespace) -> str:
-    """The recipe planned with each context-parallel attention: step time, tokens/s, cp bytes, peak."""
-    lines = ["context-parallel attentions (parallel.cp_attention; the recipe's marked *):"]
+def compare_cp(result: Plan, world: int, profile: HardwareProfile, args: argparse.Namespace) -> None:
+    """Print the recipe planned with each context-parallel attention, a row as each dry run ends: step
+    time, tokens/s, cp bytes, peak; or why the recipe's layout cannot take that attention."""
     for attention in ATTENTIONS:
-        if attention == result.recipe.parallel.cp_attention:
+        mark = "*" if attention == result.recipe.parallel.cp_attention else " "
+        if mark == "*":
             other = result
         else:
             recipe = dataclasses.replace(result.recipe, parallel=dataclasses.replace(result.recipe.parallel,
                                                                                    cp_attention=attention))
-            other = plan(recipe, world, profile, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
+            try:
+                other = plan(recipe, world, profile, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
+            except RecipeError as e:
+                print(f" {mark}{attention:<10} not at this layout: {e}", flush=True)
+                continue
         cp = next((c for c in other.time.comm if c.dim == "cp"), None)
         peak = max(r.peak_bytes for r in other.ranks) / 2**30
-        mark = "*" if other is result else " "
         t, gb = other.time, 0 if cp is None else cp.bytes_per_step / 1e9
-        lines.append(f" {mark}{attention:<10} step {t.step_s:8.3f} s | {t.tokens_per_s:>12,.0f} tokens/s"
-                     f" | cp {gb:7.2f} GB per step | peak {peak:6.2f} GiB")
-    lines.append("  (every attention's FLOPs at the same rate but the ring's, [Note: the ring on a GPU]; the rate of\n"
-                 "  Ulysses' whole-sequence kernel call is not priced apart yet)")
-    return "\n".join(lines)
+        print(f" {mark}{attention:<10} step {t.step_s:8.3f} s | {t.tokens_per_s:>12,.0f} tokens/s"
+              f" | cp {gb:7.2f} GB per step | peak {peak:6.2f} GiB", flush=True)
+    print("  (every attention's FLOPs at the same rate but the ring's, [Note: the ring on a GPU]; the rate of\n"
+          "  Ulysses' whole-sequence kernel call is not priced apart yet)")
 
 
 def run_search(args: argparse.Namespace, overrides: list[str]) -> int:
