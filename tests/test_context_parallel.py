@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from meshpar.data.prepared import builtin_text
 from meshpar.distributed import comm_record
-from meshpar.parallel.context_parallel import ulysses as ulysseslib
+from meshpar.parallel.context_parallel import apply as applylib
 from meshpar.parallel.context_parallel.apply import ATTENTIONS, apply_context_parallel, sequence_indices, shard_sequence
 from meshpar.parallel.context_parallel.ulysses import check_heads, kv_repeats
 from meshpar.train import train
@@ -130,11 +130,11 @@ def _case_ulysses(mesh) -> dict:
                          for name, q in ref.named_parameters()})
             out[kv, balanced] = {"diff": diff, "calls": calls}
     ref, tokens, logits = reference_model()
-    order, ulysseslib._sequence_order = ulysseslib._sequence_order, lambda held: torch.arange(len(held))
+    order, applylib._sequence_order = applylib._sequence_order, lambda held: torch.arange(len(held))
     try:
         local = run_cp(ref, tokens[:, :-1], tokens[:, 1:], mesh, True, "ulysses")[0]
     finally:
-        ulysseslib._sequence_order = order
+        applylib._sequence_order = order
     out["unordered"] = (local - logits[:, sequence_indices(T, mesh.size(), mesh.get_local_rank())]).abs().max().item()
     return out
 

@@ -21,6 +21,8 @@ torch.compile attention stays eager; GPT-2 (learned positions) has no context pa
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -109,21 +111,39 @@ def shard_sequence(x: Tensor, mesh: DeviceMesh, *, balanced: bool = True) -> Ten
     return x[:, idx.to(x.device)]
 
 
+class _Indices(NamedTuple):
+    """A forward's index tensors on one device (``_Layout.indices``)."""
+
+    positions: Tensor  # [T/cp]: the global positions of this rank's tokens
+    every_rank: Tensor  # [cp, T/cp]: row r the global positions of the tokens cp rank r holds
+    order: Tensor  # [T]: the permutation that puts every rank's tokens, gathered in rank order, in sequence order
+
+
 class _Layout:
     """Where a forward's tokens sit: this rank's global positions, the order that puts every rank's
-    gathered chunks back in sequence order, and the local query chunks with how many keys each sees."""
+    gathered chunks back in sequence order, and the local query chunks with how many keys each sees.
+
+    [Note: index tensors built once]
+    Every layer of every forward needs the same few index tensors; building them (a few aranges on the
+    host) and copying them to the device each time costs host time and a host-to-device copy per layer.
+    ``indices`` keeps them per (local length, device). Tensors made under a fake-tensor mode (the
+    planner's simulation) belong to that mode and are not kept."""
 
     def __init__(self, mesh: DeviceMesh, balanced: bool) -> None:
         self.mesh, self.balanced = mesh, balanced
+        self._built: dict[tuple[int, torch.device], _Indices] = {}
 
-    def positions(self, local_len: int) -> Tensor:
-        cp = self.mesh.size()
-        return sequence_indices(local_len * cp, cp, self.mesh.get_local_rank(), balanced=self.balanced)
-
-    def every_rank(self, local_len: int) -> Tensor:
-        """[cp, T/cp]: row r the global positions of the tokens cp rank r holds."""
-        cp = self.mesh.size()
-        return torch.stack([sequence_indices(local_len * cp, cp, r, balanced=self.balanced) for r in range(cp)])
+    def indices(self, local_len: int, device: torch.device) -> _Indices:
+        key = (local_len, torch.device(device))
+        if key in self._built:
+            return self._built[key]
+        cp, rank = self.mesh.size(), self.mesh.get_local_rank()
+        every_rank = torch.stack([sequence_indices(local_len * cp, cp, r, balanced=self.balanced) for r in range(cp)])
+        every_rank = every_rank.to(device)
+        built = _Indices(every_rank[rank], every_rank, _sequence_order(every_rank.flatten()))
+        if all(type(t) is Tensor for t in built):  # [Note: index tensors built once]
+            self._built[key] = built
+        return built
 
     def query_chunks(self, local_len: int) -> list[tuple[int, int, int]]:
         """(first local query, queries, keys it may see: the sequence up to its chunk's end) per
@@ -133,6 +153,11 @@ class _Layout:
             return [(0, local_len, (rank + 1) * local_len)]
         c = local_len // 2
         return [(0, c, (rank + 1) * c), (c, c, (2 * cp - rank) * c)]
+
+
+def _sequence_order(held: Tensor) -> Tensor:
+    """The permutation that puts tokens gathered in rank order (global positions ``held``) in sequence order."""
+    return held.argsort()
 
 
 def _in_sequence_order(x: Tensor, cp: int, balanced: bool) -> Tensor:
@@ -177,7 +202,7 @@ class ContextParallelPositions(SequencePositions):
         self.layout = layout
 
     def rope(self, cos_table: Tensor, sin_table: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
-        idx = self.layout.positions(seq_len).to(cos_table.device)
+        idx = self.layout.indices(seq_len, cos_table.device).positions
         return cos_table[idx], sin_table[idx]
 
     def documents(self, cos_table: Tensor, sin_table: Tensor, tokens: Tensor, eos: int,
@@ -186,7 +211,7 @@ class ContextParallelPositions(SequencePositions):
         cp attention takes in the mask's place) and RoPE's cos, sin[B, 1, T/cp, Dh/2] at the positions
         of this rank's tokens in their documents; ``dtype`` (the mask's) is not needed."""
         doc, positions = document_ids(_whole_sequence(self.layout, tokens), eos)
-        positions = positions[:, self.layout.positions(tokens.shape[1]).to(tokens.device)]  # [B, T/cp]
+        positions = positions[:, self.layout.indices(tokens.shape[1], tokens.device).positions]  # [B, T/cp]
         return doc, cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
 
 
@@ -214,9 +239,7 @@ def _whole_sequence(layout: _Layout, tokens: Tensor) -> Tensor:
     tokens = tokens.contiguous()
     gathered = tokens.new_empty((cp, *tokens.shape))  # [cp, B, T/cp]
     comm.all_gather(gathered.view(-1), tokens.view(-1), layout.mesh.get_group(), dim="cp").wait()
-    # the global position of each gathered token, in rank order; its inverse puts them in sequence order
-    held = layout.every_rank(local_len).flatten()
-    return gathered.movedim(0, 1).flatten(1)[:, held.argsort().to(tokens.device)]
+    return gathered.movedim(0, 1).flatten(1)[:, layout.indices(local_len, tokens.device).order]
 
 
 def _documents(mask: Tensor | None) -> Tensor | None:
@@ -239,7 +262,7 @@ def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     # document mask is built and recomputed on every device
     plain = kernels.fuses_causal(q) and doc is None
     run = _chunk_attention if plain else _checkpointed_chunk_attention
-    positions = layout.positions(q.shape[2]).to(q.device)
+    positions = layout.indices(q.shape[2], q.device).positions
     out = []
     for first, n, keys in layout.query_chunks(q.shape[2]):
         docs = () if doc is None else (doc[:, positions[first:first + n]], doc[:, :keys])
@@ -252,15 +275,16 @@ def _attend_ring(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor 
     """[Note: ring attention]: q[B, H, T/cp, Dh] over every rank's k, v[B, Hkv, T/cp, Dh] in turn."""
     doc = _documents(mask)
     if doc is not None:  # each rank's tokens' documents, [B, cp, T/cp]
-        doc = doc[:, layout.every_rank(q.shape[2]).to(doc.device)]
+        doc = doc[:, layout.indices(q.shape[2], doc.device).every_rank]
     return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced, documents=doc, kernels=kernels)
 
 
 def _attend_ulysses(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                     kernels: Kernels) -> Tensor:
     """ulysses.py: q[B, H, T/cp, Dh] for H/cp heads over the whole sequence after an all-to-all."""
-    held = layout.every_rank(q.shape[2]).flatten()  # global positions in rank order
-    return ulysses_attention(q, k, v, held, layout.mesh.get_group(), _documents(mask), kernels)
+    idx = layout.indices(q.shape[2], q.device)
+    return ulysses_attention(q, k, v, idx.every_rank.flatten(), idx.order, layout.mesh.get_group(),
+                             _documents(mask), kernels)
 
 
 def _chunk_attention(q: Tensor, k: Tensor, v: Tensor, q_doc: Tensor | None = None, k_doc: Tensor | None = None,

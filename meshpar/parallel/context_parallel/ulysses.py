@@ -56,21 +56,16 @@ def _ranks_to_heads(x: Tensor, group, cp: int) -> Tensor:
     return got.view(cp, b, hl, t, d).movedim(0, 1).reshape(b, cp * hl, t, d)
 
 
-def _sequence_order(held: Tensor) -> Tensor:
-    """The permutation that puts tokens gathered in rank order (global positions ``held``) in sequence order."""
-    return held.argsort()
-
-
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, held: Tensor, group, documents: Tensor | None,
-                      kernels: Kernels) -> Tensor:
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, held: Tensor, order: Tensor, group,
+                      documents: Tensor | None, kernels: Kernels) -> Tensor:
     """q[B, H, T/cp, Dh] over k, v[B, Hkv, T/cp, Dh] of every cp rank; ``held[cp * T/cp]``: the global
-    position of each token in rank order (every rank's slice in turn); ``documents``: doc[B, T] of the
-    whole sequence for document-causal attention, or None (causal)."""
+    position of each token in rank order (every rank's slice in turn), ``order`` its inverse
+    permutation (``held.argsort()``), both on q's device; ``documents``: doc[B, T] of the whole
+    sequence for document-causal attention, or None (causal)."""
     cp = torch.distributed.get_world_size(group)
     r = kv_repeats(q.shape[1], k.shape[1], cp)
     if r > 1:  # [Note: Ulysses with grouped-query attention]
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    order = _sequence_order(held).to(q.device)
     q, k, v = (_heads_to_ranks(x.contiguous(), group, cp)[:, :, order] for x in (q, k, v))
     if documents is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -78,7 +73,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, held: Tensor, group, docu
         t = torch.arange(q.shape[2], device=q.device)
         allowed = (documents.unsqueeze(2) == documents.unsqueeze(1)) & (t.unsqueeze(0) <= t.unsqueeze(1))
         out = masked_attention(q, k, v, allowed.unsqueeze(1), kernels)  # [B, 1, T, T]
-    return _ranks_to_heads(out[:, :, held.to(q.device)], group, cp)
+    return _ranks_to_heads(out[:, :, held], group, cp)
 
 
 def check_heads(n_heads: int, n_kv_heads: int, cp: int, tp: int) -> str | None:
