@@ -23,7 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from meshpar.data.prepared import builtin_text
 from meshpar.distributed import comm_record
+from meshpar.models.attention import Kernels
 from meshpar.parallel.context_parallel import apply as applylib
+from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.parallel.context_parallel.apply import ATTENTIONS, apply_context_parallel, sequence_indices, shard_sequence
 from meshpar.parallel.context_parallel.ulysses import check_heads, kv_repeats
 from meshpar.train import train
@@ -139,8 +141,32 @@ def _case_ulysses(mesh) -> dict:
     return out
 
 
+def _case_flex(mesh) -> dict:
+    """[Note: cp attention on flex_attention]: the cp model with the all-gather's attention on flex,
+    forward only (flex has no CPU backward), causal and by document, at the shortest sequence that
+    gives each rank whole tiles: every rank's logits against one process's; and whether the flex
+    path ran (its block mask kept on the layout)."""
+    t = flexlib.BLOCK * 2 * mesh.size()
+    out = {}
+    for documents in (False, True):
+        ref = build_model("llama", "debug", n_layers=2, vocab_size=64, max_seq_len=t,
+                          document_eos=EOS if documents else -1)
+        tokens = torch.randint(0, 64, (B, t), generator=torch.Generator().manual_seed(1))  # EOS about 1 in 64
+        model = copy.deepcopy(ref)
+        apply_context_parallel(model, mesh)
+        for block in model.layers.values():
+            block.attention.inner_attention.kernels = Kernels(flex=True)
+        with torch.no_grad():
+            whole, local = ref(tokens), model(shard_sequence(tokens, mesh))
+        idx = sequence_indices(t, mesh.size(), mesh.get_local_rank())
+        layout = model.layers["0"].attention.inner_attention.layout
+        ran = layout._doc_mask is not None if documents else any(key[0] == "flex" for key in layout._built)
+        out[documents] = {"diff": ((local - whole[:, idx]).abs().max() / whole.abs().max()).item(), "flex": ran}
+    return out
+
+
 JOBS = CaseSet({"parity": (_case_parity, (2, 4)), "documents": (_case_documents, (2, 4)),
-                "ulysses": (_case_ulysses, (2, 4))}, setup=_setup, timeout=240)
+                "ulysses": (_case_ulysses, (2, 4)), "flex": (_case_flex, (2, 4))}, setup=_setup, timeout=240)
 
 
 def test_sequence_indices_balance_the_causal_work():
@@ -202,6 +228,17 @@ def test_ulysses_matches_one_process(world):
             assert worst <= TOL, (kv, balanced, rank, {k: v for k, v in case["diff"].items() if v > TOL})
             assert case["calls"] == {("all_to_all", "cp"): 8 * 2}, case["calls"]
         must_fail(lambda r=r: _close([r["unordered"]], [0.0], "unordered"), "chunks left in rank order")
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("world", [2, 4])
+def test_gather_on_flex_matches_one_process_forward(world):
+    """The all-gather's attention on flex_attention in the cp model (Kernels(flex=True)): every
+    rank's logits equal one process's to TOL, causal and by document; its backward needs CUDA
+    (tests/test_cuda.py)."""
+    for rank, r in enumerate(JOBS.check("flex", world)):
+        for documents, case in r.items():
+            assert case["flex"] and case["diff"] <= TOL, (rank, documents, case)
 
 
 def test_ulysses_kv_repeats_and_head_checks():

@@ -479,3 +479,48 @@ def test_document_chunks_on_cuda_equal_document_attention_and_avoid_the_math_ker
         assert (out.double().cpu() - ref[:, :, idx]).abs().max().item() <= tol * ref.abs().max().item(), rank
         gq = ref_in[0].grad[:, :, idx]
         assert (ql.grad.double().cpu() - gq).abs().max().item() <= tol * gq.abs().max().item(), rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_gather_on_flex_equals_masked_attention(cp, documents, dtype):
+    """The all-gather's attention on compiled flex_attention ([Note: cp attention on flex_attention];
+    the CPU suite checks its forward and its tiles, not its backward): every virtual rank's queries
+    of the balanced split over the gathered K and V under ``flex.block_mask``, forward and backward,
+    against one masked attention in float64 on the CPU; dK and dV summed over the ranks (the
+    reduce-scatter) against the whole sequence's. Tolerance as in the chunk tests above."""
+    from meshpar.models.attention import document_ids, document_mask
+    from meshpar.parallel.context_parallel import apply as cplib
+    from meshpar.parallel.context_parallel import flex as flexlib
+
+    b, h, hkv, t, d = 2, 8, 4, 1024, 64
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, t, d, generator=gen, dtype=torch.float64) for n in (h, hkv, hkv))
+    grad = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64)
+    tokens = torch.ones(b, t, dtype=torch.long)
+    tokens[0, [40, 300, 511, 700]] = 0
+    tokens[1, [127, 128]] = 0
+    doc = document_ids(tokens, eos=0)[0] if documents else None
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    mask = document_mask(tokens, 0)[0] if documents else None
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, attn_mask=mask, is_causal=not documents,
+                                                           enable_gqa=True)
+    ref.backward(grad)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for rank in range(cp):
+        idx = cplib.sequence_indices(t, cp, rank)
+        block = flexlib.block_mask(idx.cuda(), t, None if doc is None else doc.cuda())
+        ql = q[:, :, idx].to("cuda", dtype).requires_grad_()
+        kc, vc = (x.to("cuda", dtype).requires_grad_() for x in (k, v))
+        out = flexlib.attend(ql, kc, vc, block)
+        out.backward(grad[:, :, idx].to("cuda", dtype))
+        assert (out.double().cpu() - ref[:, :, idx]).abs().max().item() <= tol * ref.abs().max().item(), rank
+        gq = ref_in[0].grad[:, :, idx]
+        assert (ql.grad.double().cpu() - gq).abs().max().item() <= tol * gq.abs().max().item(), rank
+        dk += kc.grad.double().cpu()
+        dv += vc.grad.double().cpu()
+    for got, want in ((dk, ref_in[1].grad), (dv, ref_in[2].grad)):
+        assert (got - want).abs().max().item() <= tol * want.abs().max().item()
+

@@ -185,11 +185,12 @@ def c10d_functional_ops() -> Any:
 
 def attention_ops() -> tuple[Any, ...]:
     """The aten kernels behind ``F.scaled_dot_product_attention`` (flash, memory-efficient, CPU
-    flash, cuDNN), whose outputs selective activation checkpointing keeps. Public alternative: none;
-    the public function dispatches to these underscore-named ops."""
+    flash, cuDNN) and flex_attention's operator, whose outputs selective activation checkpointing
+    keeps. Public alternative: none; the public functions dispatch to these underscore-named ops."""
     aten = torch.ops.aten
     return (aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_cudnn_attention.default)
+            aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_cudnn_attention.default,
+            torch.ops.higher_order.flex_attention)
 
 
 # --- the profiler --------------------------------------------------------------------------------------

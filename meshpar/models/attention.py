@@ -77,6 +77,9 @@ class Kernels:
     expands_kv: bool | None = None  # masked GQA repeats K/V: [Note: masked grouped-query attention on CUDA]
     ring_scores: int | None = None  # scores per ring block; None: by device (context_parallel/ring.py)
     fake: bool = False  # fake tensors: a fused causal chunk gets no mask object; one ring block per chunk pair
+    # the all-gather's attention on flex_attention (context_parallel/flex.py); off by default until a GPU
+    # run has checked it ([Note: cp attention on flex_attention])
+    flex: bool = False
 
     def fuses_causal(self, q: Tensor) -> bool:
         return q.is_cuda if self.fused_causal is None else self.fused_causal

@@ -17,9 +17,9 @@ attention work under it) runs, forward and backward:
   ``causal_lower_right`` on CUDA; a built mask elsewhere);
 - ``gather-repeat``: the same with K and V first repeated to the query heads (a GQA kernel's
   alternative: more bytes read, perhaps a faster kernel);
-- ``gather-flex`` (``--flex``, CUDA only: flex_attention has no backward on the CPU): the gather's
-  chunks through ``torch.compile``d ``flex_attention`` with a bottom-right causal block mask, the
-  Triton kernel the flash kernel's share of the peak is set against;
+- ``gather-flex`` (``--flex``, CUDA only: flex_attention has no backward on the CPU): the gather on
+  flex as training runs it with ``Kernels(flex=True)`` (meshpar/parallel/context_parallel/flex.py):
+  both chunks in one compiled ``flex_attention`` call under the block mask of the rank's positions;
 - ``ring@E``: ``ring_attention``'s forward and backward with blocks of at most E scores (one
   block of queries against one key chunk; ``ring_attention.score_elements``), its hops replaced by
   local copies of the K/V chunk the ring would receive (so the forward and dQ are exact; the dK/dV
@@ -57,6 +57,7 @@ from meshpar.config.recipe import load
 from meshpar.models import get_family
 from meshpar.models.attention import Kernels
 from meshpar.parallel.context_parallel import apply as cplib
+from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.planner.cost import default_efficiency
 from tests.benchmarks.probes import median_seconds
@@ -170,17 +171,11 @@ def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int
         got["gather-repeat"] = (out.detach(), ql.grad)
 
     def gather_flex():
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        attend = torch.compile(flex_attention, dynamic=False)
-        masks = [create_block_mask(lambda b_, h_, q_idx, kv_idx, shift=keys - n: q_idx + shift >= kv_idx,
-                                   None, None, n, keys, device=device) for _, n, keys in chunks]
+        mask = flexlib.block_mask(idx[0], t)  # meshpar's path: [Note: cp attention on flex_attention]
 
         def run():
             ql.grad = kg.grad = vg.grad = None
-            out = torch.cat([attend(ql[:, :, first:first + n], kg[:, :, :keys], vg[:, :, :keys], block_mask=mask,
-                                    enable_gqa=True)
-                             for (first, n, keys), mask in zip(chunks, masks, strict=True)], dim=2)
+            out = flexlib.attend(ql, kg, vg, mask)
             out.backward(grad)
             got["gather-flex"] = (out.detach(), ql.grad)
         return run

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
 from meshpar.distributed import comm
@@ -39,6 +40,7 @@ from meshpar.models.attention import (
     document_ids,
     masked_attention,
 )
+from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.parallel.context_parallel.ring import ring_attention
 from meshpar.parallel.context_parallel.ulysses import ulysses_attention
 
@@ -131,10 +133,11 @@ class _Layout:
 
     def __init__(self, mesh: DeviceMesh, balanced: bool) -> None:
         self.mesh, self.balanced = mesh, balanced
-        self._built: dict[tuple[int, torch.device], _Indices] = {}
+        self._built: dict[tuple, _Indices | BlockMask] = {}
+        self._doc_mask: tuple[Tensor, BlockMask] | None = None
 
     def indices(self, local_len: int, device: torch.device) -> _Indices:
-        key = (local_len, torch.device(device))
+        key = ("indices", local_len, torch.device(device))
         if key in self._built:
             return self._built[key]
         cp, rank = self.mesh.size(), self.mesh.get_local_rank()
@@ -144,6 +147,21 @@ class _Layout:
         if all(type(t) is Tensor for t in built):  # [Note: index tensors built once]
             self._built[key] = built
         return built
+
+    def flex_mask(self, local_len: int, doc: Tensor | None, device: torch.device) -> BlockMask:
+        """The all-gather's block mask on flex (flex.py): kept per (length, device) when causal; with
+        documents, for the doc tensor of the forward (every layer of a forward is handed the same one)."""
+        key = ("flex", local_len, torch.device(device))
+        if doc is None and key in self._built:
+            return self._built[key]
+        if doc is not None and self._doc_mask is not None and self._doc_mask[0] is doc:
+            return self._doc_mask[1]
+        mask = flexlib.block_mask(self.indices(local_len, device).positions, local_len * self.mesh.size(), doc)
+        if doc is not None:
+            self._doc_mask = (doc, mask)
+        elif type(mask.kv_indices) is Tensor:  # [Note: index tensors built once]
+            self._built[key] = mask
+        return mask
 
     def query_chunks(self, local_len: int) -> list[tuple[int, int, int]]:
         """(first local query, queries, keys it may see: the sequence up to its chunk's end) per
@@ -258,6 +276,8 @@ def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     cp, group = layout.mesh.size(), layout.mesh.get_group()
     k = _in_sequence_order(_GatherSequence.apply(k, group), cp, layout.balanced)
     v = _in_sequence_order(_GatherSequence.apply(v, group), cp, layout.balanced)
+    if kernels.flex and flexlib.takes(q.shape[2], k.shape[2]):  # [Note: cp attention on flex_attention]
+        return flexlib.attend(q, k, v, layout.flex_mask(q.shape[2], doc, q.device))
     # [Note: the causal mask off the fused kernels]: recomputed in backward rather than kept; a
     # document mask is built and recomputed on every device
     plain = kernels.fuses_causal(q) and doc is None
