@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = [
     "REQUIRED", "CUDA_ONLY", "StridedShard", "tree_leaves", "flatten_mesh",
     "unflatten_mesh", "concatenate_meshes", "dtensor_like", "dtensor_where_it_is", "foreach_norm", "foreach_mul_",
+    "foreach_copy_",
     "local_tensor", "adam_init_group",
     "module_parameters", "forward_hook_dicts",
     "queue_backward_callback", "post_accumulate_grad_hooks", "preserve_version_counter", "c10d_functional_ops",
@@ -117,6 +118,13 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype) ->
     return list(torch._foreach_norm(tensors, ord, dtype=dtype))
 
 
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool = False) -> None:
+    """``d.copy_(s)`` for every pair, casting as ``copy_`` does, in one dispatched call (an FSDP unit's
+    parameters cast for compute: one call where a loop over a unit's parameters made one each). Public
+    alternative: a loop of ``copy_``."""
+    torch._foreach_copy_(dst, src, non_blocking=non_blocking)
+
+
 def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
     """``t.mul_(scalar)`` for every tensor (a 0-dim tensor on their device), in multi-tensor kernels.
     Public alternative: a loop of ``mul_``."""
@@ -170,10 +178,11 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list[Callable[[torch.Ten
     return list(hooks.values()) if hooks else []
 
 
-def preserve_version_counter(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Write into ``tensor`` without bumping the version counter autograd checks (FSDP refills an
-    unsharded parameter that forward already saved for backward). Public alternative: none."""
-    return torch.autograd._unsafe_preserve_version_counter(tensor)
+def preserve_version_counter(tensors: torch.Tensor | tuple[torch.Tensor, ...]) -> contextlib.AbstractContextManager:
+    """Write into ``tensors`` (one or a tuple) without bumping the version counter autograd checks
+    (FSDP refills an unsharded parameter that forward already saved for backward). Public
+    alternative: none."""
+    return torch.autograd._unsafe_preserve_version_counter(tensors)
 
 
 def c10d_functional_ops() -> Any:
@@ -351,6 +360,7 @@ REQUIRED: dict[str, str] = {
     "torch._foreach_norm": "gradient clipping (clip.py)",
     "torch.optim.Adam._init_group": "the optimizer on local shards (training/optim.py ShardLocalAdamW)",
     "torch._foreach_mul_": "gradient clipping (clip.py)",
+    "torch._foreach_copy_": "FSDP: a unit's parameters cast for compute on one rank (fsdp/unshard.py)",
     "torch.nn.Module()._parameters": "FSDP and tensor parallel: tied and replaced parameters",
     "torch.nn.Module()._forward_pre_hooks": "tensor-parallel trace labels (profiling/labels.py)",
     "torch.nn.Module()._forward_hooks": "tensor-parallel trace labels (profiling/labels.py)",

@@ -239,13 +239,6 @@ class ShardedParam:
             else:
                 out.view(world, -1).copy_(pieces)
 
-    def write_unsharded_from_local(self, dtype: torch.dtype) -> None:
-        """One rank: the unsharded parameter is the local shard, cast to ``dtype`` and written into the
-        unsharded storage in one copy (no all-gather buffer), keeping its identity as ``write_unsharded``."""
-        out = self.alloc_unsharded(dtype, 1)
-        with preserve_version_counter(self.unsharded):
-            out.copy_(self.local.view(out.shape), non_blocking=True)
-
     def local_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's chunk, shaped like the local shard, from its flat (padded) row."""
         return flat[:self.local_shape.numel()].view(self.local_shape)

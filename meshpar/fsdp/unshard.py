@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshpar.distributed import comm
+from meshpar.distributed._torch import foreach_copy_, preserve_version_counter
 from meshpar.distributed.comm_record import comm_buffers
 from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp.sharded_param import ParamState, ShardedParam
@@ -28,6 +29,17 @@ from meshpar.fsdp.streams import _wait
 
 def _is_float8(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _write_from_local(params: list[ShardedParam], dtypes: list[torch.dtype]) -> None:
+    """One rank (and replicated parameters): each parameter's whole local tensor, cast to its dtype (or
+    copied from CPU), into its unsharded storage, in one call for the unit (no all-gather buffer);
+    the unsharded parameter keeps its identity and version counter as ``write_unsharded`` keeps them."""
+    outs = [p.alloc_unsharded(dtype, 1) for p, dtype in zip(params, dtypes, strict=True)]
+    with preserve_version_counter(tuple(p.unsharded for p in params)):
+        sources = [p.local for p in params]
+        sources = [x if x.shape == out.shape else x.view(out.shape) for x, out in zip(sources, outs, strict=True)]
+        foreach_copy_(outs, sources, non_blocking=True)
 
 
 @dataclass
@@ -189,14 +201,17 @@ class GroupUnshard:
         # the local tensor is the whole parameter: replicated ones, and all on one rank ([Note: one
         # data-parallel rank]); [Note: the unsharded parameter keeps its identity] in sharded_param.py
         with trace_range("meshpar::fsdp.cast"), torch.no_grad():
+            cast: list[ShardedParam] = []
             for p in self.replicated + (self.params if self.single else []):
                 dtype = self.compute_dtype(p)
                 if p.local.device != p.compute_device or p.local.dtype != dtype:
-                    p.write_unsharded_from_local(dtype)  # cast, or copied from CPU (offload), in place
+                    cast.append(p)  # cast, or copied from CPU (offload), in place
                     continue
                 current = p.unsharded.to_local() if isinstance(p.unsharded, DTensor) else p.unsharded
                 if current is None or current.data_ptr() != p.local.data_ptr() or current.shape != p.local.shape:
                     p.unsharded, p.unsharded_padded = p.as_unsharded_param(p.local), None  # a view of the shard
+            if cast:
+                _write_from_local(cast, [self.compute_dtype(p) for p in cast])
         for p in self.all_params:
             p.to_unsharded()
             self._hook_grad(p)
