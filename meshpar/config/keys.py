@@ -248,6 +248,15 @@ class MetricsConfig:
                            choices=("auto", "on", "off"))
     tensorboard: bool = option(False, "Also write TensorBoard event files to <train.output_dir>/tensorboard "
                                       "(needs the tensorboard package).")
+    wandb: bool = option(False, "Also log what metrics.jsonl logs to Weights & Biases, from rank 0, with the "
+                                "resolved recipe as the run's config (pip install 'meshpar[wandb]'); a run resumed "
+                                "from a checkpoint continues the same W&B run.")
+    wandb_project: str = option("meshpar", "With metrics.wandb: the W&B project.")
+    wandb_name: str = option("", "With metrics.wandb: the run's display name; empty means train.output_dir's name.")
+    wandb_entity: str = option("", "With metrics.wandb: the W&B entity (team or user); empty means W&B's default.")
+    wandb_mode: str = option("online", "With metrics.wandb: online, or offline (written under "
+                                       "<train.output_dir>/wandb, uploaded later with `wandb sync`; needs no network).",
+                             choices=("online", "offline"))
 
 
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")

@@ -259,6 +259,13 @@ def check(recipe: Recipe) -> None:
             raise RecipeError("metrics.tensorboard = true needs the tensorboard package, which is not installed: "
                               "pip install tensorboard (metrics.jsonl is always written; or set "
                               "metrics.tensorboard = false)", "metrics.tensorboard")
+    if recipe.metrics.wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise RecipeError("metrics.wandb = true needs the wandb package, which is not installed: pip install "
+                              "'meshpar[wandb]' (metrics.jsonl is always written; or set metrics.wandb = false)",
+                              "metrics.wandb")
 
 
 def _toml_value(value: Any) -> str:

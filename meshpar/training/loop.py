@@ -192,7 +192,8 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
     progress_on = {"on": True, "off": False, "auto": sys.stderr.isatty()}[recipe.metrics.progress]
     progress = Progress(t.steps, enabled=progress_on and info.is_rank0, initial=start_step)
     metrics = MetricsLogger(output_dir, enabled=info.is_rank0, progress=progress, start_step=start_step,
-                            tensorboard=recipe.metrics.tensorboard)
+                            tensorboard=recipe.metrics.tensorboard,
+                            wandb=_wandb_sink(recipe, info, output_dir, start_step))
     records: list[dict[str, Any]] = []
 
     def log(record: dict[str, Any]) -> None:
@@ -271,6 +272,15 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
 
 
 # --- building the run ---------------------------------------------------------------------------------
+def _wandb_sink(recipe: Recipe, info: RankInfo, output_dir: Path, start_step: int):
+    """Rank 0's W&B run when ``metrics.wandb`` is set ([Note: one W&B run per training run]), else None."""
+    if not (recipe.metrics.wandb and info.is_rank0):
+        return None
+    from meshpar.training.wandb_sink import WandbSink
+
+    return WandbSink(recipe.metrics, output_dir, dataclasses.asdict(recipe), resumed=start_step > 0)
+
+
 def _announce(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: torch.device, info: RankInfo,
               output_dir: Path) -> None:
     """Rank 0: the resolved recipe written to ``output_dir`` and printed under the run's one-line summary."""

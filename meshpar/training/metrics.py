@@ -30,7 +30,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 class MetricsLogger:
     """Writes ``<output_dir>/metrics.jsonl`` (and TensorBoard event files under
-    ``<output_dir>/tensorboard`` when asked) and the log lines; only rank 0 writes anything.
+    ``<output_dir>/tensorboard``, and a W&B run, when asked) and the log lines; only rank 0 writes anything.
 
     A run resumed from a checkpoint at step ``start_step`` keeps the records up to that step
     and drops the later ones (written after the checkpoint, by the run that crashed), so the
@@ -38,10 +38,10 @@ class MetricsLogger:
     """
 
     def __init__(self, output_dir: Path, *, enabled: bool, progress: Progress, start_step: int = 0,
-                 tensorboard: bool = False):
+                 tensorboard: bool = False, wandb: Any = None):
         self.enabled, self.progress = enabled, progress
         self.path = output_dir / "metrics.jsonl"
-        self._tb = None
+        self._tb, self._wandb = None, wandb  # wandb: a WandbSink (meshpar/training/wandb_sink.py) or None
         if not enabled:
             return
         kept = []
@@ -68,11 +68,15 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{'val' if key.startswith('val_') else 'train'}/{key}", value, record["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(record)
         self.progress.print(format_record(record))
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def expert_load_fields(layers: Sequence[int], load: torch.Tensor, *, dropped: bool) -> dict[str, Any]:
