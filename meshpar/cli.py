@@ -68,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     show.add_argument("--keys", action="store_true", help="list every recipe key with its default and meaning")
     sub.add_parser("plan", add_help=False, help="dry-run a recipe at its target size (memory per rank, step time, "
                    "fit), or search layouts that fit: `meshpar plan --help`")
+    sub.add_parser("generate", add_help=False, help="continue a prompt from a checkpoint or a Hugging Face folder, "
+                   "greedy or sampled, in one process: `meshpar generate --help`")
     add_convert_arguments(sub.add_parser("convert", help="convert a checkpoint (DCP, Hugging Face, torch.save), "
                                          "offline, one tensor at a time", description=CONVERT_HELP))
     from meshpar.data import prepare_cli
@@ -232,6 +234,10 @@ def main(argv: list[str] | None = None) -> None:
         from meshpar.planner.cli import main as plan_main
 
         sys.exit(plan_main(argv[1:]))
+    if argv[:1] == ["generate"]:  # its own argument parser (meshpar/inference/generate.py)
+        from meshpar.inference.generate import main as generate_main
+
+        sys.exit(generate_main(argv[1:]))
     cli = parser()
     args, extra = cli.parse_known_args(argv)
     if args.command in ("convert", "checkpoint", "profile", "data"):

@@ -9,7 +9,7 @@ and ``|``; leading ``NAME=value`` words are skipped. Each command is checked by 
   parser (``meshpar plan`` by the planner's); for ``train``, ``recipe`` and ``plan`` the recipe is
   loaded with its overrides and its layout checked at its world size, as before a launch, so a
   renamed key, a missing recipe file or an impossible layout fails here; ``plan --model F/S`` checks
-  the model against the registry;
+  the model against the registry; ``generate``'s flags are parsed by its own parser;
 - ``torchrun ... -m meshpar.train RECIPE ...``, ``python -m meshpar.train RECIPE ...`` and
   ``sbatch scripts/slurm.sbatch RECIPE ...``: the same for the recipe;
 - ``python -m pytest ...``: every marker named by ``-m`` is registered in pyproject.toml, and every
@@ -190,6 +190,12 @@ def _meshpar(args: list[str]) -> None:
             raise ParseError("meshpar plan needs a RECIPE or --model FAMILY/SIZE --gpus N")
         else:
             _recipe(ns.recipe, overrides, ns.world)
+        return
+    if args[:1] == ["generate"]:  # its own parser: the flags parse (the folders are a run's outputs)
+        from meshpar.inference.generate import parser as generate_parser
+
+        with _argparse_errors():
+            generate_parser().parse_args(args[1:])
         return
     with _argparse_errors():
         ns, extra = cli.parser().parse_known_args(args)  # meshpar/cli.py builds the parser here

@@ -1,0 +1,1 @@
+"""Inference in one process: ``meshpar generate`` (generate.py)."""

@@ -1,0 +1,208 @@
+"""``meshpar generate``: text from a meshpar checkpoint (any layout) or a Hugging Face folder, in one
+process (CPU or one GPU), greedy or sampled, with a KV cache.
+
+    meshpar generate CHECKPOINT_OR_HF_FOLDER --prompt "..." [--max-new-tokens 64]
+                     [--temperature 0] [--top-p 1.0] [--seed 0] [--device cpu|cuda] [--dtype float32]
+
+[Note: a KV cache through the model's slots]
+The model files hold no inference code. Generation fills the two slots training's parallelism uses
+(meshpar/models/attention.py): the model's ``positions`` gives RoPE at the positions after the
+tokens already cached, and every block's ``attention.inner_attention`` writes this forward's keys
+and values into the cache and attends over everything cached: the last ``n`` of ``keys`` queries
+see the keys up to themselves (the bottom-right causal mask; none for one new token). The prompt is
+one forward (prefill), each new token one more; ``KVCache.advance`` moves the offset after a
+forward, so every layer of one forward writes at the same place. A forward computes what the
+whole-sequence forward computes for the same rows, in another summation order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshpar.models.attention import InnerAttention, SequencePositions
+
+
+class KVCache:
+    """Keys and values of every layer for one sequence, [1, Hkv, capacity, Dh] each, filled up to ``length``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.length = capacity, 0
+        self.layers: list[tuple[Tensor, Tensor] | None] = []
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this forward's k, v[B, Hkv, n, Dh] of ``layer`` at the offset; every cached key and value."""
+        while len(self.layers) <= layer:
+            self.layers.append(None)
+        if self.layers[layer] is None:
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.layers[layer] = (k.new_empty(shape), v.new_empty(shape))
+        ks, vs = self.layers[layer]
+        end = self.length + k.shape[2]
+        ks[:, :, self.length:end], vs[:, :, self.length:end] = k, v
+        return ks[:, :, :end], vs[:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+
+class CachedPositions(SequencePositions):
+    """The ``positions`` slot while generating: a forward's tokens follow the cached ones."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def rope(self, cos_table: Tensor, sin_table: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+        start = self.cache.length
+        return cos_table[start:start + seq_len], sin_table[start:start + seq_len]
+
+    def documents(self, cos_table: Tensor, sin_table: Tensor, tokens: Tensor, eos: int,
+                  dtype: torch.dtype) -> tuple[None, Tensor, Tensor]:
+        """A model trained with document-causal attention generates one document: plain causal."""
+        cos, sin = self.rope(cos_table, sin_table, tokens.shape[1])
+        return None, cos, sin
+
+
+class CachedAttention(InnerAttention):
+    """An ``inner_attention`` slot while generating: [Note: a KV cache through the model's slots]."""
+
+    def __init__(self, cache: KVCache, layer: int) -> None:
+        super().__init__()
+        self.cache, self.layer = cache, layer
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        k, v = self.cache.write(self.layer, k, v)
+        n, keys = q.shape[2], k.shape[2]
+        allowed = None if n == 1 else torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(keys - n)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+
+
+def use_cache(model: nn.Module, capacity: int) -> KVCache:
+    """Fill ``model``'s slots with a fresh cache of ``capacity`` tokens (a Llama-family or MoE model)."""
+    if not hasattr(model, "positions") or not all(hasattr(b, "attention") for b in model.layers.values()):
+        raise ValueError(f"{type(model).__name__} has no positions and attention slots: generation is built for the "
+                         "RoPE families (llama, qwen2, qwen3, qwen3_moe, mixtral), not for GPT-2's learned positions")
+    if capacity > model.args.max_seq_len:
+        raise ValueError(f"{capacity} tokens exceed the model's max_seq_len {model.args.max_seq_len}: shorten the "
+                         "prompt or --max-new-tokens")
+    cache = KVCache(capacity)
+    model.positions = CachedPositions(cache)
+    for i, block in enumerate(model.layers.values()):
+        block.attention.inner_attention = CachedAttention(cache, i)
+    return cache
+
+
+def next_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """Greedy (``temperature`` 0), or a draw at ``temperature`` from the smallest set of tokens whose
+    probabilities reach ``top_p`` (nucleus sampling)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    keep = sorted_probs.cumsum(0) - sorted_probs < top_p  # the token that crosses top_p stays
+    sorted_probs = sorted_probs * keep
+    pick = torch.multinomial(sorted_probs.cpu() / sorted_probs.sum().cpu(), 1, generator=generator)
+    return int(order[pick.to(order.device)])
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, stop: int | None = None) -> list[int]:
+    """The tokens ``model`` continues ``prompt`` with: at most ``max_new_tokens``, ending early after
+    ``stop`` (an end-of-text id). Fills the model's slots with a KV cache (``use_cache``)."""
+    if not prompt:
+        raise ValueError("an empty prompt: give at least one token")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature {temperature} must be >= 0 and top_p {top_p} in (0, 1]")
+    model.eval()
+    cache = use_cache(model, len(prompt) + max_new_tokens)
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    tokens, out = torch.tensor([list(prompt)], device=device), []
+    for _ in range(max_new_tokens):
+        logits = model(tokens)[0, -1]
+        cache.advance(tokens.shape[1])
+        token = next_token(logits, temperature, top_p, generator)
+        out.append(token)
+        if token == stop:
+            break
+        tokens = torch.tensor([[token]], device=device)
+    return out
+
+
+def load_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of a meshpar checkpoint folder (saved at any layout) or a Hugging Face folder, in one
+    process, read one tensor at a time (meshpar/convert)."""
+    from meshpar.convert.stream import open_checkpoint
+    from meshpar.models import get_family
+
+    source = open_checkpoint(path)
+    spec = source.spec
+    with torch.device("meta"):
+        model = get_family(spec.family).model_cls(spec.args)
+    model.to_empty(device=device)
+    model.init_weights()  # derived buffers (RoPE tables); every parameter is then read
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in state.items():
+            value.copy_(source.read(f"model.{name}"))
+    return model.to(dtype)
+
+
+def load_tokenizer_for(path: str | Path):
+    """The tokenizer a checkpoint or Hugging Face folder carries (tokenizer.json), or the byte tokenizer
+    its recipe names."""
+    from meshpar.config import recipe as recipelib
+    from meshpar.data.tokenizer import ByteTokenizer, load_tokenizer
+
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return load_tokenizer(str(path))
+    recipe = path / "recipe.toml"
+    if recipe.is_file() and recipelib.load(recipe, []).data.tokenizer == "byte":
+        return ByteTokenizer()
+    raise ValueError(f"{path}: no tokenizer.json, and no recipe.toml naming data.tokenizer = \"byte\"; "
+                     "generate from a folder that holds its tokenizer")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="meshpar generate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("path", help="a checkpoint folder <output_dir>/checkpoints/step_<N>, or a Hugging Face folder")
+    ap.add_argument("--prompt", required=True, help="the text to continue")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: nucleus sampling's mass")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    from meshpar.convert.spec import ConvertError
+
+    try:
+        tokenizer = load_tokenizer_for(args.path)
+        model = load_model(args.path, device=args.device, dtype=getattr(torch, args.dtype))
+        prompt = tokenizer.encode(args.prompt)
+        if getattr(tokenizer, "bos_id", None) is not None:
+            prompt = [tokenizer.bos_id, *prompt]
+        start = time.perf_counter()
+        out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       seed=args.seed, stop=getattr(tokenizer, "eos_id", None))
+        seconds = time.perf_counter() - start
+        text = tokenizer.decode(out)
+    except (ConvertError, ValueError) as e:
+        print(f"meshpar: error: {e}", file=sys.stderr)
+        return 2
+    print(args.prompt + text)
+    print(f"meshpar: {len(out)} tokens in {seconds:.2f} s ({len(out) / seconds:,.1f} tokens/s)", file=sys.stderr)
+    return 0
