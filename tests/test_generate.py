@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from meshpar import convert as cv
+from meshpar.config.recipe import RecipeError
 from meshpar.inference import generate as genlib
 from meshpar.models import get_family
 from meshpar.train import train
-from tests.helpers import SMALL, load_recipe
+from tests.distributed import run_distributed
+from tests.helpers import SMALL, load_recipe, train_on_rank
 from tests.test_convert import random_model, save_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save(no_dist=True)
@@ -123,3 +126,50 @@ def test_cli_continues_a_prompt_from_a_trained_checkpoint(tmp_path, data_cache, 
     out, err = capsys.readouterr()
     assert done.value.code == 0, err
     assert out.startswith("To be") and len(out.rstrip("\n")) > len("To be") and "5 tokens in" in err
+
+
+SAMPLING = ["--train.sample_every=2", '--train.sample_prompt="To be"', "--train.sample_tokens=12"]
+
+
+def _samples_match_the_checkpoints(out) -> list[dict]:
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [2, 4] and all(s["text"] for s in samples)
+    for s in samples:  # the greedy tokens of the checkpoint saved at that step, in one process
+        model = genlib.load_model(out / "checkpoints" / f"step_{s['step']}")
+        assert genlib.generate(model, list(b"To be"), 12) == s["tokens"], s["step"]
+    return samples
+
+
+def test_samples_during_training_leave_it_unchanged(tmp_path, data_cache):
+    """train.sample_every on one rank: each sample is the greedy continuation the checkpoint of its
+    step gives ``meshpar generate``, and the run's losses equal a run without samples bit for bit
+    (the slots and the mode are put back)."""
+    base = [*SMALL, "--train.steps=4", "--checkpoint.every=2"]
+    sampled = train(load_recipe("llama_debug.toml", tmp_path / "sampled", *base, *SAMPLING)).records
+    plain = train(load_recipe("llama_debug.toml", tmp_path / "plain", *base)).records
+    assert [r for r in sampled if "loss" in r] and _strip(sampled) == _strip(plain)
+    _samples_match_the_checkpoints(tmp_path / "sampled")
+
+
+def _strip(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "mem_gb")} for r in records]
+
+
+@pytest.mark.timeout(240)
+def test_samples_under_fsdp_are_one_process_greedy_tokens(tmp_path, data_cache):
+    """train.sample_every at dp_shard 2: both ranks run the sample (each forward gathers the
+    parameters); it is what one process generates from the checkpoint of that step."""
+    recipe = load_recipe("llama_debug_fsdp.toml", tmp_path, *SMALL, "--train.steps=4", "--checkpoint.every=2",
+                         *SAMPLING)
+    run_distributed(train_on_rank, 2, recipe, timeout=200, init_process_group=False)
+    _samples_match_the_checkpoints(tmp_path)
+
+
+@pytest.mark.parametrize("override, named", [("--parallel.cp=2", "parallel.cp = 2"), ("--parallel.tp=2", "parallel.tp"),
+                                             ("--parallel.compile=true", "parallel.compile")])
+def test_sampling_refuses_what_it_does_not_run_on(tmp_path, override, named):
+    from meshpar.training.preflight import preflight
+
+    recipe = load_recipe("llama_debug.toml", tmp_path, *SAMPLING, override, "--parallel.dp_shard=1")
+    with pytest.raises(RecipeError, match=named):
+        preflight(recipe, 2 if "cp" in override or "tp" in override else 1)

@@ -150,6 +150,11 @@ class TrainConfig:
     seq_len: int = option(256, "Tokens per sequence.", ge=2)
     eval_every: int = option(50, "Validation loss every this many steps (and after the last); 0 turns it off.", ge=0)
     eval_batches: int = option(4, "Global batches of held-out data per validation.", ge=1)
+    sample_every: int = option(0, "Print (and write to <output_dir>/samples.jsonl) the model's greedy continuation "
+                                  "of train.sample_prompt every this many steps (and after the last); 0 turns it "
+                                  "off. Every rank runs it (pp = 1, cp = 1, without parallel.compile).", ge=0)
+    sample_prompt: str = option("\n", "With train.sample_every: the text the sample continues.")
+    sample_tokens: int = option(48, "With train.sample_every: tokens generated per sample.", ge=1)
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu or cuda.", choices=("auto", "cpu", "cuda"))
     on_nonfinite: str = option("stop", "A non-finite loss or gradient norm: stop (an error naming the step and the "
                                "first parameter with a non-finite gradient; no checkpoint of the bad state) or "

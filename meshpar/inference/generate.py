@@ -18,9 +18,10 @@ whole-sequence forward computes for the same rows, in another summation order.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -84,6 +85,20 @@ class CachedAttention(InnerAttention):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
 
 
+@contextlib.contextmanager
+def cached(model: nn.Module, capacity: int) -> Iterator[KVCache]:
+    """``use_cache`` for the ``with`` block, the model's own slots and mode put back after it."""
+    slots = model.positions, [block.attention.inner_attention for block in model.layers.values()]
+    training = model.training
+    try:
+        yield use_cache(model, capacity)
+    finally:
+        model.positions = slots[0]
+        for block, attention in zip(model.layers.values(), slots[1], strict=True):
+            block.attention.inner_attention = attention
+        model.train(training)
+
+
 def use_cache(model: nn.Module, capacity: int) -> KVCache:
     """Fill ``model``'s slots with a fresh cache of ``capacity`` tokens (a Llama-family or MoE model)."""
     if not hasattr(model, "positions") or not all(hasattr(b, "attention") for b in model.layers.values()):
@@ -116,25 +131,33 @@ def next_token(logits: Tensor, temperature: float, top_p: float, generator: torc
 def generate(model: nn.Module, prompt: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, stop: int | None = None) -> list[int]:
     """The tokens ``model`` continues ``prompt`` with: at most ``max_new_tokens``, ending early after
-    ``stop`` (an end-of-text id). Fills the model's slots with a KV cache (``use_cache``)."""
+    ``stop`` (an end-of-text id), with a KV cache in the model's slots for the call (``cached``).
+    Under FSDP every rank calls it alike (each forward gathers the parameters)."""
     if not prompt:
         raise ValueError("an empty prompt: give at least one token")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature {temperature} must be >= 0 and top_p {top_p} in (0, 1]")
-    model.eval()
-    cache = use_cache(model, len(prompt) + max_new_tokens)
-    device = next(model.parameters()).device
+    device = _device(model)
     generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
     tokens, out = torch.tensor([list(prompt)], device=device), []
-    for _ in range(max_new_tokens):
-        logits = model(tokens)[0, -1]
-        cache.advance(tokens.shape[1])
-        token = next_token(logits, temperature, top_p, generator)
-        out.append(token)
-        if token == stop:
-            break
-        tokens = torch.tensor([[token]], device=device)
+    with cached(model, len(prompt) + max_new_tokens) as cache:
+        model.eval()
+        for _ in range(max_new_tokens):
+            logits = model(tokens)[0, -1]
+            logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # a DTensor
+            cache.advance(tokens.shape[1])
+            token = next_token(logits, temperature, top_p, generator)
+            out.append(token)
+            if token == stop:
+                break
+            tokens = torch.tensor([[token]], device=device)
     return out
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where the model computes (a sharded parameter's local tensor's device)."""
+    p = next(model.parameters())
+    return p.to_local().device if hasattr(p, "to_local") else p.device
 
 
 def load_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:

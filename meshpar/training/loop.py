@@ -221,6 +221,9 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
             if should_evaluate(step, t.eval_every, t.steps):
                 log({"step": step, "val_loss": evaluate(model, corpus.val, recipe, mesh, device)})
                 clock.restart()  # validation time is not training throughput
+            if should_evaluate(step, t.sample_every, t.steps):
+                _sample(model.stages[0], corpus.tokenizer, recipe, step, info, output_dir, progress)
+                clock.restart()
             saved = ckpt is not None and should_save(step, recipe.checkpoint.every, t.steps)
             if saved:
                 with label("checkpoint.save"):
@@ -269,6 +272,25 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
     if mesh.layout.cp > 1:
         dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh["cp"].get_group())
     return total.item()
+
+
+def _sample(model: torch.nn.Module, tokenizer: Any, recipe: Recipe, step: int, info: RankInfo, output_dir: Path,
+            progress: Progress) -> None:
+    """train.sample_every: the model's greedy continuation of train.sample_prompt, run by every rank
+    (pp = 1: the one stage is the model), printed and appended to samples.jsonl by rank 0."""
+    from meshpar.inference.generate import generate
+
+    t = recipe.train
+    prompt = tokenizer.encode(t.sample_prompt)
+    if getattr(tokenizer, "bos_id", None) is not None:
+        prompt = [tokenizer.bos_id, *prompt]
+    out = generate(model, prompt, max(1, min(t.sample_tokens, t.seq_len - len(prompt))),
+                   stop=getattr(tokenizer, "eos_id", None))
+    if info.is_rank0:
+        text = tokenizer.decode(out)
+        with (output_dir / "samples.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "prompt": t.sample_prompt, "tokens": out, "text": text}) + "\n")
+        progress.print(f"step {step:>6} | sample: {t.sample_prompt + text!r}")
 
 
 # --- building the run ---------------------------------------------------------------------------------

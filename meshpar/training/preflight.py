@@ -152,6 +152,30 @@ def _check_tokenizer_vocabulary(name: str, vocab_size: int, args: Any) -> None:
                           "data.tokenizer")
 
 
+def _check_sampling(recipe: Recipe, args: Any) -> None:
+    """train.sample_every: what the sampler in the loop (meshpar/inference/generate.py) runs on."""
+    p = recipe.parallel
+    for key, value, why in (("pp", p.pp, "a pipeline stage holds part of the model"),
+                            ("cp", p.cp, "its attention fills the slot the KV cache takes"),
+                            ("tp", p.tp, "one-token forwards under sequence parallelism are not checked"),
+                            ("ep", p.ep, "one-token forwards through the experts' all-to-alls are not checked")):
+        if value > 1:
+            raise RecipeError(f"train.sample_every with parallel.{key} = {value} is not built ({why}); set "
+                              f"train.sample_every = 0, or sample from a checkpoint with `meshpar generate`",
+                              "train.sample_every")
+    if p.compile:
+        raise RecipeError("train.sample_every with parallel.compile = true is not built (each new length would "
+                          "recompile the blocks); set train.sample_every = 0, or sample from a checkpoint with "
+                          "`meshpar generate`", "train.sample_every")
+    if hasattr(args, "n_experts"):
+        raise RecipeError(f"train.sample_every with the mixture-of-experts family '{recipe.model.family}' is not "
+                          "built (its forwards count expert loads for the step's metrics); set train.sample_every "
+                          "= 0, or sample from a checkpoint with `meshpar generate`", "train.sample_every")
+    if not hasattr(args, "rope_theta"):
+        raise RecipeError(f"train.sample_every: model family '{recipe.model.family}' has no KV cache (learned "
+                          "positions); set train.sample_every = 0", "train.sample_every")
+
+
 def preflight(recipe: Recipe, world_size: int) -> Preflight:
     """Every check that needs no process group; raises RecipeError naming the key to change.
 
@@ -163,9 +187,14 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
     if t.eval_every and recipe.data.val_fraction == 0:
         raise RecipeError("train.eval_every > 0 needs held-out data; set data.val_fraction > 0 or "
                           "train.eval_every = 0")
+    if t.sample_every:
+        _check_sampling(recipe, args)
     if recipe.data.tokenizer not in ("bpe", "byte", "auto"):  # a tokenizer file: its vocabulary before tokenizing
         _check_tokenizer_vocabulary(recipe.data.tokenizer, load_tokenizer(recipe.data.tokenizer).vocab_size, args)
     corpus = prepare(recipe.data, recipe.checkpoint.hf_weights)
+    if t.sample_every and corpus.tokenizer is None:
+        raise RecipeError("train.sample_every needs a tokenizer to write text; token files have none: set "
+                          "train.sample_every = 0", "train.sample_every")
     if corpus.vocab_size > args.vocab_size:
         if recipe.data.tokenizer not in ("bpe", "byte") and corpus.tokenizer is not None \
                 and not isinstance(corpus.tokenizer, (BPETokenizer, ByteTokenizer)):
