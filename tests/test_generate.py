@@ -1,6 +1,7 @@
-"""``meshpar generate`` (meshpar/inference/generate.py): the KV cache against recomputing the whole
-sequence at every token, sampling, loading a checkpoint or a Hugging Face folder, and greedy tokens
-against transformers' ``generate`` on the same folder.
+"""``meshpar generate`` (meshpar/inference/generate.py, meshpar/models/decode.py): the KV cache
+against recomputing the whole sequence at every token, sampling, loading a checkpoint or a Hugging
+Face folder, greedy tokens against transformers' ``generate`` on the same folder, and samples
+during training (``train.sample_every``).
 
 Parity in float64: the cached forward and the whole-sequence forward compute the same rows in
 another summation order (~1e-15 relative), so their logits agree to 1e-10 and their greedy tokens
@@ -18,7 +19,8 @@ import torch
 
 from meshpar import convert as cv
 from meshpar.config.recipe import RecipeError
-from meshpar.inference import generate as genlib
+from meshpar.inference.generate import load_model
+from meshpar.models import decode as genlib
 from meshpar.models import get_family
 from meshpar.train import train
 from tests.distributed import run_distributed
@@ -94,7 +96,7 @@ def test_a_checkpoint_and_its_hugging_face_folder_load_the_same_model(tmp_path):
     cv.convert(tmp_path / "step_3", tmp_path / "hf", "hf", progress=False)
     want = random_model("llama").state_dict()
     for path in (tmp_path / "step_3", tmp_path / "hf"):
-        got = genlib.load_model(path).state_dict()
+        got = load_model(path).state_dict()
         assert sorted(got) == sorted(want)
         for name, value in want.items():
             assert torch.equal(got[name], value), (path.name, name)
@@ -111,7 +113,7 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path):
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, len(PROMPT):].tolist()
-    ours = genlib.generate(genlib.load_model(tmp_path / "hf", dtype=torch.float64), PROMPT, 24)
+    ours = genlib.generate(load_model(tmp_path / "hf", dtype=torch.float64), PROMPT, 24)
     assert ours == theirs and len(set(ours)) > 3, (ours, theirs)
 
 
@@ -135,7 +137,7 @@ def _samples_match_the_checkpoints(out) -> list[dict]:
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [2, 4] and all(s["text"] for s in samples)
     for s in samples:  # the greedy tokens of the checkpoint saved at that step, in one process
-        model = genlib.load_model(out / "checkpoints" / f"step_{s['step']}")
+        model = load_model(out / "checkpoints" / f"step_{s['step']}")
         assert genlib.generate(model, list(b"To be"), 12) == s["tokens"], s["step"]
     return samples
 

@@ -168,7 +168,7 @@ LAYERS = (
     ("profiling", "data", "corpus"),
     ("models", "parallel"),
     ("training",),
-    ("planner", "convert"),
+    ("planner", "convert", "inference"),
     ("train", "cli", "__main__", ""),
 )
 

@@ -278,7 +278,7 @@ def _sample(model: torch.nn.Module, tokenizer: Any, recipe: Recipe, step: int, i
             progress: Progress) -> None:
     """train.sample_every: the model's greedy continuation of train.sample_prompt, run by every rank
     (pp = 1: the one stage is the model), printed and appended to samples.jsonl by rank 0."""
-    from meshpar.inference.generate import generate
+    from meshpar.models.decode import generate
 
     t = recipe.train
     prompt = tokenizer.encode(t.sample_prompt)
