@@ -175,3 +175,13 @@ def test_sampling_refuses_what_it_does_not_run_on(tmp_path, override, named):
     recipe = load_recipe("llama_debug.toml", tmp_path, *SAMPLING, override, "--parallel.dp_shard=1")
     with pytest.raises(RecipeError, match=named):
         preflight(recipe, 2 if "cp" in override or "tp" in override else 1)
+
+
+def test_cli_errors_name_the_path_and_the_fix(tmp_path, capsys):
+    from meshpar.inference.generate import main
+
+    assert main([str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text('{"model_type": "gemma3_text"}')
+    assert main([str(tmp_path), "--prompt", "hi"]) == 2
+    assert "not a family meshpar converts" in capsys.readouterr().err

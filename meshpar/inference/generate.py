@@ -71,8 +71,8 @@ def main(argv: list[str]) -> int:
     from meshpar.convert.spec import ConvertError
 
     try:
-        tokenizer = load_tokenizer_for(args.path)
         model = load_model(args.path, device=args.device, dtype=getattr(torch, args.dtype))
+        tokenizer = load_tokenizer_for(args.path)
         prompt = tokenizer.encode(args.prompt)
         if getattr(tokenizer, "bos_id", None) is not None:
             prompt = [tokenizer.bos_id, *prompt]
