@@ -202,16 +202,18 @@ class GroupUnshard:
         # data-parallel rank]); [Note: the unsharded parameter keeps its identity] in sharded_param.py
         with trace_range("meshpar::fsdp.cast"), torch.no_grad():
             cast: list[ShardedParam] = []
+            dtypes: list[torch.dtype] = []
             for p in self.replicated + (self.params if self.single else []):
                 dtype = self.compute_dtype(p)
                 if p.local.device != p.compute_device or p.local.dtype != dtype:
                     cast.append(p)  # cast, or copied from CPU (offload), in place
+                    dtypes.append(dtype)
                     continue
                 current = p.unsharded.to_local() if isinstance(p.unsharded, DTensor) else p.unsharded
                 if current is None or current.data_ptr() != p.local.data_ptr() or current.shape != p.local.shape:
                     p.unsharded, p.unsharded_padded = p.as_unsharded_param(p.local), None  # a view of the shard
             if cast:
-                _write_from_local(cast, [self.compute_dtype(p) for p in cast])
+                _write_from_local(cast, dtypes)
         for p in self.all_params:
             p.to_unsharded()
             self._hook_grad(p)
