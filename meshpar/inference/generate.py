@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshpar.models.decode import generate
+from meshpar.models.decode import generate, prompt_ids
 
 
 def load_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -73,9 +73,7 @@ def main(argv: list[str]) -> int:
     try:
         model = load_model(args.path, device=args.device, dtype=getattr(torch, args.dtype))
         tokenizer = load_tokenizer_for(args.path)
-        prompt = tokenizer.encode(args.prompt)
-        if getattr(tokenizer, "bos_id", None) is not None:
-            prompt = [tokenizer.bos_id, *prompt]
+        prompt = prompt_ids(tokenizer, args.prompt)
         start = time.perf_counter()
         out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                        seed=args.seed, stop=getattr(tokenizer, "eos_id", None))

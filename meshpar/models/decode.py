@@ -120,6 +120,13 @@ def next_token(logits: Tensor, temperature: float, top_p: float, generator: torc
     return int(order[pick.to(order.device)])
 
 
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids as a model sees a document's start: the tokenizer's BOS first, if it has one."""
+    ids = tokenizer.encode(text)
+    bos = getattr(tokenizer, "bos_id", None)
+    return ids if bos is None else [bos, *ids]
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, stop: int | None = None) -> list[int]:

@@ -278,12 +278,10 @@ def _sample(model: torch.nn.Module, tokenizer: Any, recipe: Recipe, step: int, i
             progress: Progress) -> None:
     """train.sample_every: the model's greedy continuation of train.sample_prompt, run by every rank
     (pp = 1: the one stage is the model), printed and appended to samples.jsonl by rank 0."""
-    from meshpar.models.decode import generate
+    from meshpar.models.decode import generate, prompt_ids
 
     t = recipe.train
-    prompt = tokenizer.encode(t.sample_prompt)
-    if getattr(tokenizer, "bos_id", None) is not None:
-        prompt = [tokenizer.bos_id, *prompt]
+    prompt = prompt_ids(tokenizer, t.sample_prompt)
     out = generate(model, prompt, max(1, min(t.sample_tokens, t.seq_len - len(prompt))),
                    stop=getattr(tokenizer, "eos_id", None))
     if info.is_rank0:
