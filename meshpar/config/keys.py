@@ -198,8 +198,15 @@ class DataConfig:
                            "made by `meshpar data prepare`; or a file of token ids (see format).")
     format: str = option("auto", "auto: by each file's extension (documents, .npy token arrays, prepared folders); "
                                  "text (the same, kept for older recipes); uint16 / uint32 for a pre-tokenized file "
-                                 "of raw little-endian token ids (memory-mapped).",
-                         choices=("auto", "text", "uint16", "uint32"))
+                                 "of raw little-endian token ids (memory-mapped); chat: supervised fine-tuning on "
+                                 "conversations (.jsonl / .parquet / .arrow rows of messages, or prompt and "
+                                 "completion; empty path: dialogues of the built-in plays), the loss on the "
+                                 "assistant's tokens only, whole conversations packed per sequence (needs "
+                                 "model.attention = \"document\").",
+                         choices=("auto", "text", "uint16", "uint32", "chat"))
+    chat_template: str = option("", "With format = chat: a Jinja chat template file; empty means the tokenizer "
+                                    "folder's own (tokenizer_config.json), or meshpar's plain role-marker template "
+                                    "for the bpe tokenizer.")
     text_field: str = option("text", "The document's field in .jsonl objects and its column in Parquet / Arrow.")
     tokenizer: str = option("auto", "For documents: bpe (byte-level BPE trained on the data and cached), byte, or a "
                                     "Hugging Face tokenizer (a tokenizer.json, or a folder holding one). auto: the "

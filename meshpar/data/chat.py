@@ -157,7 +157,61 @@ def encode_conversation(tokenizer: Any, template: ChatTemplate,
                         messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[bool]]:
     """The conversation's token ids (what transformers' ``apply_chat_template`` gives) and, per
     token, whether it is the assistant's: ``tokenizer`` a ``tokenizers.Tokenizer``."""
-    text, spans = assistant_spans(template, messages)
-    encoding = tokenizer.encode(text, add_special_tokens=False)
-    trained = [any(s <= start < e for s, e in spans) for start, _ in encoding.offsets]
-    return list(encoding.ids), trained
+    return encode_conversations(tokenizer, template, [messages])[0]
+
+
+def encode_conversations(tokenizer: Any, template: ChatTemplate, conversations: Sequence[Sequence[Mapping[str, Any]]]
+                         ) -> list[tuple[list[int], list[bool]]]:
+    """``encode_conversation`` of each, tokenized in one parallel batch."""
+    rendered = [assistant_spans(template, messages) for messages in conversations]
+    encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
+    out = []
+    for (_, spans), encoding in zip(rendered, encodings, strict=True):
+        out.append((list(encoding.ids), [any(s <= start < e for s, e in spans) for start, _ in encoding.offsets]))
+    return out
+
+
+# meshpar's template for tokenizers that bring none (bpe): role markers as plain text, a turn per line group
+PLAIN_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def choose_separator(tokenizer: Any, template: ChatTemplate, eos_id: int | None) -> int | None:
+    """The id that ends each conversation in a packed stream ([Note: packing conversations] in
+    meshpar/data/packing.py): the first of the pad token, ``eos_id`` and the tokenizer's other special
+    tokens that the template does not write into a conversation (a template that ends each turn with
+    the EOS, as many do, would otherwise split its conversations apart under document attention).
+    None when every special token appears."""
+    probe = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Bye."}]
+    written = set(tokenizer.encode(template.render(probe), add_special_tokens=False).ids)
+    names = [template.special.get("pad_token")] + [tokenizer.id_to_token(eos_id) if eos_id is not None else None]
+    names += [t.content for _, t in sorted(tokenizer.get_added_tokens_decoder().items()) if t.special]
+    for name in names:
+        i = tokenizer.token_to_id(name) if name else None
+        if i is not None and i not in written:
+            return i
+    return None
+
+
+def dialogues(text: str, turns: int = 4) -> list[list[dict[str, str]]]:
+    """The built-in corpus's plays as conversations: within each scene, consecutive speeches
+    alternate user and assistant, ``turns`` messages a conversation (the built-in chat data)."""
+    out, speeches = [], []
+
+    def flush() -> None:
+        for i in range(0, len(speeches) - turns + 1, turns):
+            out.append([{"role": "user" if j % 2 == 0 else "assistant", "content": speeches[i + j]}
+                        for j in range(turns)])
+        speeches.clear()
+
+    for block in text.split("\n\n"):
+        lines = block.strip().splitlines()
+        if not lines:
+            continue
+        if lines[0].startswith(("ACT ", "SCENE ")) or "\n\n\n" in block:
+            flush()
+        elif lines[0].endswith(":") and lines[0][:-1].replace(" ", "").isupper() and len(lines) > 1:
+            speeches.append("\n".join(lines[1:]))
+    flush()
+    return out

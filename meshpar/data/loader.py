@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from meshpar.config.recipe import RecipeError
+from meshpar.data.packing import IGNORE, Conversations, Packed, Windows
 
 # [Note: sample order]
 # Window w is tokens[w*T : w*T + T + 1] (inputs its first T, targets its last T), for
@@ -78,9 +79,18 @@ def mix_counts(weights: Sequence[float], block: int = MIX_BLOCK) -> list[int]:
     return counts
 
 
+class Step(list):
+    """One step's microbatches on this rank, and ``trained``: the targets not IGNORE'd in the whole
+    global batch (every rank's), or None when every target is trained (pretraining windows)."""
+
+    trained: int | None = None
+
+
 class BatchLoader:
     """One data-parallel rank's microbatches of a token stream (or a weighted mixture of several:
-    ``tokens`` a sequence of streams and ``weights`` theirs), resumable on any layout."""
+    ``tokens`` a sequence of streams and ``weights`` theirs), resumable on any layout. A stream of
+    :class:`Conversations` gives packed rows ([Note: packing conversations]) whose untrained
+    targets are IGNORE."""
 
     def __init__(self, tokens, *, seq_len: int, global_batch: int, micro_batch: int,
                  dp_rank: int, dp_size: int, seed: int, shuffle: bool = True,
@@ -96,7 +106,8 @@ class BatchLoader:
                 raise RecipeError(f"train.seq_len = {seq_len}: the data{which} is too small ({len(stream)} tokens) "
                                   f"for one sample of seq_len + 1 tokens; use a shorter train.seq_len or more data "
                                   f"(for validation: a larger data.val_fraction)", "train.seq_len")
-        self.windows_per_source = [(len(x) - 1) // seq_len for x in self.streams]
+        self.rows = [Packed(x, seq_len) if isinstance(x, Conversations) else Windows(x, seq_len) for x in self.streams]
+        self.windows_per_source = [r.n for r in self.rows]
         self.weights = [float(w) for w in weights] if weights is not None else [1.0]
         self.counts = mix_counts(self.weights) if len(self.streams) > 1 else [MIX_BLOCK]
         self.tokens, self.n_windows = self.streams[0], self.windows_per_source[0]
@@ -132,26 +143,42 @@ class BatchLoader:
         source = np.searchsorted(first, q, side="right") - 1
         return source, block * np.asarray(self.counts)[source] + q - first[source]
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_step(self) -> Step:
         """This rank's microbatches for one optimizer step: (inputs, targets) int64 [micro_batch, seq_len]."""
         per_rank = self.global_batch // self.dp_size
         first = self._samples_seen + self.dp_rank * per_rank
-        source, own = self.sources_of(np.arange(first, first + per_rank))
-        rows = np.empty((per_rank, self.seq_len + 1), np.int64)  # rows[b] = tokens[start : start + T + 1]
-        for i in np.unique(source):
-            hit = source == i
-            starts = self.windows(own[hit], int(i)) * self.seq_len
-            rows[hit] = self.streams[i][starts[:, None] + np.arange(self.seq_len + 1)]
-        rows = torch.from_numpy(rows)
+        step = Step()
+        rows = np.empty((per_rank, self.seq_len + 1), np.int64)
+        trained = np.ones((per_rank, self.seq_len + 1), bool)
+        for i, hit, picked in self._by_source(np.arange(first, first + per_rank)):
+            rows[hit], flags = self.rows[i].read(picked)
+            if flags is not None:
+                trained[hit] = flags
+        targets = rows[:, 1:].copy()
+        if any(r.trained_rows for r in self.rows):
+            targets[~trained[:, 1:]] = IGNORE
+            # the whole global batch's count, from every rank's rows (flags only): no collective needed
+            everyone = np.arange(self._samples_seen, self._samples_seen + self.global_batch)
+            step.trained = sum(self.rows[i].trained_targets(picked) for i, _, picked in self._by_source(everyone))
+        inputs, targets = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(targets)
         self._samples_seen += self.global_batch
         mb = self.micro_batch
-        return [(rows[j:j + mb, :-1].contiguous(), rows[j:j + mb, 1:].contiguous()) for j in range(0, per_rank, mb)]
+        step.extend((inputs[j:j + mb], targets[j:j + mb]) for j in range(0, per_rank, mb))
+        return step
+
+    def _by_source(self, samples: np.ndarray):
+        """(source, the samples' mask, their row indices in that source) for each source drawn from."""
+        source, own = self.sources_of(samples)
+        for i in np.unique(source):
+            hit = source == i
+            yield int(i), hit, self.windows(own[hit], int(i))
 
     @cached_property
     def _fingerprint(self) -> str:
         """CRC of up to 4096 evenly spaced tokens of each source: tells a changed stream of the same length."""
         crcs = []
         for x in self.streams:
+            x = x.tokens if isinstance(x, Conversations) else x
             sample = np.asarray(x[::max(1, len(x) // 4096)][:4096], dtype="<u4")
             crcs.append(f"{zlib.crc32(sample.tobytes()):08x}")
         return ",".join(crcs)

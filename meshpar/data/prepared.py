@@ -10,6 +10,9 @@ A prepared folder (what ``meshpar data prepare`` writes, and what every token ca
     shards/00000.idx   int64 end offset of each document in the shard (the index: documents)
     shards/00000.json  the shard's record: source, its size and mtime, documents, tokens; written
                        after the .bin and .idx are synced, so a shard with a record is complete
+    shards/00000.mask  chat data only: one byte per token, 1 where the token is trained (the
+                       assistant's); each document is a conversation followed by the separator id
+                       ([Note: packing conversations] in meshpar/data/packing.py)
 
 One shard per input file, in ``readers.expand``'s order: the unit of work over processes and of
 resumption (a killed run redoes only the files that have no record). ``meta.json``'s ``groups``
@@ -37,6 +40,7 @@ import numpy as np
 import tokenizers
 
 from meshpar.config.errors import RecipeError
+from meshpar.data.packing import Conversations
 from meshpar.data.stream import TokenStream, concat
 from meshpar.data.tokenizer import EOT, split_text
 from meshpar.runtime.atomic import fsync_dir, write_atomic
@@ -61,6 +65,9 @@ class Encoder:
     bos: int | None = None
     vocab_size: int = 256
     hf_fingerprint: str = ""  # HFTokenizer.fingerprint() of the tokenizer given (its file's bytes), for hf
+    chat: str = ""  # chat data: the chat template's source (documents are conversations, rows of messages)
+    special: tuple[tuple[str, str], ...] = ()  # the special tokens the template may name (bos_token, ...)
+    separator: int | None = None  # chat data: the id after each conversation
 
     @property
     def dtype(self) -> str:
@@ -69,7 +76,8 @@ class Encoder:
     def fingerprint(self) -> str:
         import hashlib
 
-        return hashlib.sha256(json.dumps([self.kind, self.json, self.eos, self.bos]).encode()).hexdigest()[:24]
+        chat = [self.chat, list(self.special), self.separator] if self.chat else []
+        return hashlib.sha256(json.dumps([self.kind, self.json, self.eos, self.bos, *chat]).encode()).hexdigest()[:24]
 
 
 def builtin_text() -> str:
@@ -86,11 +94,27 @@ def documents(source: str, text_field: str) -> Iterator[str]:
         yield from read_documents(Path(source), text_field)
 
 
-def _batches(source: str, text_field: str) -> Iterator[list[str]]:
+def conversations(source: str) -> Iterator[list[dict]]:
+    """A chat source's conversations: the built-in plays' dialogues, or each row's messages."""
+    from meshpar.data.chat import ChatTemplateError, dialogues, messages_of
+
+    if source == BUILTIN:
+        yield from dialogues(builtin_text())
+        return
+    from meshpar.data.readers import read_rows
+
+    for i, row in enumerate(read_rows(Path(source))):
+        try:
+            yield messages_of(row)
+        except ChatTemplateError as e:
+            raise RecipeError(f"data.path: row {i} of {source}: {e}", "data.path") from None
+
+
+def _batches(source: str, text_field: str, chat: bool = False) -> Iterator[list]:
     batch, chars = [], 0
-    for doc in documents(source, text_field):
+    for doc in conversations(source) if chat else documents(source, text_field):
         batch.append(doc)
-        chars += len(doc)
+        chars += len(doc) if not chat else sum(len(str(m.get("content", ""))) for m in doc)
         if chars >= BATCH_CHARS:
             yield batch
             batch, chars = [], 0
@@ -109,7 +133,9 @@ class _Tokenize:
             self.tok.no_padding()
         self.sep = np.frombuffer(EOT.encode(), np.uint8)
 
-    def __call__(self, docs: list[str]) -> list[np.ndarray]:
+    def __call__(self, docs: list) -> list[np.ndarray]:
+        if self.enc.chat:
+            raise TypeError("chat data is tokenized by _TokenizeChat")
         if self.tok is None:
             return [np.concatenate([np.frombuffer(d.encode("utf-8"), np.uint8), self.sep]) for d in docs]
         pieces, owner = [], []
@@ -124,6 +150,38 @@ class _Tokenize:
         return [np.asarray(d + [self.enc.eos], dtype=np.int64) for d in ids]
 
 
+class _TokenizeChat:
+    """Conversations -> (ids + [separator], trained flags + [0]) each; conversations that hold the
+    separator or train no token are left out and counted ([Note: packing conversations])."""
+
+    def __init__(self, enc: Encoder):
+        from meshpar.data.chat import ChatTemplate
+
+        self.enc, self.template = enc, ChatTemplate(enc.chat, dict(enc.special))
+        self.tok = tokenizers.Tokenizer.from_str(enc.json)
+        self.tok.no_truncation()
+        self.tok.no_padding()
+        self.skipped = {"separator": 0, "untrained": 0}
+
+    def __call__(self, batch: list[list[dict]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        from meshpar.data.chat import ChatTemplateError, encode_conversations
+
+        try:
+            encoded = encode_conversations(self.tok, self.template, batch)
+        except ChatTemplateError as e:
+            raise RecipeError(f"data.path: {e}", "data.path") from None
+        ids, flags = [], []
+        for tokens, trained in encoded:
+            if self.enc.separator in tokens:
+                self.skipped["separator"] += 1
+            elif not any(trained):
+                self.skipped["untrained"] += 1
+            else:
+                ids.append(np.asarray(tokens + [self.enc.separator], np.int64))
+                flags.append(np.asarray(trained + [False], np.uint8))
+        return ids, flags
+
+
 def _identity(source: str) -> dict:
     if source == BUILTIN:
         return {"source": "shakespeare (built in)"}
@@ -135,24 +193,37 @@ def prepare_file(index: int, source: str, text_field: str, enc: Encoder, out: Pa
                  report: Callable[[int, int], None] | None = None) -> dict:
     """Tokenize one input file into shard ``index`` of the folder ``out``; returns its record."""
     shard = out / "shards" / f"{index:05d}"
-    tokenize, dtype = _Tokenize(enc), np.dtype(enc.dtype)
-    n_docs = n_tokens = 0
-    with open(f"{shard}.bin.tmp", "wb") as bin_f, open(f"{shard}.idx.tmp", "wb") as idx_f:
-        for batch in _batches(source, text_field):
+    chat = bool(enc.chat)
+    tokenize, dtype = (_TokenizeChat if chat else _Tokenize)(enc), np.dtype(enc.dtype)
+    n_docs = n_tokens = n_trained = 0
+    names = ["bin", "idx"] + (["mask"] if chat else [])
+    files = {name: open(f"{shard}.{name}.tmp", "wb") for name in names}  # noqa: SIM115 - closed below
+    try:
+        for batch in _batches(source, text_field, chat):
             arrays = tokenize(batch)
+            if chat:
+                arrays, flags = arrays
+                if not arrays:
+                    continue
+                files["mask"].write(np.concatenate(flags).tobytes())
+                n_trained += int(sum(int(f.sum()) for f in flags))
             lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
-            bin_f.write(np.concatenate(arrays).astype(dtype).tobytes())
-            idx_f.write((n_tokens + np.cumsum(lengths)).astype("<i8").tobytes())
+            files["bin"].write(np.concatenate(arrays).astype(dtype).tobytes())
+            files["idx"].write((n_tokens + np.cumsum(lengths)).astype("<i8").tobytes())
             n_docs, n_tokens = n_docs + len(arrays), n_tokens + int(lengths.sum())
             if report is not None:
                 report(len(arrays), int(lengths.sum()))
-        bin_f.flush()
-        idx_f.flush()
-        os.fsync(bin_f.fileno())
-        os.fsync(idx_f.fileno())
-    os.replace(f"{shard}.bin.tmp", f"{shard}.bin")
-    os.replace(f"{shard}.idx.tmp", f"{shard}.idx")
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for f in files.values():
+            f.close()
+    for name in names:
+        os.replace(f"{shard}.{name}.tmp", f"{shard}.{name}")
     record = {**_identity(source), "shard": index, "documents": n_docs, "tokens": n_tokens}
+    if chat:
+        record.update(trained=n_trained, skipped=tokenize.skipped)
     write_atomic(Path(f"{shard}.json"), json.dumps(record).encode())
     return record
 
@@ -240,6 +311,9 @@ def prepare_folder(out: Path, groups: Sequence[tuple[str, Sequence[str]]], text_
             "eos_id": enc.eos, "bos_id": enc.bos, "tokenizer": enc.kind, "encoder": enc.fingerprint(),
             "hf_fingerprint": enc.hf_fingerprint,
             "documents": n_docs, "tokens": n_tokens, "groups": bounds, "shards": shards,
+            **({"chat": {"separator": enc.separator, "trained": sum(r["trained"] for r in shards),
+                         "skipped": {k: sum(r["skipped"][k] for r in shards) for k in ("separator", "untrained")}}}
+               if enc.chat else {}),
             "seconds": round(seconds, 3), "built_by": _built_by(), **(extra_meta or {})}
     write_atomic(out / "meta.json", json.dumps(meta, indent=1).encode())
     fsync_dir(out)
@@ -272,12 +346,15 @@ class Prepared:
 
     path: Path
     meta: dict
-    groups: dict[str, np.ndarray | TokenStream]
+    groups: dict[str, np.ndarray | TokenStream | Conversations]  # Conversations for chat data
 
     @property
     def tokens(self) -> np.ndarray | TokenStream:
-        """Every group's tokens, in order."""
-        return concat([g for g in self.groups.values()]) if len(self.groups) > 1 else next(iter(self.groups.values()))
+        """Every group's tokens, in order (chat data: its Conversations)."""
+        groups = list(self.groups.values())
+        if isinstance(groups[0], Conversations):
+            return Conversations.join(groups) if len(groups) > 1 else groups[0]
+        return concat(groups) if len(groups) > 1 else groups[0]
 
 
 def open_prepared(path: Path, key: str = "data.path") -> Prepared:
@@ -290,6 +367,21 @@ def open_prepared(path: Path, key: str = "data.path") -> Prepared:
                           f" this one reads {VERSION}); prepare it again", key)
     shards = [np.memmap(path / "shards" / f"{r['shard']:05d}.bin", dtype=meta["dtype"], mode="r", shape=(r["tokens"],))
               if r["tokens"] else np.empty(0, meta["dtype"]) for r in meta["shards"]]
+    if "chat" in meta:
+        parts = [_conversations(path, r, shard, meta["chat"]["separator"]) for r, shard in zip(meta["shards"], shards,
+                                                                                                strict=True)]
+        groups = {g["name"]: Conversations.join(parts[g["shards"][0]:g["shards"][1]]) for g in meta["groups"]}
+        return Prepared(path, meta, groups)
     groups = {g["name"]: concat(shards[g["shards"][0]:g["shards"][1]] or [np.empty(0, meta["dtype"])])
               for g in meta["groups"]}
     return Prepared(path, meta, groups)
+
+
+def _conversations(path: Path, record: dict, tokens: np.ndarray, separator: int) -> Conversations:
+    """A chat shard: its tokens, trained flags and conversation ends."""
+    name = path / "shards" / f"{record['shard']:05d}"
+    if not record["tokens"]:
+        return Conversations(tokens, np.empty(0, np.uint8), np.empty(0, np.int64), separator)
+    trained = np.memmap(f"{name}.mask", dtype=np.uint8, mode="r", shape=(record["tokens"],))
+    ends = np.fromfile(f"{name}.idx", dtype="<i8").astype(np.int64)
+    return Conversations(tokens, trained, ends, separator)

@@ -124,7 +124,35 @@ def read_documents(path: Path, text_field: str = "text", key: str = "data.path")
         raise RecipeError(f"{key}: {path} is not a document file ({', '.join(DOC_SUFFIXES)})", key)
 
 
+def read_rows(path: Path, key: str = "data.path") -> Iterator[dict]:
+    """Every row of a JSON Lines, Parquet or Arrow file as a dict (chat data: meshpar/data/chat.py),
+    streaming as :func:`read_documents` does; errors as its."""
+    path = Path(path)
+    kind = kind_of(path)
+    if kind in ("jsonl", "jsonl.gz", "jsonl.zst"):
+        yield from (obj for _, obj in _jsonl_objects(path, kind, key))
+    elif kind in ("parquet", "arrow"):
+        for batch in _arrow_batches(path, kind, None, key):
+            yield from batch.to_pylist()
+    else:
+        raise RecipeError(f"{key}: {path} holds no rows: conversations come in .jsonl, .jsonl.gz, .jsonl.zst, "
+                          f".parquet or .arrow files", key)
+
+
 def _jsonl(path: Path, kind: str, text_field: str, key: str) -> Iterator[str]:
+    for lineno, obj in _jsonl_objects(path, kind, key):
+        doc = obj.get(text_field)
+        if text_field not in obj or (doc is not None and not isinstance(doc, str)):
+            what = f"is a {type(doc).__name__}, not a string" if text_field in obj else "is missing"
+            raise RecipeError(f"data.text_field = {text_field!r} {what} in {path}:{lineno} (the fields there "
+                              f"are {sorted(obj)}); set data.text_field to the field that holds the text",
+                              "data.text_field")
+        if doc:  # null and '' skipped
+            yield doc
+
+
+def _jsonl_objects(path: Path, kind: str, key: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line."""
     # Lines stay bytes: json.loads decodes UTF-8 itself, and a decode error keeps its exact line number.
     corrupt: tuple[type[Exception], ...] = (OSError, EOFError)  # a truncated or corrupt .gz / .zst
     lineno, size, unzstd = 0, 0, None
@@ -152,14 +180,7 @@ def _jsonl(path: Path, kind: str, text_field: str, key: str) -> Iterator[str]:
                     _check_zstd_end(lines, unzstd, size)
                     raise RecipeError(f"{key}: {path}:{lineno} is not a JSON object ({e}); JSON Lines files hold one "
                                       f"object per line", key) from None
-                doc = obj.get(text_field)
-                if text_field not in obj or (doc is not None and not isinstance(doc, str)):
-                    what = f"is a {type(doc).__name__}, not a string" if text_field in obj else "is missing"
-                    raise RecipeError(f"data.text_field = {text_field!r} {what} in {path}:{lineno} (the fields there "
-                                      f"are {sorted(obj)}); set data.text_field to the field that holds the text",
-                                      "data.text_field")
-                if doc:  # null and '' skipped
-                    yield doc
+                yield lineno, obj
             _check_zstd_end(lines, unzstd, size)
         except corrupt as e:
             raise RecipeError(f"{key}: {path} cannot be read as {kind} after line {lineno} ({e}); is the file "
@@ -174,6 +195,12 @@ def _check_zstd_end(lines: io.BufferedIOBase, unzstd, size: int) -> None:
 
 
 def _arrow_table(path: Path, kind: str, text_field: str, key: str) -> Iterator[str]:
+    for batch in _arrow_batches(path, kind, text_field, key):
+        yield from filter(None, batch.column(text_field).to_pylist())  # nulls and '' skipped
+
+
+def _arrow_batches(path: Path, kind: str, column: str | None, key: str) -> Iterator:
+    """The record batches of a Parquet or Arrow file: of ``column`` alone (checked to be text), or whole."""
     pa = _optional("pyarrow", path, key)
     try:
         if kind == "parquet":
@@ -182,7 +209,7 @@ def _arrow_table(path: Path, kind: str, text_field: str, key: str) -> Iterator[s
             # [Note: why pyarrow]: the defaults hold whole column chunks (a row group can be GBs) in memory
             source = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
             schema = source.schema_arrow
-            batches = source.iter_batches(batch_size=_BATCH_ROWS, columns=[text_field])
+            batches = source.iter_batches(batch_size=_BATCH_ROWS, columns=None if column is None else [column])
         else:
             source = pa.memory_map(str(path))
             if source.read(6) == b"ARROW1":  # the file (random-access) format's magic; the stream format has none
@@ -194,9 +221,9 @@ def _arrow_table(path: Path, kind: str, text_field: str, key: str) -> Iterator[s
                 batches = iter(reader)
             schema = reader.schema
         with source:
-            _check_column(schema, path, text_field)
-            for batch in batches:
-                yield from filter(None, batch.column(text_field).to_pylist())  # nulls and '' skipped
+            if column is not None:
+                _check_column(schema, path, column)
+            yield from batches
     except pa.ArrowException as e:
         raise RecipeError(f"{key}: {path} cannot be read as {kind} ({e}); is the file complete?", key) from None
 

@@ -34,6 +34,7 @@ from meshpar.config import recipe as recipelib
 from meshpar.config.hardware import HardwareProfile
 from meshpar.config.recipe import Recipe
 from meshpar.data import BatchLoader
+from meshpar.data.packing import IGNORE, Conversations
 from meshpar.distributed import comm, comm_record
 from meshpar.distributed import mesh as meshlib
 from meshpar.parallel import float8 as float8lib
@@ -156,6 +157,8 @@ def step_record(step: int, done: StepResult, lr: float, sync: GradSync, clock: T
     if done.expert_load is not None:
         load = reduce_expert_load(done.expert_load, sync)
         record.update(expert_load_fields(moe_layers, load, dropped=args.capacity_factor > 0))
+    if done.trained is not None:  # fine-tuning: the share of the step's targets that trained
+        record["trained_frac"] = done.trained / clock.tokens_per_step
     return record
 
 
@@ -243,10 +246,13 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
 
 @torch.no_grad()
 def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: torch.device) -> float:
-    """Mean loss over the first ``eval_batches`` global batches of held-out data."""
+    """Mean loss over the first ``eval_batches`` global batches of held-out data (fine-tuning data:
+    over their trained targets)."""
     t = recipe.train
     loader = BatchLoader(tokens, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
                          dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed, shuffle=False)
+    if isinstance(tokens, Conversations):
+        return _evaluate_trained(model, loader, recipe, mesh, device)
     model.stages.eval()
     total = torch.zeros((), device=device)
     n = 0
@@ -272,6 +278,27 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
     if mesh.layout.cp > 1:
         dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh["cp"].get_group())
     return total.item()
+
+
+def _evaluate_trained(model: Model, loader: BatchLoader, recipe: Recipe, mesh: meshlib.Mesh,
+                      device: torch.device) -> float:
+    """``evaluate`` on fine-tuning data: the summed loss of trained targets over their count (pp = 1,
+    as document attention requires)."""
+    model.stages.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [summed loss, trained targets]
+    with loss_parallel_context(model.loss_parallel), model.loss.weight(1.0):
+        for _ in range(recipe.train.eval_batches):
+            for inputs, targets in loader.next_step():
+                if mesh.layout.cp > 1:
+                    inputs, targets = shard_sequence(inputs, mesh["cp"]), shard_sequence(targets, mesh["cp"])
+                targets = targets.to(device)
+                total[0] += plain(model.loss(model.stages[0](inputs.to(device)), targets)).double()
+                total[1] += (targets != IGNORE).sum()
+    model.stages.train()
+    dist.all_reduce(total, group=mesh["dp"].get_group())
+    if mesh.layout.cp > 1:
+        dist.all_reduce(total, group=mesh["cp"].get_group())
+    return (total[0] / total[1].clamp(min=1)).item()
 
 
 def _sample(model: torch.nn.Module, tokenizer: Any, recipe: Recipe, step: int, info: RankInfo, output_dir: Path,

@@ -11,9 +11,10 @@ projection, the model's ``head``, a chunk of tokens at a time ([Note: chunked cr
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,18 @@ from meshpar.profiling.labels import run_labelled
 # backward. Validation runs whole: after a no-grad forward FSDP has freed the root's parameters,
 # so the head runs inside the forward (``head_in_loss`` applies only while autograd records) and
 # the loss takes its logits, which nothing saves for a backward.
+
+# [Note: the loss over trained tokens]
+# Fine-tuning trains only some targets (the rest are IGNORE, -100), and their count differs
+# between microbatches and ranks, so a mean per microbatch would weigh a token by how few
+# trained tokens shared its microbatch, and the gradient would depend on the layout. Instead the
+# step's loss is sum(trained tokens' losses over the global batch) / N, N the global batch's
+# trained targets, which the loader counts for every rank alike (meshpar/data/loader.py ``Step``).
+# Each rank's gradient is averaged over the D = dp x cp ranks that reduce it, and each
+# microbatch's loss is divided by accum, so a microbatch's loss is its summed losses times
+# ``TokenWeight.value`` = accum * D / N: summed over microbatches and averaged over ranks that is
+# the global sum / N, whatever the layout (tests/test_sft.py). Pretraining, every target trained,
+# keeps the mean per microbatch (the same value: N = accum * D * tokens per microbatch).
 
 AUTO_CHUNK_BYTES = 256 * 2**20  # loss_chunks = 0: the fewest chunks whose fp32 logits fit in this
 
@@ -87,30 +100,50 @@ def last_head(stages: Iterable[nn.Module]) -> nn.Module | None:
     return next((stage.head for stage in stages if getattr(stage, "head_in_loss", False)), None)
 
 
+@dataclass
+class TokenWeight:
+    """While a step runs on fine-tuning data: each trained token's weight ([Note: the loss over
+    trained tokens]); None: the mean over the microbatch's targets."""
+
+    value: float | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, value: float | None) -> Iterator[None]:
+        self.value = value
+        try:
+            yield
+        finally:
+            self.value = None
+
+
 @dataclass(frozen=True)
 class TokenLoss:
     """A microbatch's mean cross-entropy from its stage's output: whole logits when ``head`` is None,
     else hidden states h[B, T, D] that ``head`` projects chunk by chunk ([Note: chunked cross-entropy]).
-    ``chunks``: as ``resolve_chunks`` returns it."""
+    ``chunks``: as ``resolve_chunks`` returns it. Under ``weight(w)`` the summed loss times w instead
+    ([Note: the loss over trained tokens]); targets of IGNORE (-100) count in neither."""
 
     head: nn.Module | None = None
     chunks: int = 1
+    weight: TokenWeight = field(default_factory=TokenWeight)
 
     def __call__(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        w = self.weight.value
         if self.head is None or not torch.is_grad_enabled():  # a no-grad forward returns logits
-            return cross_entropy(out, targets)
+            return cross_entropy(out, targets) if w is None else cross_entropy(out, targets, reduction="sum") * w
         if isinstance(out, DTensor) and not all(p.is_replicate() for p in out.placements):
             out = out.redistribute(placements=[Replicate()] * out.device_mesh.ndim)  # every token, once
         h, t = out.flatten(0, 1), targets.flatten()  # h[N, D], t[N]
         n = t.numel()
         size = math.ceil(n / self.chunks)
         if size >= n:
-            return self._chunk(h, t) / n
-        total = None
-        for h_c, t_c in zip(h.split(size), t.split(size), strict=True):
-            part = checkpoint(self._chunk, h_c, t_c, use_reentrant=False, preserve_rng_state=False)
-            total = part if total is None else total + part
-        return total / n
+            total = self._chunk(h, t)
+        else:
+            total = None
+            for h_c, t_c in zip(h.split(size), t.split(size), strict=True):
+                part = checkpoint(self._chunk, h_c, t_c, use_reentrant=False, preserve_rng_state=False)
+                total = part if total is None else total + part
+        return total / n if w is None else total * w
 
     def _chunk(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # h[n, D] @ head[D, V] -> logits[n, V] (vocab-sharded under loss parallel) -> summed loss

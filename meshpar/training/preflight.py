@@ -63,7 +63,11 @@ def _attention(recipe: Recipe, layout: meshlib.Layout, args: Any, corpus: Corpus
 
 
 def check_document_attention(recipe: Recipe, layout: meshlib.Layout) -> None:
-    """``model.attention = "document"`` against the layout (what needs no data)."""
+    """``model.attention = "document"`` against the layout (what needs no data); chat data needs it."""
+    if recipe.data.format == "chat" and recipe.model.attention != "document":
+        raise RecipeError("data.format = 'chat' packs whole conversations into each sequence, and with "
+                          "model.attention = 'causal' each would see the ones packed before it; set "
+                          "model.attention = \"document\" ([Note: packing conversations])", "model.attention")
     if recipe.model.attention == "document" and layout.pp > 1:
         raise RecipeError("model.attention = 'document' with parallel.pp > 1 is not built yet: the stages after "
                           "the first do not see the token ids the mask comes from; use parallel.pp = 1 or "

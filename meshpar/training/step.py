@@ -55,7 +55,9 @@ from meshpar.training.nonfinite import NonFiniteGuard
 # Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
 # is a mean over its tokens divided by the accumulation depth, and gradients are averaged
 # over the data-parallel ranks, so the gradient is the mean over the whole global batch for
-# any split of it across ranks and microbatches.
+# any split of it across ranks and microbatches. Fine-tuning data, where only some targets
+# train, weighs each by the global count instead ([Note: the loss over trained tokens] in
+# meshpar/training/loss.py).
 
 # [Note: auxiliary losses]
 # A model may set ``aux_loss`` in its forward (mixture of experts: [Note: load-balancing loss] in
@@ -153,6 +155,7 @@ class StepResult:
     skipped: bool = False  # the optimizer did not step: a non-finite gradient ([Note: non-finite steps])
     aux_loss: torch.Tensor | None = None  # this rank's auxiliary loss, not in ``loss`` ([Note: auxiliary losses])
     expert_load: torch.Tensor | None = None  # [2, L_sparse, E] slots routed / dropped, this rank ([Note: expert load])
+    trained: int | None = None  # fine-tuning: the global batch's trained targets (None: every target)
 
 
 def labelled(name: str, microbatch: int | None = None) -> AbstractContextManager:
@@ -171,46 +174,15 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
     Without ``optimizer`` the step ends after clipping; ``scheduler`` steps with the optimizer.
     ``guard`` (``train.on_nonfinite``) may skip the optimizer step or stop the run after clipping."""
     with phase("step"):
-        loss_sum = torch.zeros((), device=device)
-        aux_sum: torch.Tensor | None = None
-        load: torch.Tensor | None = None  # [Note: expert load]
         with loss_parallel_context(model.loss_parallel), model.around_step():
             with phase("data"):
                 microbatches = next_batch()
+                trained = getattr(microbatches, "trained", None)  # meshpar.data.loader.Step
                 if sync.cp is not None:  # this cp rank's tokens of every sequence ([Note: balanced sequence split])
                     microbatches = [(shard_sequence(x, sync.cp), shard_sequence(y, sync.cp)) for x, y in microbatches]
-            if model.pipeline is not None:  # the schedule runs every microbatch, forward and backward
-                with stage_tally(model.pipeline.stages, accum, microbatches[0][0].numel()) as tally:
-                    loss = model.pipeline.step_microbatches(microbatches)
-                if loss is not None:
-                    loss_sum = loss_sum + plain(loss)
-                aux_sum, load = tally.aux, tally.load
-            else:
-                stage = model.stages[0]
-                sharded = isinstance(stage, FSDPModule)
-                experts = [moe for _, moe in sparse_layers(stage)]
-                for i, (inputs, targets) in enumerate(microbatches):
-                    if sharded:  # FSDP reduce-scatters in the last microbatch's backward (or in each)
-                        stage.set_requires_gradient_sync(sync.every_microbatch or i == len(microbatches) - 1)
-                    with phase("data"):
-                        inputs, targets = inputs.to(device), targets.to(device)
-                    with phase("forward", i):
-                        out = stage(inputs)
-                        aux = getattr(stage, "aux_loss", None)  # [Note: auxiliary losses]
-                        if aux is not None:  # its backward joins the loss's (logits may be DTensors)
-                            out = _JoinAux.apply(out, aux, 1.0 / accum)
-                        loss = model.loss(out, targets) / accum
-                        del out  # the logits (or h): backward needs the loss's saved tensors only
-                    with phase("backward", i):
-                        loss.backward()
-                    loss_sum += plain(loss.detach())
-                    if aux is not None:
-                        aux_sum = aux.detach() / accum + (0 if aux_sum is None else aux_sum)
-                    if experts:
-                        count = count_expert_load(stage, inputs.numel())
-                        load = count if load is None else load + count
-                        for moe in experts:  # [Note: auxiliary losses]: a recompute's graph, let go
-                            moe.aux_loss = None
+            weigh = getattr(model.loss, "weight", None)  # [Note: the loss over trained tokens]
+            with weigh(token_weight(trained, accum, sync)) if weigh is not None else contextlib.nullcontext():
+                loss_sum, aux_sum, load = _forward_backward(model, microbatches, accum, sync, device, phase)
         with phase("optimizer"):
             maybe_reduce_replicas(model.stages, sync)
             params = [q for q in model.stages.parameters() if q.requires_grad]
@@ -218,13 +190,65 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
             if guard is not None and not guard.allows_step(grad_norm):
                 if optimizer is not None:
                     optimizer.zero_grad(set_to_none=True)
-                return StepResult(loss_sum, grad_norm, None, skipped=True, aux_loss=aux_sum, expert_load=load)
+                return StepResult(loss_sum, grad_norm, None, skipped=True, aux_loss=aux_sum, expert_load=load,
+                                  trained=trained)
             lr = maybe_optimizer_step(optimizer, scheduler)
             if optimizer is not None:
                 maybe_update_expert_bias(model.stages, sync)
                 if model.after_step is not None:
                     model.after_step()
-    return StepResult(loss_sum, grad_norm, lr, aux_loss=aux_sum, expert_load=load)
+    return StepResult(loss_sum, grad_norm, lr, aux_loss=aux_sum, expert_load=load, trained=trained)
+
+
+def token_weight(trained: int | None, accum: int, sync: GradSync) -> float | None:
+    """Each trained token's loss weight in a microbatch ([Note: the loss over trained tokens]): None
+    when every target trains; 0 when none of the global batch's do (the step then changes nothing)."""
+    if trained is None:
+        return None
+    ranks = (sync.dp.size() if sync.dp is not None else 1) * (sync.cp.size() if sync.cp is not None else 1)
+    return accum * ranks / trained if trained else 0.0
+
+
+def _forward_backward(model: Model, microbatches: Sequence[Microbatch], accum: int, sync: GradSync,
+                      device: torch.device, phase: Callable[..., AbstractContextManager]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Every microbatch's forward and backward: (loss summed, auxiliary loss, expert loads) on this rank."""
+    loss_sum = torch.zeros((), device=device)
+    aux_sum: torch.Tensor | None = None
+    load: torch.Tensor | None = None  # [Note: expert load]
+    if model.pipeline is not None:  # the schedule runs every microbatch, forward and backward
+        with stage_tally(model.pipeline.stages, accum, microbatches[0][0].numel()) as tally:
+            loss = model.pipeline.step_microbatches(microbatches)
+        if loss is not None:
+            loss_sum = loss_sum + plain(loss)
+        aux_sum, load = tally.aux, tally.load
+    else:
+        stage = model.stages[0]
+        sharded = isinstance(stage, FSDPModule)
+        experts = [moe for _, moe in sparse_layers(stage)]
+        for i, (inputs, targets) in enumerate(microbatches):
+            if sharded:  # FSDP reduce-scatters in the last microbatch's backward (or in each)
+                stage.set_requires_gradient_sync(sync.every_microbatch or i == len(microbatches) - 1)
+            with phase("data"):
+                inputs, targets = inputs.to(device), targets.to(device)
+            with phase("forward", i):
+                out = stage(inputs)
+                aux = getattr(stage, "aux_loss", None)  # [Note: auxiliary losses]
+                if aux is not None:  # its backward joins the loss's (logits may be DTensors)
+                    out = _JoinAux.apply(out, aux, 1.0 / accum)
+                loss = model.loss(out, targets) / accum
+                del out  # the logits (or h): backward needs the loss's saved tensors only
+            with phase("backward", i):
+                loss.backward()
+            loss_sum += plain(loss.detach())
+            if aux is not None:
+                aux_sum = aux.detach() / accum + (0 if aux_sum is None else aux_sum)
+            if experts:
+                count = count_expert_load(stage, inputs.numel())
+                load = count if load is None else load + count
+                for moe in experts:  # [Note: auxiliary losses]: a recompute's graph, let go
+                    moe.aux_loss = None
+    return loss_sum, aux_sum, load
 
 
 def sparse_layers(stage: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
