@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="output folder (created; an interrupted one resumes)")
     parser.add_argument("--text-field", default="text", help="the document's field in .jsonl objects and its "
                         "column in Parquet / Arrow (default: text)")
+    parser.add_argument("--chat", action="store_true", help="the sources are conversations (rows of 'messages', or "
+                        "'prompt' and 'completion'): render them with the tokenizer's chat template and keep which "
+                        "tokens are the assistant's; train with data.format = 'chat'")
+    parser.add_argument("--chat-template", default="", help="with --chat: a Jinja chat template file instead of the "
+                        "tokenizer folder's own")
     parser.add_argument("--workers", type=int, default=0, help="processes, one input file each (default: one per "
                         "CPU core, at most one per file)")
     parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
@@ -62,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
         if is_prepared(args.out):
             print(f"meshpar: {args.out} is already prepared (meta.json); remove it to prepare again")
             return 0
-        enc, tok = _encoder(args.tokenizer)
+        if args.chat and args.tokenizer == "byte":
+            raise RecipeError("--chat with --tokenizer byte: byte ids have no separator to end each conversation "
+                              "with; give a Hugging Face tokenizer folder with a chat template", "--tokenizer")
+        enc, tok = _encoder(args.tokenizer, chat_template=args.chat_template if args.chat else None)
         progress = Progress(len(files), {"on": True, "off": False}.get(args.progress, sys.stderr.isatty()),
                             unit="file")
         try:
@@ -80,5 +88,5 @@ def run(args: argparse.Namespace) -> int:
           + f"; {rep.workers} worker(s)"
           + (f", {rep.reused} file(s) kept from an interrupted run" if rep.reused else "")
           + f"); peak RSS {rep.peak_rss_mb:,.0f} MB; tokenizer {getattr(tok, 'name', args.tokenizer)}")
-    print(f"meshpar: train from it with --data.path={args.out}")
+    print(f"meshpar: train from it with --data.path={args.out}" + (" --data.format=chat" if args.chat else ""))
     return 0
