@@ -160,3 +160,37 @@ def test_meshpar_train_sft_debug(tmp_path, data_cache):
     assert len(fractions) == 2 and all(0.05 < f < 0.95 for f in fractions), fractions
     sample = json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[-1])
     assert sample["step"] == 4 and sample["prompt"].startswith("<|user|>")
+
+
+def test_data_prepare_chat_folder_trains_as_the_rows(tmp_path, capsys):
+    """`meshpar data prepare --chat` writes a chat folder that reads back as the same conversations as
+    the rows tokenized through the cache; the separator is a special token the template never writes
+    (its EOS ends every turn here)."""
+    from meshpar.cli import main
+    from meshpar.config.keys import DataConfig
+    from meshpar.data.corpus import prepare
+    from tests.test_chat import CHATML, _tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    _tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
+            for i in range(20)] + [{"prompt": "2 + 2?", "completion": "4"}]
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(SystemExit) as done:
+        main(["data", "prepare", str(tmp_path / "chats.jsonl"), "--chat", "--tokenizer", str(folder),
+              "--out", str(tmp_path / "prepared"), "--progress=off"])
+    assert done.value.code == 0
+    assert "--data.format=chat" in capsys.readouterr().out
+    kw = {"format": "chat", "tokenizer": str(folder), "val_fraction": 0.0, "cache_dir": str(tmp_path / "cache")}
+    ready = prepare(DataConfig(path=str(tmp_path / "prepared"), **kw))
+    direct = prepare(DataConfig(path=str(tmp_path / "chats.jsonl"), **kw))
+    assert ready.eos_id == direct.eos_id not in (None, ready.tokenizer.eos_id)
+    for got, want in ((ready.train.tokens, direct.train.tokens), (ready.train.trained, direct.train.trained),
+                      (ready.train.ends, direct.train.ends)):
+        assert list(got) == list(want)
+    last = slice(int(ready.train.ends[-2]), int(ready.train.ends[-1]))
+    ids = [int(i) for i in ready.train.tokens[last]]
+    trained = [i for i, t in zip(ids, ready.train.trained[last], strict=True) if t]
+    assert ready.tokenizer.decode(trained) == "4<|im_end|>\n" and ids[-1] == ready.eos_id

@@ -84,13 +84,16 @@ class ChatTemplate:
                 from None
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> ChatTemplate:
-        """The template of a Hugging Face tokenizer folder: ``chat_template.jinja``, else
-        tokenizer_config.json's ``chat_template`` (a string, or named templates: the ``default``)."""
+    def from_folder(cls, folder: str | Path, template_file: str | Path | None = None) -> ChatTemplate:
+        """The template of a Hugging Face tokenizer folder: ``template_file`` when given, else
+        ``chat_template.jinja``, else tokenizer_config.json's ``chat_template`` (a string, or named
+        templates: the ``default``); with the folder's special tokens either way."""
         folder = Path(folder)
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         special = {k: _text(config.get(k)) for k in SPECIAL if _text(config.get(k)) is not None}
+        if template_file is not None:
+            return cls(Path(template_file).read_text(), special, str(template_file))
         if (folder / "chat_template.jinja").is_file():
             return cls((folder / "chat_template.jinja").read_text(), special, str(folder / "chat_template.jinja"))
         template = config.get("chat_template")
@@ -123,12 +126,12 @@ def _text(token: Any) -> str | None:
 def messages_of(row: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A row's conversation: its ``messages`` (role, content), or its ``prompt`` and ``completion``
     as one user turn and one assistant turn."""
-    if "messages" in row:
+    if row.get("messages") is not None:  # a Parquet table of both kinds of rows holds None in the other's columns
         messages = row["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ChatTemplateError("a row's 'messages' must be a list of {role, content} objects")
         return messages
-    if "prompt" in row and "completion" in row:
+    if row.get("prompt") is not None and row.get("completion") is not None:
         return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
     raise ChatTemplateError(f"a chat row needs 'messages', or 'prompt' and 'completion'; this one has "
                             f"{sorted(row)}")

@@ -233,7 +233,10 @@ def chat_template_of(choice: str, chat_template: str):
             if not file.is_file():
                 raise RecipeError(f"data.chat_template = {chat_template!r}: no such file; give a Jinja chat "
                                   f"template file, or leave it empty for the tokenizer's own", "data.chat_template")
-            return ChatTemplate(file.read_text(), where=str(file))
+            if choice == "bpe":
+                return ChatTemplate(file.read_text(), where=str(file))
+            folder = Path(choice).expanduser()  # the tokenizer folder's special tokens, as transformers passes them
+            return ChatTemplate.from_folder(folder if folder.is_dir() else folder.parent, file)
         if choice == "bpe":
             return ChatTemplate(PLAIN_TEMPLATE, where="meshpar's plain chat template")
         folder = Path(choice).expanduser()
