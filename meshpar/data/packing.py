@@ -17,7 +17,7 @@ never begins inside a conversation, and under document attention each conversati
 what it would see alone: its positions start at 0 and its mask ends at its separator. A
 conversation longer than a row is cut to T + 1 tokens (its tail, and its separator, dropped) and
 counted in ``Packed.cut``. Rows are a pure function of the conversation lengths and T, computed by
-every rank alike (one pass over the lengths: about a second for ten million conversations).
+every rank alike in one pass over the lengths (docs/performance.md#packing-conversations).
 """
 
 from __future__ import annotations
