@@ -212,6 +212,8 @@ def load(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
     sections = {name: _build_section(name, tables.get(name, {}), origin) for name in SECTIONS}
     if not sections["train"].output_dir:
         sections["train"] = dataclasses.replace(sections["train"], output_dir=str(Path("runs") / stem))
+    if sections["model"].family == "hf" and not sections["model"].hf_path:  # the folder it starts from
+        sections["model"] = dataclasses.replace(sections["model"], hf_path=sections["checkpoint"].hf_weights)
     recipe = Recipe(**sections)
     try:
         check(recipe)
@@ -243,6 +245,16 @@ def check(recipe: Recipe) -> None:
         raise RecipeError(f"model.bias_update_rate = {m.bias_update_rate:g} has no effect without aux-free "
                           f"balancing: set model.aux_free_bias = true, or remove bias_update_rate",
                           "model.bias_update_rate")
+    if m.hf_path and m.family != "hf":
+        raise RecipeError(f"model.hf_path = {m.hf_path!r} is read only by model.family = \"hf\" (family "
+                          f"'{m.family}' builds its own model: start it from the folder with checkpoint.hf_weights); "
+                          "set model.family = \"hf\" or remove hf_path", "model.hf_path")
+    if m.family == "hf":
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            raise RecipeError("model.family = 'hf' builds the model with transformers, which is not installed: pip "
+                              "install 'meshpar[hf]'", "model.family")
     if m.float8_emulate and m.float8 == "none":
         raise RecipeError("model.float8_emulate = true has no effect with model.float8 = \"none\": set model.float8 "
                           "(e.g. \"tensorwise\"), or remove float8_emulate", "model.float8_emulate")

@@ -42,6 +42,23 @@ def _st_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
+def safetensors_files(path: Path) -> list[Path]:
+    """A Hugging Face folder's weight files: model.safetensors.index.json's, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    else:
+        files = [f.name for f in sorted(path.glob("*.safetensors"))]
+    if not files:
+        raise ConvertError(f"{path}: no model.safetensors.index.json and no *.safetensors files; a Hugging "
+                           "Face folder needs its weights as safetensors (convert .bin files with transformers)")
+    missing = [f for f in files if not (path / f).exists()]
+    if missing:
+        raise ConvertError(f"{path}: {missing[0]} is listed in model.safetensors.index.json but absent; "
+                           "download it again")
+    return [path / f for f in files]
+
+
 class HFSource:
     """A Hugging Face folder (config.json + safetensors) seen as meshpar names: ``model.<fqn>``."""
 
@@ -86,19 +103,7 @@ class HFSource:
                      "saved_at": _now()}
 
     def _files(self) -> list[Path]:
-        index = self.path / "model.safetensors.index.json"
-        if index.exists():
-            files = sorted(set(_read_json(index).get("weight_map", {}).values()))
-        else:
-            files = [f.name for f in sorted(self.path.glob("*.safetensors"))]
-        if not files:
-            raise ConvertError(f"{self.path}: no model.safetensors.index.json and no *.safetensors files; a Hugging "
-                               "Face folder needs its weights as safetensors (convert .bin files with transformers)")
-        missing = [f for f in files if not (self.path / f).exists()]
-        if missing:
-            raise ConvertError(f"{self.path}: {missing[0]} is listed in model.safetensors.index.json but absent; "
-                               "download it again")
-        return [self.path / f for f in files]
+        return safetensors_files(self.path)
 
     def _find(self, fqn: str) -> list[str]:
         prefix = getattr(self.spec.adapter, "HF_PREFIX", "")

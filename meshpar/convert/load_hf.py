@@ -34,6 +34,9 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
     """
     from safetensors import safe_open
 
+    if family == "hf":
+        _load_same_names(state_dict, Path(hf_dir), args)
+        return
     hf = HFSource(Path(hf_dir))
     spec = ModelSpec(family, args)
     free = [f for f in ("max_seq_len", *getattr(spec.adapter, "TRAINING_ONLY", ()))
@@ -57,6 +60,36 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
                                    "load_hf_weights takes model.state_dict()")
             pieces = [handles[hf.where_hf[name][0]].get_slice(name) for name in hf.names[fqn]]
             _load_one(value, pieces, spec.stacked(fqn), spec.transposed(fqn))
+
+
+def _load_same_names(state_dict: Mapping[str, Tensor], folder: Path, args: Any) -> None:
+    """``model.family = "hf"``: the state dict's names are the folder's own ([Note: a transformers model
+    as a meshpar family]); a tied output is the embedding, read once."""
+    from safetensors import safe_open
+
+    from meshpar.convert.hf import _st_header, safetensors_files
+
+    where: dict[str, tuple[Path, list[int]]] = {}
+    for file in safetensors_files(folder):
+        header, _ = _st_header(file)
+        where.update({name: (file, entry["shape"]) for name, entry in header.items()})
+    seen: set[int] = set()
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for fqn, value in state_dict.items():
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if fqn not in where:
+                raise ConvertError(f"{folder}: no tensor '{fqn}' in its safetensors, which this {args.model_type} "
+                                   "model has; the weights do not match config.json")
+            file, shape = where[fqn]
+            if list(shape) != list(value.shape):
+                raise ConvertError(f"{folder}: tensor '{fqn}' has shape {shape}, but the model built from config.json "
+                                   f"(and the recipe's overrides) needs {list(value.shape)}")
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+            _load_one(value, [handles[file].get_slice(fqn)], False, False)
 
 
 def _load_one(value: Tensor, pieces: list[Any], stacked: bool, transposed: bool) -> None:

@@ -17,12 +17,13 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from meshpar.models.gpt2 import convert as gpt2_convert
+from meshpar.models.hf import convert as hf_convert
 from meshpar.models.llama import convert as llama_convert
 from meshpar.models.moe import convert as moe_convert
 from meshpar.parallel.tensor_parallel.styles import FusedColwiseParallel, VocabParallelEmbedding
 
 ADAPTERS = {"llama": llama_convert, "qwen2": llama_convert, "qwen3": llama_convert, "gpt2": gpt2_convert,
-            **moe_convert.ADAPTERS}
+            **moe_convert.ADAPTERS, "hf": hf_convert}
 
 # [Note: stacked experts]
 # meshpar keeps a sparse layer's experts as one tensor per projection, layers.{i}.moe.experts.w1
@@ -73,7 +74,8 @@ class ModelSpec:
         with torch.device("meta"):
             model = get_family(self.family).model_cls(self.args)
         children = [name for name, _ in model.named_children()]
-        return {k: v.shape for k, v in model.state_dict().items()}, children[:children.index("layers")]
+        ends = children[:children.index("layers")] if "layers" in children else children
+        return {k: v.shape for k, v in model.state_dict().items()}, ends
 
     @property
     def shapes(self) -> dict[str, torch.Size]:
@@ -109,6 +111,8 @@ class ModelSpec:
         return next((n for n, a in get_family(self.family).sizes.items() if a == self.args), "custom")
 
     def hf_name(self, fqn: str) -> str:
+        if getattr(self.adapter, "IDENTITY", False):  # family "hf": the names are transformers' own
+            return fqn
         name = _match(self._to_hf, fqn)
         if name is None:
             where = getattr(self.adapter, "__name__", None) or type(self.adapter).__module__

@@ -53,7 +53,7 @@ class Family:
     def moe_overrides(self, cfg: ModelConfig) -> dict[str, Any]:
         """MoEArgs fields from the recipe's mixture-of-experts keys; on a dense family, a RecipeError
         for any of them that is not its default."""
-        if not issubclass(self.model_cls, MoETransformer):
+        if not (isinstance(self.model_cls, type) and issubclass(self.model_cls, MoETransformer)):
             for key in MOE_KEYS:
                 value = getattr(cfg, key)
                 if value != getattr(ModelConfig, key):
@@ -107,6 +107,30 @@ def check_moe_layout(args: Any, layout: Any) -> None:
         raise RecipeError(f"parallel.ep = {layout.ep}: {args.n_experts} experts do not split over {layout.ep} ranks; "
                           f"choose an ep that divides the expert count", "parallel.ep")
 
+class HFFamily(Family):
+    """``model.family = "hf"``: the architecture of ``model.hf_path``'s config.json, built by
+    transformers ([Note: a transformers model as a meshpar family] in meshpar/models/hf)."""
+
+    def model_args(self, cfg: ModelConfig) -> Any:
+        from meshpar.models.hf import HFArgs
+
+        if not cfg.hf_path:
+            raise RecipeError("model.family = 'hf' needs the model's folder: set model.hf_path (or "
+                              "checkpoint.hf_weights, which it defaults to)", "model.hf_path")
+        self.moe_overrides(cfg)  # refuses the mixture-of-experts keys
+        return HFArgs.from_folder(cfg.hf_path, cfg.n_layers, cfg.vocab_size)
+
+
+def check_hf_layout(args: Any, layout: Any) -> None:
+    """The layouts an ``hf`` model runs: data parallel (FSDP, HSDP, replicas) only, for now."""
+
+
+def _hf_model(args: Any) -> nn.Module:
+    from meshpar.models.hf import HFCausalLM
+
+    return HFCausalLM(args)
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", Transformer, LLAMA_SIZES, LLAMA_TP_PLAN, check_llama_layout, _LLAMA),
     Family("qwen2", Transformer, QWEN2_SIZES, LLAMA_TP_PLAN, check_llama_layout, _LLAMA),
@@ -114,10 +138,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt2", GPT2, GPT2_SIZES, GPT2_TP_PLAN, check_gpt2_layout, _ND),
     Family("qwen3_moe", MoETransformer, QWEN3_MOE_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
     Family("mixtral", MoETransformer, MIXTRAL_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
+    # any transformers causal LM; tensor, context and pipeline parallelism are not built for it yet
+    HFFamily("hf", _hf_model, {}, TPPlan({}, {}, "model", "lm_head"), check_hf_layout,
+             frozenset({"dp_replicate", "dp_shard"})),
 )}
 
 
-MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if issubclass(f.model_cls, MoETransformer))
+MOE_FAMILIES = tuple(name for name, f in FAMILIES.items()
+                     if isinstance(f.model_cls, type) and issubclass(f.model_cls, MoETransformer))
 
 
 def get_family(name: str) -> Family:
