@@ -133,3 +133,51 @@ def test_recipe_errors(tmp_path):
         recipe = _recipe(tmp_path, folder, f"--parallel.{key}=2")
         with pytest.raises(RecipeError, match=f"parallel.{key} = 2: .* not built yet for model family 'hf'"):
             check_layout(recipe, 2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_document_attention_packs_like_separate_documents(arch, tmp_path):
+    """With document_eos set, a packed row's logits equal each document run alone (float64), so
+    fine-tuning on packed conversations (data.format = "chat") works for any architecture."""
+    import dataclasses
+
+    from meshpar.models.hf import HFArgs, HFCausalLM
+
+    args = dataclasses.replace(HFArgs.from_folder(str(_folder(tmp_path, arch))), document_eos=7)
+    with default_dtype():
+        torch.manual_seed(0)
+        model = HFCausalLM(args)
+        model.init_weights()
+        first = torch.randint(8, 256, (11,), generator=torch.Generator().manual_seed(1))
+        first[-1] = 7
+        second = torch.randint(8, 256, (9,), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            packed = model(torch.cat([first, second])[None])[0]
+            alone = [model(d[None])[0] for d in (first, second)]
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=TOL, atol=TOL)
+    with torch.no_grad():
+        plain = model.hf(torch.cat([first, second])[None]).logits[0]
+    assert (plain[11:] - alone[1]).abs().max() > 1e-3  # without the mask the second document sees the first
+
+
+@pytest.mark.slow  # a target-size plan
+def test_plan_of_an_hf_llama_8b_matches_meshpars_llama(tmp_path):
+    """`meshpar plan recipes/llama3_8b.toml` with family hf on the same architecture's config.json: the
+    same parameters, FLOPs and step time, and a peak within 1% of meshpar's own llama (transformers'
+    blocks keep other activations for backward); the simulation builds two blocks of the 32
+    (``copy_with_layers``) and extrapolates."""
+    from meshpar.models.llama import LLAMA_SIZES
+    from meshpar.models.llama import convert as llama_convert
+    from tests.test_plan import _run
+
+    folder = tmp_path / "l8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(llama_convert.hf_config("llama", LLAMA_SIZES["8b"],
+                                                                           torch.bfloat16)))
+    recipe = str(ROOT / "recipes" / "llama3_8b.toml")
+    code, out, err, hf, _ = _run(recipe, "--model.family=hf", f"--model.hf_path={folder}")
+    assert code == 0, err
+    own = _run(recipe)[3]
+    assert hf.n_params == own.n_params == 8_030_261_248
+    assert hf.time.tokens_per_s == pytest.approx(own.time.tokens_per_s, rel=1e-3)
+    assert hf.ranks[0].peak_bytes == pytest.approx(own.ranks[0].peak_bytes, rel=0.01)

@@ -175,6 +175,10 @@ def _check_sampling(recipe: Recipe, args: Any) -> None:
         raise RecipeError(f"train.sample_every with the mixture-of-experts family '{recipe.model.family}' is not "
                           "built (its forwards count expert loads for the step's metrics); set train.sample_every "
                           "= 0, or sample from a checkpoint with `meshpar generate`", "train.sample_every")
+    if recipe.model.family == "hf":
+        raise RecipeError("train.sample_every with model.family = 'hf' is not built (the sampler runs meshpar's own "
+                          "KV cache; transformers' models keep theirs); set train.sample_every = 0, and sample a "
+                          "converted checkpoint with transformers' generate", "train.sample_every")
     if not hasattr(args, "rope_theta"):
         raise RecipeError(f"train.sample_every: model family '{recipe.model.family}' has no KV cache (learned "
                           "positions); set train.sample_every = 0", "train.sample_every")

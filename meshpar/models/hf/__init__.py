@@ -12,7 +12,9 @@ the causal LM itself unregistered, to call its forward: every module it runs is 
 FSDP's hooks, checkpointing and compile (all applied in place: meshpar/parallel/wrap.py) act on
 the modules transformers calls. The slots meshpar's parallelism uses: ``layers`` (the decoder
 layers, found as the one ModuleList of ``num_hidden_layers`` modules), ``head`` and
-``head_in_loss`` (the chunked loss, where logits are a plain ``lm_head(h)``).
+``head_in_loss`` (the chunked loss, where logits are a plain ``lm_head(h)``). Document attention
+(``document_eos``) hands transformers the boolean [B, 1, T, T] mask and per-document positions,
+which its attention takes as they are (tests/test_hf_family.py: a packed row equals its documents).
 
 [Note: initializing a transformers model]
 After ``to_empty`` every value is garbage. Linear and embedding weights (the random ones) are
@@ -24,9 +26,11 @@ init draws other random parameters would draw them per rank; none of the tested 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from meshpar.config.errors import RecipeError
+from meshpar.models.attention import document_mask
 from meshpar.models.init import canonical_name, draw_seed, normal_
 
 
@@ -164,11 +169,13 @@ class HFCausalLM(nn.Module):
         for name, child in hf.named_children():
             self.add_module(name, child)
         object.__setattr__(self, "_hf", hf)  # unregistered: its children are ours
-        blocks = [m for m in hf.modules() if isinstance(m, nn.ModuleList) and len(m) == args.n_layers]
+        blocks = [(n, m) for n, m in hf.named_modules() if isinstance(m, nn.ModuleList) and len(m) == args.n_layers]
         if len(blocks) != 1:
             raise RecipeError(f"model.family = 'hf': {type(hf).__name__} has {len(blocks)} lists of "
                               f"num_hidden_layers = {args.n_layers} modules; its decoder layers cannot be told apart",
                               "model.family")
+        self._blocks_path, blocks = blocks[0][0], [blocks[0][1]]
+        self._keys = [str(i) for i in range(args.n_layers)]
         plain_head = not any(config.to_dict().get(k) for k in ("final_logit_softcapping", "logit_scale"))
         # modules already registered under their own names: set without registering them again
         object.__setattr__(self, "_blocks", blocks[0])
@@ -178,7 +185,24 @@ class HFCausalLM(nn.Module):
     @property
     def layers(self) -> dict[str, nn.Module]:
         """The decoder layers by index (the slot FSDP, checkpointing and compile take blocks from)."""
-        return {str(i): layer for i, layer in enumerate(self._blocks)}
+        return dict(zip(self._keys, self._blocks, strict=True))
+
+    def copy_with_layers(self, keep: Sequence[int]) -> HFCausalLM:
+        """A copy (of a model on meta) holding only the decoder layers ``keep``, under their indices:
+        what the planner simulates of a large model ([Note: copying only a stage] in
+        meshpar/parallel/pipeline/split.py). transformers runs the layers its list holds."""
+        dropped = [b for i, b in enumerate(self._blocks) if i not in set(keep)]
+        stage = copy.deepcopy(self, {id(b): None for b in dropped})
+        parent, _, leaf = stage._blocks_path.rpartition(".")
+        kept = nn.ModuleList([b for b in stage._blocks if b is not None])
+        setattr(stage._hf.get_submodule(parent) if parent else stage._hf, leaf, kept)
+        object.__setattr__(stage, "_blocks", kept)
+        stage._keys = [str(i) for i in keep]
+        config = stage._hf.config
+        config.num_hidden_layers = len(kept)
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = [config.layer_types[i] for i in keep]
+        return stage
 
     @property
     def hf(self) -> nn.Module:
@@ -186,9 +210,13 @@ class HFCausalLM(nn.Module):
         return self._hf
 
     def forward(self, tokens: Tensor) -> Tensor:
+        extra = {}
+        if self.args.document_eos >= 0:  # [Note: document-causal attention]: transformers takes the mask whole
+            mask, positions = document_mask(tokens, self.args.document_eos)
+            extra = {"attention_mask": mask, "position_ids": positions}
         if self.head_in_loss and torch.is_grad_enabled():  # the loss applies ``head`` chunk by chunk
-            return self._hf.base_model(input_ids=tokens, use_cache=False).last_hidden_state
-        return self._hf(input_ids=tokens, use_cache=False).logits
+            return self._hf.base_model(input_ids=tokens, use_cache=False, **extra).last_hidden_state
+        return self._hf(input_ids=tokens, use_cache=False, **extra).logits
 
     @torch.no_grad()
     def init_weights(self) -> None:
