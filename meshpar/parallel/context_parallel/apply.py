@@ -209,7 +209,8 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool
 
 def attends_over_cp(block: nn.Module) -> bool:
     """Whether ``block``'s attention slot holds a cp attention (``apply_context_parallel``)."""
-    return isinstance(block.attention.inner_attention, ContextParallelAttention)
+    attention = getattr(block, "attention", None)  # a block without the slot (family hf) attends locally
+    return isinstance(getattr(attention, "inner_attention", None), ContextParallelAttention)
 
 
 class ContextParallelPositions(SequencePositions):
