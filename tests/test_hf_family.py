@@ -2,8 +2,10 @@
 
 FSDP on 2 ranks equals one process in float64 for Llama, Qwen2 and two architectures meshpar does
 not build itself (Gemma: tied embeddings, (1 + w) norms, scaled embeddings; Phi-3: fused q/k/v and
-gate/up projections); a checkpoint converts to a folder transformers loads with the same logits;
-the hf Llama trains as meshpar's own llama family on the same weights."""
+gate/up projections), and so do HSDP with the loss in chunks and transformers' own tensor-parallel
+plan (with FSDP, and with gathered logits); a checkpoint converts to a folder transformers loads
+with the same logits; the hf Llama trains as meshpar's own llama family on the same weights; packed
+documents attend apart; the planner plans an hf 8B as meshpar's llama."""
 
 from __future__ import annotations
 
@@ -60,12 +62,16 @@ LAYOUTS = {  # name: (overrides, world size)
     # replicas of FSDP groups, and the loss applying lm_head in 3 chunks (the head_in_loss slot)
     "hsdp2x2-chunked-loss": (["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch=1",
                               "--train.loss_chunks=3"], 4),
+    # transformers' own tp plan (meshpar/models/hf/parallelize.py), FSDP over it, logits vocab-sharded
+    "fsdp2-tp2": (["--parallel.dp_shard=2", "--parallel.tp=2", "--train.micro_batch=2"], 4),
+    "tp2-gathered-logits": (["--parallel.tp=2", "--parallel.loss_parallel=false"], 2),
 }
 
 
 @pytest.mark.parity
 @pytest.mark.parametrize(("arch", "layout"), [*[(a, "fsdp2-full-ac") for a in CONFIGS],
-                                              ("llama", "hsdp2x2-chunked-loss")])
+                                              ("llama", "hsdp2x2-chunked-loss"), ("qwen2", "fsdp2-tp2"),
+                                              ("phi3", "tp2-gathered-logits")])
 def test_fsdp_matches_one_process(arch, layout, tmp_path, data_cache):
     """A random model of each architecture (meshpar's layout-independent init of its linear and
     embedding weights, transformers' of the rest), 3 steps on 2 FSDP ranks with full activation
@@ -139,10 +145,14 @@ def test_recipe_errors(tmp_path):
         recipelib.load(ROOT / "recipes" / "llama_debug.toml", [f"--model.hf_path={folder}"])
     from meshpar.training.preflight import check_layout
 
-    for key in ("tp", "cp", "pp"):
+    for key in ("cp", "pp"):
         recipe = _recipe(tmp_path, folder, f"--parallel.{key}=2")
         with pytest.raises(RecipeError, match=f"parallel.{key} = 2: .* not built yet for model family 'hf'"):
             check_layout(recipe, 2)
+    with pytest.raises(RecipeError, match="parallel.tp = 2: gemma ties its output to its embedding"):
+        check_layout(_recipe(tmp_path, _folder(tmp_path, "gemma"), "--parallel.tp=2"), 2)
+    with pytest.raises(RecipeError, match=r"parallel.tp = 8: num_attention_heads \(4\) is not divisible by 8"):
+        check_layout(_recipe(tmp_path, folder, "--parallel.tp=8"), 8)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])

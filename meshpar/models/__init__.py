@@ -23,6 +23,7 @@ from meshpar.config.errors import RecipeError
 from meshpar.config.keys import MOE_KEYS, ModelConfig
 from meshpar.models.gpt2 import GPT2, GPT2_SIZES
 from meshpar.models.gpt2.parallelize import GPT2_TP_PLAN, check_gpt2_layout
+from meshpar.models.hf.parallelize import check_hf_layout, hf_tp_plan
 from meshpar.models.llama import LLAMA_SIZES, QWEN2_SIZES, QWEN3_SIZES, Transformer
 from meshpar.models.llama.parallelize import LLAMA_TP_PLAN, check_llama_layout
 from meshpar.models.moe import MIXTRAL_SIZES, QWEN3_MOE_SIZES, MoETransformer
@@ -39,6 +40,11 @@ class Family:
     tp_plan: TPPlan  # the tensor-parallel plan table, applied by meshpar.parallel.parallelize
     check_layout: Callable[[Any, Any], None]  # (args, Layout) -> RecipeError: tp must divide the dims it shards
     mesh_dims: frozenset[str]  # parallel dims that may be > 1
+    plan_of: Callable[[Any], TPPlan] | None = None  # a plan that depends on the args (family hf), else tp_plan
+
+    def plan(self, args: Any) -> TPPlan:
+        """The tensor-parallel plan table of a model with ``args``."""
+        return self.plan_of(args) if self.plan_of is not None else self.tp_plan
 
     def model_args(self, cfg: ModelConfig) -> Any:
         """The named size's args with the recipe's overrides (n_layers, vocab_size, and for a
@@ -121,10 +127,6 @@ class HFFamily(Family):
         return HFArgs.from_folder(cfg.hf_path, cfg.n_layers, cfg.vocab_size)
 
 
-def check_hf_layout(args: Any, layout: Any) -> None:
-    """The layouts an ``hf`` model runs: data parallel (FSDP, HSDP, replicas) only, for now."""
-
-
 def _hf_model(args: Any) -> nn.Module:
     from meshpar.models.hf import HFCausalLM
 
@@ -138,9 +140,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt2", GPT2, GPT2_SIZES, GPT2_TP_PLAN, check_gpt2_layout, _ND),
     Family("qwen3_moe", MoETransformer, QWEN3_MOE_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
     Family("mixtral", MoETransformer, MIXTRAL_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
-    # any transformers causal LM; tensor, context and pipeline parallelism are not built for it yet
-    HFFamily("hf", _hf_model, {}, TPPlan({}, {}, "model", "lm_head"), check_hf_layout,
-             frozenset({"dp_replicate", "dp_shard"})),
+    # any transformers causal LM, tp by its own plan; context and pipeline parallelism are not built for it yet
+    HFFamily("hf", _hf_model, {}, TPPlan({}, {}, "model.embed_tokens", "lm_head", sequence_parallel=False),
+             check_hf_layout, frozenset({"dp_replicate", "dp_shard", "tp"}), plan_of=hf_tp_plan),
 )}
 
 

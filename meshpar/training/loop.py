@@ -346,7 +346,7 @@ def _build_model(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device:
     p, m, t = recipe.parallel, recipe.model, recipe.train
     chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, checked.args.vocab_size, mesh.layout,
                            p.loss_parallel)
-    stages = build(checked.family.model_cls, checked.args, checked.family.tp_plan, mesh, p, device, t.seed,
+    stages = build(checked.family.model_cls, checked.args, checked.family.plan(checked.args), mesh, p, device, t.seed,
                    float8=m.float8, float8_emulate=m.float8_emulate, head_in_loss=chunks > 1)
     loss = TokenLoss(last_head(m for _, m in stages), chunks)
     pipeline = None

@@ -92,12 +92,13 @@ class TPPlan:
     output: str
     loss_parallel: bool = True
     no_fsdp: str | None = None
+    sequence_parallel: bool = True  # the residual stream sequence-sharded between blocks; False: whole
 
     def with_loss_parallel(self, enabled: bool) -> TPPlan:
         """This plan with the output projection's logits vocab-sharded (``enabled``) or gathered."""
         if enabled == self.loss_parallel:
             return self
-        root = {**self.root, self.output: vocab_parallel_output(enabled)}
+        root = {**self.root, self.output: vocab_parallel_output(enabled, self.sequence_parallel)}
         return dataclasses.replace(self, root=root, loss_parallel=enabled)
 
 
@@ -189,13 +190,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, restyle: Resty
     return model
 
 
-def vocab_parallel_output(loss_parallel: bool) -> ParallelStyle:
+def vocab_parallel_output(loss_parallel: bool, sequence_parallel: bool = True) -> ParallelStyle:
     """The output projection of a plan: [B, T/tp, D] -> all-gather -> [B, T, D] @ w[D, V/tp] ->
     logits [B, T, V/tp], kept as a vocab-sharded DTensor with ``loss_parallel``, else
-    all-gathered to a plain [B, T, V] on every rank."""
+    all-gathered to a plain [B, T, V] on every rank. Without ``sequence_parallel`` its input
+    arrives whole, [B, T, D] on every rank."""
+    given = Shard(1) if sequence_parallel else Replicate()
     if loss_parallel:
-        return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
-    return ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        return ColwiseParallel(input_layouts=given, output_layouts=Shard(-1), use_local_output=False)
+    return ColwiseParallel(input_layouts=given, output_layouts=Replicate())
 
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
