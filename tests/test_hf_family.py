@@ -92,7 +92,8 @@ def test_fsdp_matches_one_process(arch, layout, tmp_path, data_cache):
 
 def test_checkpoint_converts_to_a_folder_transformers_loads(tmp_path, data_cache):
     """A float64 run's checkpoint (Gemma: tied embeddings) -> `meshpar convert --to hf` -> transformers'
-    from_pretrained gives the trained model's logits exactly: same code, same weights, same order."""
+    from_pretrained gives the trained model's logits exactly (same code, same weights, same order),
+    and the folder loads back into family hf bit for bit."""
     from meshpar.convert import convert
 
     folder = _folder(tmp_path, "gemma")
@@ -110,6 +111,16 @@ def test_checkpoint_converts_to_a_folder_transformers_loads(tmp_path, data_cache
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, ours(tokens).logits)
     assert torch.equal(loaded.lm_head.weight, run.state_dict["model.embed_tokens.weight"])
+    # and back: the folder loads into family hf (checkpoint.hf_weights' path) with every tensor as trained
+    from meshpar.convert import load_hf_weights
+    from meshpar.models.hf import HFArgs, HFCausalLM
+
+    args = HFArgs.from_folder(str(tmp_path / "hf"))
+    with default_dtype():
+        back = HFCausalLM(args)
+    load_hf_weights(back.state_dict(), tmp_path / "hf", "hf", args)
+    for name, value in back.state_dict().items():
+        assert torch.equal(value, run.state_dict[name]), name
 
 
 def test_hf_llama_trains_as_meshpar_llama(tmp_path, data_cache):

@@ -68,28 +68,27 @@ def _load_same_names(state_dict: Mapping[str, Tensor], folder: Path, args: Any) 
     from safetensors import safe_open
 
     from meshpar.convert.hf import _st_header, safetensors_files
+    from meshpar.models.hf import convert as hf_convert
 
     where: dict[str, tuple[Path, list[int]]] = {}
     for file in safetensors_files(folder):
         header, _ = _st_header(file)
         where.update({name: (file, entry["shape"]) for name, entry in header.items()})
-    seen: set[int] = set()
+    tied = hf_convert.tied(args)  # {copy: source}: a folder may hold the source alone
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
         for fqn, value in state_dict.items():
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
-            if fqn not in where:
+            name = fqn if fqn in where else tied.get(fqn, fqn)
+            if name not in where:
                 raise ConvertError(f"{folder}: no tensor '{fqn}' in its safetensors, which this {args.model_type} "
                                    "model has; the weights do not match config.json")
-            file, shape = where[fqn]
+            file, shape = where[name]
             if list(shape) != list(value.shape):
-                raise ConvertError(f"{folder}: tensor '{fqn}' has shape {shape}, but the model built from config.json "
-                                   f"(and the recipe's overrides) needs {list(value.shape)}")
+                raise ConvertError(f"{folder}: tensor '{name}' has shape {shape}, but the model built from "
+                                   f"config.json (and the recipe's overrides) needs {list(value.shape)}")
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-            _load_one(value, [handles[file].get_slice(fqn)], False, False)
+            _load_one(value, [handles[file].get_slice(name)], False, False)
 
 
 def _load_one(value: Tensor, pieces: list[Any], stacked: bool, transposed: bool) -> None:
