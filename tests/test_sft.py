@@ -194,3 +194,38 @@ def test_data_prepare_chat_folder_trains_as_the_rows(tmp_path, capsys):
     ids = [int(i) for i in ready.train.tokens[last]]
     trained = [i for i, t in zip(ids, ready.train.trained[last], strict=True) if t]
     assert ready.tokenizer.decode(trained) == "4<|im_end|>\n" and ids[-1] == ready.eos_id
+
+
+def test_fine_tune_an_hf_model_on_a_chat_file(tmp_path, data_cache):
+    """The issue's whole path in one process: a transformers Llama folder (family hf) with a ChatML
+    tokenizer, fine-tuned 2 steps on a chat file written here; the loss falls on the assistant's
+    tokens and the checkpoint converts back to a Hugging Face folder with its tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from meshpar.convert import convert
+    from tests.test_chat import CHATML, _tokenizer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    _tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
+    transformers.LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256).save_pretrained(folder)
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(200)]
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    recipe = recipelib.load(ROOT / "recipes" / "sft_debug.toml", [
+        "--model.family=hf", f"--model.hf_path={folder}", f"--data.path={tmp_path / 'chats.jsonl'}",
+        f"--data.tokenizer={folder}", "--parallel.dp_shard=1", "--train.seq_len=128", "--train.global_batch=4",
+        "--train.micro_batch=2", "--train.steps=4", "--train.log_every=1", "--train.eval_every=0",
+        "--train.sample_every=0", "--checkpoint.every=4", "--metrics.progress=off", "--optim.warmup_steps=1",
+        f"--train.output_dir={tmp_path / 'run'}"])
+    with default_dtype():
+        records = train(recipe).records
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert all(0 < r["trained_frac"] < 0.5 for r in records if "loss" in r)
+    convert(tmp_path / "run" / "checkpoints" / "step_4", tmp_path / "hf", to="hf", progress=False)
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.config.vocab_size == 400 and loaded.dtype == torch.float64
