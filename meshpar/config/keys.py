@@ -32,9 +32,10 @@ MOE_KEYS = ("aux_loss_coef", "capacity_factor", "aux_free_bias", "bias_update_ra
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str = option("llama", "Model family: llama, qwen2, qwen3, gpt2, the mixture-of-experts qwen3_moe or "
-                                         "mixtral (see meshpar/models/), or hf: any Hugging Face causal LM, built by "
-                                         "transformers from model.hf_path's config.json (pip install 'meshpar[hf]').")
+    family: str = option("llama", "Model family: llama, qwen2, qwen3, gpt2, the mixture-of-experts qwen3_moe, "
+                                         "mixtral or deepseek_v3 (see meshpar/models/), or hf: any Hugging Face causal "
+                                         "LM, built by transformers from model.hf_path's config.json (pip install "
+                                         "'meshpar[hf]').")
     size: str = option("debug", "Named size of the family, e.g. debug, 1b, 8b, 70b, 405b for llama (unused by hf).")
     hf_path: str = option("", "With family = hf: the Hugging Face model folder whose config.json is the architecture; "
                               "empty means checkpoint.hf_weights.")
@@ -54,7 +55,7 @@ class ModelConfig:
     float8_emulate: bool = option(False, "With model.float8: emulate the float8 casts and matmuls in high "
                                          "precision (the same numbers, on any device: CPU tests), as torchao's "
                                          "emulate=True.")
-    # mixture-of-experts families only (qwen3_moe, mixtral): they set MoEArgs' fields of the same names
+    # mixture-of-experts families only (qwen3_moe, mixtral, deepseek_v3): they set MoEArgs' fields of the same names
     # (router_aux_loss_coef for aux_loss_coef); meshpar.models refuses other values on a dense family
     aux_loss_coef: float = option(-1.0, "Mixture of experts: weight of the load-balancing loss added to the "
                                         "cross-entropy (logged apart as aux_loss); 0 turns it off; -1 keeps the "

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from meshpar.models.deepseek import convert as deepseek_convert
 from meshpar.models.gpt2 import convert as gpt2_convert
 from meshpar.models.hf import convert as hf_convert
 from meshpar.models.llama import convert as llama_convert
@@ -23,7 +24,7 @@ from meshpar.models.moe import convert as moe_convert
 from meshpar.parallel.tensor_parallel.styles import FusedColwiseParallel, VocabParallelEmbedding
 
 ADAPTERS = {"llama": llama_convert, "qwen2": llama_convert, "qwen3": llama_convert, "gpt2": gpt2_convert,
-            **moe_convert.ADAPTERS, "hf": hf_convert}
+            **moe_convert.ADAPTERS, "deepseek_v3": deepseek_convert, "hf": hf_convert}
 
 # [Note: stacked experts]
 # meshpar keeps a sparse layer's experts as one tensor per projection, layers.{i}.moe.experts.w1

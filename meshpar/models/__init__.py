@@ -21,6 +21,8 @@ from torch import nn
 
 from meshpar.config.errors import RecipeError
 from meshpar.config.keys import MOE_KEYS, ModelConfig
+from meshpar.models.deepseek import DEEPSEEK_V3_SIZES, DeepSeekTransformer
+from meshpar.models.deepseek.convert import TP_PLAN as DEEPSEEK_TP_PLAN
 from meshpar.models.gpt2 import GPT2, GPT2_SIZES
 from meshpar.models.gpt2.parallelize import GPT2_TP_PLAN, check_gpt2_layout
 from meshpar.models.hf.parallelize import check_hf_layout, hf_tp_plan
@@ -140,6 +142,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt2", GPT2, GPT2_SIZES, GPT2_TP_PLAN, check_gpt2_layout, _ND),
     Family("qwen3_moe", MoETransformer, QWEN3_MOE_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
     Family("mixtral", MoETransformer, MIXTRAL_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
+    # tensor and context parallelism are not built for MLA yet
+    Family("deepseek_v3", DeepSeekTransformer, DEEPSEEK_V3_SIZES, DEEPSEEK_TP_PLAN(), check_moe_layout,
+           frozenset({"pp", "dp_replicate", "dp_shard", "ep"})),
     # any transformers causal LM, tp by its own plan; context and pipeline parallelism are not built for it yet
     HFFamily("hf", _hf_model, {}, TPPlan({}, {}, "model.embed_tokens", "lm_head", sequence_parallel=False),
              check_hf_layout, frozenset({"dp_replicate", "dp_shard", "tp"}), plan_of=hf_tp_plan),

@@ -252,5 +252,7 @@ class MoETransformer(Transformer):
             moe.update_expert_bias(load, self.args.bias_update_rate)
 
     def expert_loads(self) -> Tensor:
-        """[L_sparse, E]: token slots each expert received since the last bias update (this rank)."""
-        return torch.stack([moe.expert_load for moe in self.moe_layers()])
+        """[L_sparse, E]: token slots each expert received since the last bias update (this rank);
+        [0, E] on a pipeline stage whose layers are all dense (DeepSeek-V3's first ones)."""
+        loads = [moe.expert_load for moe in self.moe_layers()]
+        return torch.stack(loads) if loads else torch.zeros(0, self.args.n_experts, device=self.rope_cos.device)

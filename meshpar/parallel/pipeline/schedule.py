@@ -165,7 +165,8 @@ def check_microbatches(name: str, n_microbatches: int, pp: int, virtual: int = 1
 # stage tells its own forwards apart: ``forward_one_chunk`` (and the planner's stand-in) run under
 # ``scheduled()``; only those pass their output through ``on_output`` (meshpar.training.step sets it while a
 # step runs: [Note: auxiliary losses under pipelining]), and a forward with gradients enabled
-# outside them gets the module's buffers restored after it.
+# outside them gets the module's buffers restored before the next scheduled forward: after its
+# backward too, whose recomputes (activation checkpointing) count loads as well.
 
 
 class Stage(PipelineStage):
@@ -203,16 +204,16 @@ class Stage(PipelineStage):
             self._scheduled = False
 
     def _before_forward(self, module: nn.Module, args: tuple) -> None:
-        if not self._scheduled and torch.is_grad_enabled():
+        if not self._scheduled and torch.is_grad_enabled() and self._saved_buffers is None:
             self._saved_buffers = [b.detach().clone() for b in module.buffers()]
-
-    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self._saved_buffers is not None:
+        elif self._scheduled and self._saved_buffers is not None:  # the unscheduled forward's backward is done
             with torch.no_grad():
                 for buffer, saved in zip(module.buffers(), self._saved_buffers, strict=True):
-                    if not torch.equal(buffer, saved):  # the unchanged (RoPE tables) are saved for backward
+                    if not torch.equal(buffer, saved):  # the unchanged (RoPE tables) were saved for backward
                         buffer.copy_(saved)
             self._saved_buffers = None
+
+    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._scheduled and self.on_output is not None:
             return self.on_output(module, output)
         return output

@@ -1,0 +1,154 @@
+"""The DeepSeek-V3 family (meshpar/models/deepseek): the published sizes' parameter counts, logits
+equal to transformers' DeepseekV3ForCausalLM, conversion both ways, and training layouts against
+one process in float64."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from meshpar.config import recipe as recipelib
+from meshpar.models.deepseek import DEEPSEEK_V3_SIZES, DeepSeekTransformer
+from meshpar.models.deepseek import convert as ds_convert
+from meshpar.train import train
+from tests.distributed import run_distributed
+from tests.helpers import ROOT, SMALL, merged_state, train_losses, train_on_rank
+from tests.parity import TOL, default_dtype, in_float64, must_fail
+
+
+def _params(args) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in DeepSeekTransformer(args).parameters())
+
+
+def test_published_sizes():
+    """Total parameters of the main model (the multi-token-prediction layer is not built) and the
+    active ones (matmul weights a token runs through, plus its embedding row's table): DeepSeek-V3
+    671B total / 37B activated, Moonlight-16B-A3B 16B / 3B, as their model cards give them."""
+    v3, moon = DEEPSEEK_V3_SIZES["671b"], DEEPSEEK_V3_SIZES["16b"]
+    assert _params(v3) == 671_026_404_352
+    assert v3.matmul_params() + v3.vocab_size * v3.dim == 37_551_276_032  # "37B activated"
+    assert _params(moon) == 15_960_108_544
+    assert moon.matmul_params() + moon.vocab_size * moon.dim == 2_914_648_064  # "3B activated"
+    assert v3.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * torch.tensor(40.0).log().item() + 1) ** 2)
+
+
+def _hf_folder(tmp_path, args, seed: int = 0):
+    """A transformers DeepseekV3ForCausalLM of ``args``' shape with every tensor random (norms near 1,
+    the routing bias too), saved as a Hugging Face folder."""
+    transformers = pytest.importorskip("transformers")
+    config = ds_convert.hf_config("deepseek_v3", args, torch.float32)
+    hf_config = transformers.DeepseekV3Config(**{k: v for k, v in config.items()
+                                                 if k not in ("architectures", "model_type")})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0.0, 0.1)
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    return model, folder
+
+
+@pytest.mark.parametrize("variant", ["q_lora-yarn", "plain-q"])
+def test_logits_equal_transformers(variant, tmp_path):
+    """A random DeepseekV3ForCausalLM (group-limited routing over 4 groups, a random routing bias)
+    loaded into meshpar gives its logits to 2e-5 absolute (fp32; logits of magnitude ~6, so ~3e-6
+    relative): the RoPE tables differ in their last bits (transformers computes YaRN's frequencies
+    in float32, meshpar in float64), and the sums run in other orders. A wrong routing group, a
+    missing bias or an unscaled softmax moves them by 1e-2 or more."""
+    from meshpar.convert import load_hf_weights
+
+    base = DEEPSEEK_V3_SIZES["debug"]
+    args = dataclasses.replace(base, n_layers=3, **({} if variant == "q_lora-yarn" else {"q_lora_rank": 0,
+                                                                                          "yarn": None}))
+    ref, folder = _hf_folder(tmp_path, args)
+    model = DeepSeekTransformer(args)
+    load_hf_weights(model.state_dict(), folder, "deepseek_v3", args)
+    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ref(tokens).logits, model.eval()(tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    assert ds_convert.args_from_hf_config("deepseek_v3", json.loads((folder / "config.json").read_text())) == args
+
+
+def test_convert_both_ways_gives_the_folder_back(tmp_path):
+    """Hugging Face folder -> meshpar DCP checkpoint (experts stacked) -> Hugging Face folder (experts
+    unstacked): every tensor of the original, bit for bit, and the same config."""
+    from safetensors.torch import load_file
+
+    from meshpar.convert import convert
+
+    args = dataclasses.replace(DEEPSEEK_V3_SIZES["debug"], n_layers=2)
+    _, folder = _hf_folder(tmp_path, args)
+    convert(folder, tmp_path / "dcp", to="dcp", progress=False)
+    convert(tmp_path / "dcp", tmp_path / "back", to="hf", progress=False)
+
+    def tensors(path):
+        out = {}
+        for file in sorted(path.glob("*.safetensors")):
+            out.update(load_file(file))
+        return out
+
+    original, back = tensors(folder), tensors(tmp_path / "back")
+    assert original.keys() == back.keys() and len(original) > 50
+    for name, value in original.items():
+        assert torch.equal(value, back[name]), name
+    assert ds_convert.args_from_hf_config("deepseek_v3", json.loads((tmp_path / "back" / "config.json").read_text())) \
+        == args
+
+
+STEPS = ["--train.steps=3", "--train.eval_every=3", "--data.val_fraction=0.1"]
+
+
+def _recipe(out, *extra: str) -> recipelib.Recipe:
+    return recipelib.load(ROOT / "recipes" / "deepseek_v3_debug.toml",
+                          [*SMALL, *STEPS, f"--train.output_dir={out}", *extra])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_cache):
+    with default_dtype():
+        return train(_recipe(tmp_path_factory.mktemp("ref"), "--parallel.dp_shard=1", "--parallel.ep=1"),
+                     return_state=True)
+
+
+def _assert_same(records, state, reference) -> None:
+    torch.testing.assert_close(train_losses(records), train_losses(reference.records), rtol=TOL, atol=0)
+    for key in ("aux_loss", "val_loss"):
+        torch.testing.assert_close([r[key] for r in records if key in r],
+                                   [r[key] for r in reference.records if key in r], rtol=TOL, atol=0)
+    assert state.keys() == reference.state_dict.keys()
+    for name, want in reference.state_dict.items():
+        torch.testing.assert_close(state[name], want, rtol=TOL, atol=TOL, msg=name)
+
+
+LAYOUTS = {  # name: (overrides of recipes/deepseek_v3_debug.toml, world size)
+    "dp_shard4-ep2": ([], 4),  # the recipe: routed experts over ep 2, FSDP over 4 (2 for the experts)
+    "pp2-dp_shard2-ep2-full-ac": (["--parallel.pp=2", "--parallel.dp_shard=2",
+                                   '--parallel.activation_checkpoint="full"'], 4),
+}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_one_rank(layout, reference, tmp_path):
+    """recipes/deepseek_v3_debug.toml on 4 ranks equals one rank in float64 after 3 steps: losses,
+    auxiliary losses, validation loss and every parameter (the aux-free routing biases, moved after
+    each step by the loads summed over data-parallel ranks, included)."""
+    overrides, world = LAYOUTS[layout]
+    results = run_distributed(in_float64, world, train_on_rank, _recipe(tmp_path, *overrides), timeout=300,
+                              init_process_group=False)
+    state = merged_state(results)
+    _assert_same(results[0][0], state, reference)
+    assert any(name.endswith("moe.expert_bias") for name in state)
+    if layout == "dp_shard4-ep2":  # the comparison bites: one routing bias off by 1e-6
+        name = next(n for n in state if n.endswith("moe.expert_bias"))
+        bent = {**state, name: state[name] + 1e-6}
+        must_fail(lambda: _assert_same(results[0][0], bent, reference), "a routing bias off by 1e-6")
