@@ -78,8 +78,8 @@ def check_model(recipe: Recipe) -> tuple[Family, Any]:
     """The recipe's model against the registry, before any world size: (family, model args).
     Raises RecipeError naming the families, the sizes, or a parallel dim the family cannot run yet."""
     family = get_family(recipe.model.family)  # raises naming the families
-    args = family.model_args(recipe.model)  # raises naming the sizes
     family.check_degrees({dim: getattr(recipe.parallel, dim) for dim in meshlib.DIMS})
+    args = family.model_args(recipe.model)  # raises naming the sizes
     return family, args
 
 

@@ -204,13 +204,14 @@ class Stage(PipelineStage):
             self._scheduled = False
 
     def _before_forward(self, module: nn.Module, args: tuple) -> None:
-        if not self._scheduled and torch.is_grad_enabled() and self._saved_buffers is None:
+        saved = self._saved_buffers
+        if not self._scheduled and saved is None and torch.is_grad_enabled():
             self._saved_buffers = [b.detach().clone() for b in module.buffers()]
-        elif self._scheduled and self._saved_buffers is not None:  # the unscheduled forward's backward is done
+        elif self._scheduled and saved is not None:  # the unscheduled forward's backward is done
             with torch.no_grad():
-                for buffer, saved in zip(module.buffers(), self._saved_buffers, strict=True):
-                    if not torch.equal(buffer, saved):  # the unchanged (RoPE tables) were saved for backward
-                        buffer.copy_(saved)
+                for buffer, value in zip(module.buffers(), saved, strict=True):
+                    if not torch.equal(buffer, value):  # the unchanged (RoPE tables) were saved for backward
+                        buffer.copy_(value)
             self._saved_buffers = None
 
     def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
