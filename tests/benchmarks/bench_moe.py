@@ -2,8 +2,10 @@
 
     python -m tests.benchmarks.bench_moe [--layouts all | 1,3,6] [--warmup 2] [--steps 5]
                                          [--json runs/bench_moe.json] [--smoke]
+                                         [--recipe recipes/deepseek_v3_debug.toml]
 
-Each layout trains the debug Qwen3-MoE (recipes/qwen3_moe_debug.toml: 4 blocks, dim 256, 8
+Each layout trains the debug Qwen3-MoE (or ``--recipe``'s model: the debug DeepSeek-V3, with its
+shared experts, grouped routing and moving routing bias) (recipes/qwen3_moe_debug.toml: 4 blocks, dim 256, 8
 experts top 2 in 3 sparse blocks; here seq_len 128, global batch 8, one microbatch per rank) on
 gloo ranks (``tests/distributed.py``, 1 thread per rank) through meshpar's own code, as
 calibrate_plan.py does: ``meshpar.parallel.parallelize.build`` from recipe overrides, fused AdamW,
@@ -50,7 +52,7 @@ from meshpar.distributed import comm_record
 from tests.benchmarks.calibrate_plan import build_training
 from tests.distributed import run_distributed
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_moe_debug.toml"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_moe_debug.toml"  # the default --recipe
 BASE = ["--train.seq_len=128", "--train.global_batch=8", "--train.eval_every=0"]
 EP = ("all_to_all", "ep")
 
@@ -84,17 +86,17 @@ def _expected_bytes(counts: torch.Tensor, every: list[torch.Tensor], rank: int, 
     return 2 * (sent_rows + computed_for_others) * dim * itemsize + layers * (n - 1) * local * 8
 
 
-def measure_rank(overrides: list[str], warmup: int, steps: int) -> dict:
-    """On one gloo rank: per timed step its seconds, the ep all-to-all calls and bytes counted, and
-    the analytic bytes."""
-    recipe = recipelib.load(RECIPE, overrides)
+def measure_rank(path: Path, overrides: list[str], warmup: int, steps: int) -> dict:
+    """On one gloo rank: per timed step its seconds, the ep all-to-all calls and bytes counted, the
+    analytic bytes, and the token slots each expert of each sparse layer received (this rank)."""
+    recipe = recipelib.load(path, overrides)
     run = build_training(recipe)
     layout, args, mesh, p = run.layout, run.args, run.mesh, recipe.parallel
     run.loader.generator.manual_seed(dist.get_rank())  # each rank its own tokens, so routing differs by rank
     moes = [moe for stage in run.model.stages for moe in stage.moe_layers()]
     itemsize = getattr(torch, p.param_dtype).itemsize  # the rows travel in the compute dtype
     ep_mesh = mesh.ep if layout.ep > 1 else None
-    out: dict = {"times": [], "calls": [], "bytes": [], "expected": []}
+    out: dict = {"times": [], "calls": [], "bytes": [], "expected": [], "load": []}
     for i in range(warmup + steps):
         dist.barrier()  # every rank starts together; the step's time is the slowest rank's
         start = time.perf_counter()
@@ -112,6 +114,7 @@ def measure_rank(overrides: list[str], warmup: int, steps: int) -> dict:
             out["calls"].append(counted.calls[EP])
             out["bytes"].append(int(counted.bytes[EP]))
             out["expected"].append(expected)
+            out["load"].append(torch.stack([moe.tokens_per_expert for moe in moes]).tolist())
     return out
 
 
@@ -120,7 +123,9 @@ def summarize(name: str, ranks: int, ep: int, records: list[dict]) -> dict:
     step_s = statistics.median(max(ts) for ts in zip(*(r["times"] for r in records), strict=True))
     sent = [b for r in records for b in r["bytes"]]
     expected = [b for r in records for b in r["expected"]]
+    load = torch.tensor([r["load"] for r in records], dtype=torch.float64).sum((0, 1))  # [layers, E], every step
     return {"layout": name, "ranks": ranks, "ep": ep, "step_s": step_s,
+            "load_max_over_mean": (load.max(-1).values / load.mean(-1)).max().item(),
             "a2a_calls_per_step": statistics.mean(c for r in records for c in r["calls"]),
             "a2a_bytes_per_step": statistics.mean(sent), "analytic_bytes_per_step": statistics.mean(expected),
             "bytes_equal": sent == expected}
@@ -133,6 +138,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--smoke", action="store_true", help="2 ranks, 2 layouts, 2 steps, seq 32 (for a test)")
+    ap.add_argument("--recipe", type=Path, default=RECIPE, help="a mixture-of-experts debug recipe")
     args = ap.parse_args()
     names = list(LAYOUTS)
     chosen = names if args.layouts == "all" else [names[int(i) - 1] for i in args.layouts.split(",")]
@@ -140,12 +146,12 @@ def main() -> None:
     if args.smoke:
         chosen, base, args.warmup, args.steps = names[1:3], [*BASE, "--train.seq_len=32"], 1, 1
     print(f"{'layout':<24} {'ranks':>5} {'step ms':>8} {'vs 1 rank':>9} {'vs FSDP':>8} {'a2a calls':>9} "
-          f"{'a2a KiB/rank':>12} {'analytic KiB':>12}  bytes", flush=True)
+          f"{'a2a KiB/rank':>12} {'analytic KiB':>12}  bytes      load max/mean", flush=True)
     results: dict[str, dict] = {}
     for name in chosen:
         ranks, dp_shard, ep = LAYOUTS[name]
-        records = run_distributed(measure_rank, ranks, _overrides(ranks, dp_shard, ep, base), args.warmup,
-                                  args.steps, timeout=900)
+        records = run_distributed(measure_rank, ranks, args.recipe, _overrides(ranks, dp_shard, ep, base),
+                                  args.warmup, args.steps, timeout=900)
         r = results[name] = summarize(name, ranks, ep, records)
         one = results.get("1 rank")
         fsdp = next((s for s in results.values() if s["ranks"] == ranks > 1 and s["ep"] == 1), None)
@@ -154,7 +160,8 @@ def main() -> None:
         ratio = lambda x: f"{x:.2f}x" if x is not None else "-"  # noqa: E731
         print(f"{name:<24} {ranks:>5} {1e3 * r['step_s']:>8.0f} {ratio(r['vs_1_rank']):>9} {ratio(r['vs_fsdp']):>8} "
               f"{r['a2a_calls_per_step']:>9.0f} {r['a2a_bytes_per_step'] / 1024:>12.1f} "
-              f"{r['analytic_bytes_per_step'] / 1024:>12.1f}  {'equal' if r['bytes_equal'] else 'NOT EQUAL'}",
+              f"{r['analytic_bytes_per_step'] / 1024:>12.1f}  {'equal' if r['bytes_equal'] else 'NOT EQUAL':<9}  "
+              f"{r['load_max_over_mean']:.2f}",
               flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
