@@ -148,7 +148,8 @@ def test_a_per_microbatch_mean_depends_on_the_layout(reference, tmp_path, monkey
 def test_meshpar_train_sft_debug(tmp_path, data_cache):
     """`meshpar train recipes/sft_debug.toml` (2 ranks, as shipped but shorter): the log shows the
     share of trained tokens, metrics.jsonl has it, and a sample is written."""
-    args = ["--train.steps=4", "--train.log_every=2", "--train.eval_every=4", "--train.sample_every=4",
+    args = ["--train.steps=2", "--train.log_every=1", "--train.eval_every=2", "--train.eval_batches=1",
+            "--train.sample_every=2",
             "--train.seq_len=256", "--model.n_layers=2", "--data.vocab_size=512", "--model.vocab_size=512",
             "--metrics.progress=off", f"--train.output_dir={tmp_path}"]
     proc = subprocess.run([sys.executable, "-m", "meshpar", "train", "recipes/sft_debug.toml", *args], cwd=ROOT,
@@ -159,7 +160,7 @@ def test_meshpar_train_sft_debug(tmp_path, data_cache):
     fractions = [r["trained_frac"] for r in records if "loss" in r]
     assert len(fractions) == 2 and all(0.05 < f < 0.95 for f in fractions), fractions
     sample = json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[-1])
-    assert sample["step"] == 4 and sample["prompt"].startswith("<|user|>")
+    assert sample["step"] == 2 and sample["prompt"].startswith("<|user|>")
 
 
 def test_data_prepare_chat_folder_trains_as_the_rows(tmp_path, capsys):
