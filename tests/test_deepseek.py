@@ -9,10 +9,14 @@ import json
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar.config import recipe as recipelib
 from meshpar.models.deepseek import DEEPSEEK_V3_SIZES, DeepSeekTransformer
 from meshpar.models.deepseek import convert as ds_convert
+from meshpar.models.deepseek.parallelize import DEEPSEEK_TP_PLAN, GatherSequenceSharedByHeads
 from meshpar.train import train
 from tests.distributed import run_distributed
 from tests.helpers import ROOT, SMALL, merged_state, train_losses, train_on_rank
@@ -131,6 +135,7 @@ def _assert_same(records, state, reference) -> None:
 
 LAYOUTS = {  # name: (overrides of recipes/deepseek_v3_debug.toml, world size)
     "dp_shard4-ep2": ([], 4),  # the recipe: routed experts over ep 2, FSDP over 4 (2 for the experts)
+    "dp_shard2-tp2-ep2": (["--parallel.dp_shard=2", "--parallel.tp=2"], 4),  # MLA's heads over tp
     "pp2-dp_shard2-ep2-full-ac": (["--parallel.pp=2", "--parallel.dp_shard=2",
                                    '--parallel.activation_checkpoint="full"'], 4),
 }
@@ -152,3 +157,89 @@ def test_layouts_match_one_rank(layout, reference, tmp_path):
         name = next(n for n in state if n.endswith("moe.expert_bias"))
         bent = {**state, name: state[name] + 1e-6}
         must_fail(lambda: _assert_same(results[0][0], bent, reference), "a routing bias off by 1e-6")
+
+
+class _GatherWithoutSummingGrads(GatherSequenceSharedByHeads):
+    """The bug the slot guards against: the gathered RoPE key's gradient kept as this rank's heads' only."""
+
+    def _apply(self, module, device_mesh):
+        module.register_forward_pre_hook(lambda _m, inputs: (DTensor.from_local(
+            inputs[0].to_local(), device_mesh, (Shard(1),), run_check=False).full_tensor(), *inputs[1:]))
+        return module
+
+
+def _mla_grads(variant: str, mesh=None, gather=None) -> dict[str, torch.Tensor]:
+    """One MLA layer's output and every gradient (weights and input) on a fixed input, in float64;
+    with ``mesh``, under the family's tensor-parallel plan (the slot's style replaced by ``gather``)."""
+    args = dataclasses.replace(DEEPSEEK_V3_SIZES["debug"], q_lora_rank=0 if variant == "plain-q" else 64)
+    torch.manual_seed(0)
+    model = DeepSeekTransformer(dataclasses.replace(args, n_layers=1))
+    model.init_weights()
+    mla = model.layers["0"].attention
+    t = 32
+    cos, sin = model.rope_cos[:t], model.rope_sin[:t]
+    x = torch.randn(2, t, args.dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    weight = torch.randn(2, t, args.dim, generator=torch.Generator().manual_seed(2))
+    if mesh is not None:
+        plan = {k.removeprefix("attention."): v for k, v in DEEPSEEK_TP_PLAN.block.items() if k.startswith("attention.")
+                and hasattr(mla, k.removeprefix("attention."))}
+        if gather is not None:
+            plan["shared_rope_key"] = gather
+        parallelize_module(mla, mesh, plan)
+        assert mla.wkv_b.weight.placements == (Shard(0),) and mla.wkv_a.weight.placements == (Replicate(),)
+        x = distribute_tensor(x.detach(), mesh, [Shard(1)]).requires_grad_()  # [B, T/tp, D] on each rank
+        out = mla(x, cos, sin).full_tensor()
+    else:
+        out = mla(x, cos, sin)
+    (out * weight).sum().backward()
+    grads = {name: p.grad for name, p in mla.named_parameters()}
+    return {name: g.full_tensor() if isinstance(g, DTensor) else g  # Partial and Shard gradients: the sum, whole
+            for name, g in {"out": out.detach(), "x": x.grad, **grads}.items()}
+
+
+def _mla_tp_on_rank(variant: str, broken: bool):
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    return _mla_grads(variant, mesh, _GatherWithoutSummingGrads() if broken else None)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("variant", ["q_lora", "plain-q"])
+def test_mla_tensor_parallel_equals_one_process(variant):
+    """MLA's heads over 2 tp ranks ([Note: MLA under tensor parallelism]): the output, the input's
+    gradient and every weight's gradient equal one process's in float64. The replicated
+    down-projections' and norms' gradients are sums over ranks; without the reduce-scatter of the
+    shared RoPE key's gradient, wkv_a's gradient misses the other rank's heads and the check fails."""
+    want = in_float64(_mla_grads, variant)
+    for broken in (False, True):
+        got = run_distributed(in_float64, 2, _mla_tp_on_rank, variant, broken, timeout=120)[0]
+
+        def same(got=got):
+            assert got.keys() == want.keys()
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=TOL, atol=TOL, msg=name)
+        same() if not broken else must_fail(same, "the shared RoPE key's gradient not summed over tp")
+
+
+def test_balance_loss_is_sequence_wise():
+    """A sparse layer's auxiliary loss is DeepSeek-V3's sequence-wise balance loss (eq. 17-20):
+    per row, E / (k T) x (slots of e) times the mean over its tokens of the scores normalised per
+    token, summed over experts, then the mean over rows; the batch-wide statistic differs."""
+    args = dataclasses.replace(DEEPSEEK_V3_SIZES["debug"], n_layers=2)
+    with default_dtype():
+        torch.manual_seed(0)
+        model = DeepSeekTransformer(args)
+        model.init_weights()
+        moe = model.layers["1"].moe
+        seen = []
+        moe.register_forward_hook(lambda _m, inputs, _out: seen.append(inputs[0].detach()))
+        b, t, e, k = 3, 16, args.n_experts, args.top_k
+        model(torch.randint(0, args.vocab_size, (b, t), generator=torch.Generator().manual_seed(1)))
+        x = seen[0].flatten(0, 1)
+        scores = torch.sigmoid(moe.router(x)).unflatten(0, (b, t))  # [B, T, E]
+        chosen = torch.nn.functional.one_hot(moe.route(x)[1], e).sum(1).unflatten(0, (b, t))  # [B, T, E]
+        f = e / (k * t) * chosen.sum(1)  # [B, E]
+        p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # [B, E]
+        want = (f * p).sum(-1).mean()
+        torch.testing.assert_close(moe.aux_loss, want, rtol=TOL, atol=0)
+        batch_wide = e / (k * b * t) * chosen.sum((0, 1)) @ (scores / scores.sum(-1, keepdim=True)).mean((0, 1))
+        assert abs(batch_wide - want) > 1e-4

@@ -53,7 +53,8 @@ from meshpar.models.moe.model import Experts, swiglu_experts
 # gradients sum over them, and meshpar/parallel/parallelize.py FSDP-shards the layer over
 # ``dp_shard x tp`` (the experts over ``dp_shard_mod_ep x tp`` under ep; ``Mesh.sparse``), averaging
 # over dp only. ``route_over_sequence`` makes the routing statistics (auxiliary loss, token counts,
-# aux-free loads) the whole sequence's with one all-reduce of ``2E`` numbers per layer and forward;
+# aux-free loads) the whole sequence's with one all-reduce of ``2E`` numbers per layer and forward
+# (``2BE`` for the sequence-wise loss's per-row statistics);
 # its backward is the identity, as every tp rank holds the same loss. cp splits the sequence too
 # (experts over ``dp_shard_mod_ep x cp [x tp]``), but each cp rank has its own loss, averaged with
 # the others': there the statistics' backward sums as well (``_totals_over_sequence``). Splitting
@@ -133,7 +134,7 @@ def _totals_over_sequence(tp: DeviceMesh | None, cp: DeviceMesh | None, counts: 
     """Sums over tp, backward the identity (the tp ranks share one loss), then over cp, backward a
     sum too: each cp rank's loss has its own copy of the auxiliary loss and the step averages their
     gradients over cp, so each rank's part must receive every copy's gradient."""
-    stats, e = torch.cat([prob_sum, counts.to(prob_sum.dtype)]), counts.numel()
+    stats, e = torch.cat([prob_sum, counts.to(prob_sum.dtype)]), counts.shape[0]  # [E] or per row [B, E]
     for mesh, backward_sums in ((tp, False), (cp, True)):
         if mesh is not None:
             stats = _SumOverRanks.apply(stats, mesh.get_group(), mesh.mesh_dim_names[0], backward_sums)

@@ -110,7 +110,8 @@ class DeepSeekArgs(MoEArgs):
             self.qk_head_dim + self.v_head_dim)
 
 
-_V3 = dict(aux_free_bias=True, norm_topk_prob=True, router_aux_loss_coef=0.001, qkv_bias=False, tie_embeddings=False)
+_V3 = dict(aux_free_bias=True, norm_topk_prob=True, router_aux_loss_coef=0.001, balance_loss="sequence",
+           qkv_bias=False, tie_embeddings=False)
 
 # Parameter counts (total, excluding the multi-token-prediction layer) are checked in tests/test_deepseek.py.
 DEEPSEEK_V3_SIZES: dict[str, DeepSeekArgs] = {

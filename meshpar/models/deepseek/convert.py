@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from meshpar.models.deepseek.args import DeepSeekArgs, Yarn
+from meshpar.models.deepseek.parallelize import deepseek_tp_plan
 from meshpar.models.llama import convert as llama
-from meshpar.parallel.tensor_parallel.plan import TPPlan
 
 _ATTENTION = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
               "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
@@ -43,9 +43,7 @@ TRAINING_ONLY: tuple[str, ...] = ("router_aux_loss_coef", "capacity_factor", "bi
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
-def TP_PLAN(loss_parallel: bool = True) -> TPPlan:  # noqa: N802 - the adapters' common name
-    """Tensor parallelism is not built for this family yet: every parameter whole on each tp rank."""
-    return TPPlan({}, {}, "tok_embeddings", "output", loss_parallel)
+TP_PLAN = deepseek_tp_plan
 
 
 def tied(args: DeepSeekArgs) -> dict[str, str]:
@@ -78,7 +76,8 @@ def hf_config(family: str, args: DeepSeekArgs, dtype: torch.dtype) -> dict[str, 
             "original_max_position_embeddings": yarn.original_max_seq_len, "beta_fast": yarn.beta_fast,
             "beta_slow": yarn.beta_slow, "mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim},
         "vocab_size": args.vocab_size, "tie_word_embeddings": args.tie_embeddings, "aux_loss_alpha":
-            args.router_aux_loss_coef, "num_nextn_predict_layers": 0, "attention_dropout": 0.0,
+            args.router_aux_loss_coef, "seq_aux": args.balance_loss == "sequence", "num_nextn_predict_layers": 0,
+        "attention_dropout": 0.0,
         "initializer_range": 0.02, "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -113,6 +112,7 @@ def args_from_hf_config(family: str, config: dict[str, Any]) -> DeepSeekArgs:
         n_experts=config.get("n_routed_experts") or config["num_local_experts"], top_k=config["num_experts_per_tok"],
         moe_ffn_dim=config["moe_intermediate_size"], norm_topk_prob=bool(config.get("norm_topk_prob", True)),
         router_aux_loss_coef=config.get("aux_loss_alpha", 0.001), aux_free_bias=True,
+        balance_loss="sequence" if config.get("seq_aux", True) else "forward",
         q_lora_rank=config.get("q_lora_rank") or 0, kv_lora_rank=config["kv_lora_rank"],
         qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=rope, v_head_dim=config["v_head_dim"],
         n_shared_experts=config.get("n_shared_experts") or 0, first_k_dense=config.get("first_k_dense_replace", 0),

@@ -22,11 +22,11 @@ and context parallelism fills it as for Llama.
 aux-free bias b added for the choice only, routing limited to the ``topk_group`` groups whose two
 best s + b sum highest, gates s of the chosen experts renormalised and times
 ``routed_scaling_factor``; plus ``shared``, a SwiGLU every token runs. The load-balancing loss's
-probabilities are the scores normalised per token, as DeepSeek-V3's balance loss defines them
-(section 2.1.2); meshpar computes it over the whole forward, not per sequence.
+probabilities are the scores normalised per token, and it is computed per sequence and averaged,
+as DeepSeek-V3's sequence-wise balance loss (section 2.1.2; ``balance_loss = "sequence"``).
 
-Limits (docs/moe.md#deepseek-v3): no multi-token-prediction module; tensor and context parallelism
-not yet built for this family.
+Limits (docs/moe.md#deepseek-v3): no multi-token-prediction module; context parallelism not yet
+built for this family.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def deinterleave(x: Tensor) -> Tensor:
 
 class MLA(nn.Module):
     """Multi-head latent attention (module docstring). Heads are inferred from the weights' shapes.
-    Slot: ``inner_attention``, as the Llama family's ``Attention``."""
+    Slots: ``inner_attention``, as the Llama family's ``Attention``; ``shared_rope_key``."""
 
     def __init__(self, args: DeepSeekArgs) -> None:
         super().__init__()
@@ -98,6 +98,9 @@ class MLA(nn.Module):
         # the softmax scale folded into q: inner attention divides by sqrt(qk) itself
         self.q_scale = args.softmax_scale * math.sqrt(qk)
         self.inner_attention: nn.Module = CausalAttention()
+        # slot: the RoPE key every head shares, k_rope[B, T, R] (identity); tensor parallelism gathers
+        # the sequence here ([Note: MLA under tensor parallelism] in meshpar/models/deepseek/parallelize.py)
+        self.shared_rope_key: nn.Module = nn.Identity()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
@@ -107,6 +110,7 @@ class MLA(nn.Module):
         kv = rearrange(self.wkv_b(self.kv_norm(latent)), "b t (h d) -> b h t d", d=self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, H, T, nope], [B, H, T, v]
         q_rope = apply_rope(deinterleave(q_rope), cos, sin)
+        k_rope = self.shared_rope_key(k_rope)  # [B, T, R]
         k_rope = apply_rope(deinterleave(k_rope).unsqueeze(1), cos, sin)  # [B, 1, T, R]: one for every head
         q = torch.cat([q_nope, q_rope], dim=-1) * self.q_scale
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)

@@ -37,11 +37,16 @@ class MoEArgs(ModelArgs):
     capacity_factor: float = 0.0
     aux_free_bias: bool = False  # DeepSeek-V3's auxiliary-loss-free balancing: [Note: aux-free balancing]
     bias_update_rate: float = 1e-3  # the per-step bias update of aux-free balancing (DeepSeek-V3's gamma)
+    # the load-balancing loss's statistics over each forward's tokens ("forward", Switch / Mixtral) or
+    # over each sequence, averaged over sequences ("sequence", DeepSeek-V3's sequence-wise balance loss)
+    balance_loss: str = "forward"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be in 1 .. n_experts ({self.n_experts})")
+        if self.balance_loss not in ("forward", "sequence"):
+            raise ValueError(f"balance_loss ({self.balance_loss!r}) must be 'forward' or 'sequence'")
         for name in ("router_aux_loss_coef", "capacity_factor", "bias_update_rate"):  # recipes: [model] keys
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")

@@ -35,6 +35,9 @@ from meshpar.models.moe.grouped import Kernel, grouped_mm
 # [Note: load-balancing loss]
 # Per sparse layer, over the N tokens of one forward (Switch Transformer, eq. 4; Mixtral):
 #     aux = E * sum_e f_e * P_e,  f_e = (token slots routed to e) / (N * top_k),  P_e = mean_t p_t[e]
+# or, with ``balance_loss = "sequence"`` (DeepSeek-V3's sequence-wise loss, arXiv 2412.19437 eq. 17-20),
+# the same over each sequence's T tokens (a row of the batch, every document packed in it), then the
+# mean over rows: balance within each sequence, not only over the batch.
 # f_e counts the router's choices before any capacity drop; it carries no gradient, P_e does, so
 # the loss pushes probability away from overloaded experts. A uniform router gives 1. The model's
 # aux_loss is router_aux_loss_coef * sum over sparse layers. Hugging Face's load_balancing_loss_func
@@ -136,6 +139,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k, self.norm_topk_prob = args.n_experts, args.top_k, args.norm_topk_prob
         self.capacity_factor, self.aux_free = args.capacity_factor, args.aux_free_bias
+        self.per_sequence = args.balance_loss == "sequence"
         self.router = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = Experts(args.n_experts, args.dim, args.moe_ffn_dim)
         # [Note: aux-free balancing]: the bias is training state (saved) only when it is used
@@ -166,11 +170,21 @@ class MoE(nn.Module):
         flat = idx.flatten()  # slot s = t * k + j chose expert flat[s]
         order = flat.argsort(stable=True)  # [S]
         counts = self.slots.count(flat, self.n_experts)  # [E], before any drop
-        # over every token of the forward: [Note: routing statistics over the whole forward]
-        total, prob_sum, n_total = self.totals(counts, probs.sum(0), n)
-        self.tokens_per_expert = total.detach()
+        if self.per_sequence:  # per row: counts[B, E] (a static shape: the planner runs this on fake tensors)
+            rows = shape[0] if len(shape) == 3 else 1
+            row_of_slot = torch.arange(n * k, device=x.device) // (n // rows * k)
+            row_counts = torch.zeros(rows, self.n_experts, dtype=torch.long, device=x.device)
+            row_counts.index_put_((row_of_slot, flat), torch.ones_like(flat), accumulate=True)
+            stats = row_counts, probs.unflatten(0, (rows, -1)).sum(1), n // rows
+        else:
+            stats = counts, probs.sum(0), n
+        # over every token of the forward or the row: [Note: routing statistics over the whole forward]
+        total, prob_sum, n_total = self.totals(*stats)
         f = total.to(probs.dtype) / (n_total * k)
-        self.aux_loss = self.n_experts * (f * (prob_sum / n_total)).sum()  # [Note: load-balancing loss]
+        # [Note: load-balancing loss]: a mean over rows (one row: the forward)
+        self.aux_loss = self.n_experts * (f * (prob_sum / n_total)).sum(-1).mean()
+        total = total.sum(0) if self.per_sequence else total
+        self.tokens_per_expert = total.detach()
         if self.aux_free and torch.is_grad_enabled():
             with torch.no_grad():
                 self.expert_load += total.to(self.expert_load.dtype)
