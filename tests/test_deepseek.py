@@ -14,10 +14,20 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar.config import recipe as recipelib
+from meshpar.config.errors import RecipeError
+from meshpar.distributed import comm_record
 from meshpar.models.deepseek import DEEPSEEK_V3_SIZES, DeepSeekTransformer
 from meshpar.models.deepseek import convert as ds_convert
 from meshpar.models.deepseek.parallelize import DEEPSEEK_TP_PLAN, GatherSequenceSharedByHeads
+from meshpar.parallel.context_parallel.apply import (
+    ContextParallelKeys,
+    _GatherSequence,
+    apply_context_parallel,
+    sequence_indices,
+    shard_sequence,
+)
 from meshpar.train import train
+from meshpar.training.preflight import preflight
 from tests.distributed import run_distributed
 from tests.helpers import ROOT, SMALL, merged_state, train_losses, train_on_rank
 from tests.parity import TOL, default_dtype, in_float64, must_fail
@@ -136,6 +146,7 @@ def _assert_same(records, state, reference) -> None:
 LAYOUTS = {  # name: (overrides of recipes/deepseek_v3_debug.toml, world size)
     "dp_shard4-ep2": ([], 4),  # the recipe: routed experts over ep 2, FSDP over 4 (2 for the experts)
     "dp_shard2-tp2-ep2": (["--parallel.dp_shard=2", "--parallel.tp=2"], 4),  # MLA's heads over tp
+    "dp_shard2-cp2-ep2": (["--parallel.dp_shard=2", "--parallel.cp=2"], 4),  # the latent gathered over cp
     "pp2-dp_shard2-ep2-full-ac": (["--parallel.pp=2", "--parallel.dp_shard=2",
                                    '--parallel.activation_checkpoint="full"'], 4),
 }
@@ -243,3 +254,77 @@ def test_balance_loss_is_sequence_wise():
         torch.testing.assert_close(moe.aux_loss, want, rtol=TOL, atol=0)
         batch_wide = e / (k * b * t) * chosen.sum((0, 1)) @ (scores / scores.sum(-1, keepdim=True)).mean((0, 1))
         assert abs(batch_wide - want) > 1e-4
+
+
+class _KeysOutOfOrder(ContextParallelKeys):
+    """The bug the gather's reordering guards against: keys left in rank order, not sequence order."""
+
+    def forward(self, latent, k_rope):
+        both = torch.cat([latent.unsqueeze(1), k_rope], dim=-1)
+        both = _GatherSequence.apply(both, self.layout.mesh.get_group())
+        return both[..., :latent.shape[-1]].squeeze(1), both[..., latent.shape[-1]:]
+
+
+def _cp_forward_backward(mesh=None, attention: str = "allgather", broken: bool = False, latent: bool = True):
+    """The 2-layer debug model's logits and every gradient on fixed tokens, in float64; with ``mesh``,
+    each rank holding its balanced half of every sequence (logits gathered back in sequence order),
+    plus the cp bytes the forward and backward sent per rank."""
+    args = dataclasses.replace(DEEPSEEK_V3_SIZES["debug"], n_layers=2)
+    torch.manual_seed(0)
+    model = DeepSeekTransformer(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    if mesh is None:
+        out = model(tokens)
+        out.square().sum().backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters()}, 0
+    apply_context_parallel(model, mesh, attention=attention, tp=1 if latent else 2)  # tp 2: K and V gathered
+    if broken:
+        for block in model.layers.values():
+            block.attention.sequence_keys = _KeysOutOfOrder(block.attention.sequence_keys.layout)
+    with comm_record.count() as counter:
+        out = model(shard_sequence(tokens, mesh))
+        out.square().sum().backward()  # each rank its tokens' share of the one loss
+    grads = {}
+    for name, p in model.named_parameters():
+        torch.distributed.all_reduce(p.grad, group=mesh.get_group())
+        grads[name] = p.grad
+    pieces = [torch.empty_like(out) for _ in range(2)]
+    torch.distributed.all_gather(pieces, out.detach().contiguous(), group=mesh.get_group())
+    order = torch.cat([sequence_indices(32, 2, r) for r in range(2)]).argsort()
+    return torch.cat(pieces, dim=1)[:, order], grads, counter.total_bytes()
+
+
+def _cp_on_rank(attention: str, broken: bool, latent: bool):
+    return _cp_forward_backward(init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)), attention, broken, latent)
+
+
+@pytest.mark.parity
+def test_mla_context_parallel_gathers_the_latent():
+    """[Note: MLA's latent gathered over cp]: the debug model on 2 cp ranks (the gather) equals one
+    process in float64, logits and every gradient, as do K and V gathered (the path under tp x cp)
+    and Ulysses; the latent's gather sends the share (kv_lora_rank + qk_rope_head_dim) /
+    (H x (qk_head_dim + v_head_dim)) of K and V's bytes; keys left in rank order fail the comparison."""
+    want_out, want_grads, _ = in_float64(_cp_forward_backward)
+    results = {}
+    for attention, broken, latent in (("allgather", False, True), ("allgather", False, False),
+                                      ("ulysses", False, True), ("allgather", True, True)):
+        out, grads, nbytes = run_distributed(in_float64, 2, _cp_on_rank, attention, broken, latent, timeout=120)[0]
+        results[attention, latent] = nbytes
+
+        def same(out=out, grads=grads):
+            torch.testing.assert_close(out, want_out, rtol=TOL, atol=TOL)
+            for name, want in want_grads.items():
+                torch.testing.assert_close(grads[name], want, rtol=TOL, atol=TOL, msg=name)
+        same() if not broken else must_fail(same, "MLA's gathered keys not put back in sequence order")
+    args = DEEPSEEK_V3_SIZES["debug"]
+    latent, kv = args.kv_lora_rank + args.qk_rope_head_dim, args.n_heads * (args.qk_head_dim + args.v_head_dim)
+    torch.testing.assert_close(results["allgather", True] / results["allgather", False], latent / kv, rtol=0,
+                               atol=0)  # per layer one all-gather and reduce-scatter of [B, 1, T, 80] for K and V's
+
+
+def test_ring_attention_is_refused_for_mla(tmp_path):
+    """The ring passes K and V as one tensor; MLA's differ in width: refused before launch, naming the fix."""
+    recipe = _recipe(tmp_path, "--parallel.dp_shard=2", "--parallel.cp=2", '--parallel.cp_attention="ring"')
+    with pytest.raises(RecipeError, match=r"parallel.cp_attention = 'ring'.*use cp_attention = 'allgather'"):
+        preflight(recipe, 4)

@@ -142,9 +142,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt2", GPT2, GPT2_SIZES, GPT2_TP_PLAN, check_gpt2_layout, _ND),
     Family("qwen3_moe", MoETransformer, QWEN3_MOE_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
     Family("mixtral", MoETransformer, MIXTRAL_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
-    # context parallelism is not built for MLA yet
     Family("deepseek_v3", DeepSeekTransformer, DEEPSEEK_V3_SIZES, DEEPSEEK_TP_PLAN(), check_moe_layout,
-           frozenset({"pp", "dp_replicate", "dp_shard", "tp", "ep"})),
+           _MOE),
     # any transformers causal LM, tp by its own plan; context and pipeline parallelism are not built for it yet
     HFFamily("hf", _hf_model, {}, TPPlan({}, {}, "model.embed_tokens", "lm_head", sequence_parallel=False),
              check_hf_layout, frozenset({"dp_replicate", "dp_shard", "tp"}), plan_of=hf_tp_plan),

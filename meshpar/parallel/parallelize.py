@@ -133,7 +133,7 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
         apply_tp(model, mesh["tp"], tp_plan.with_loss_parallel(cfg.loss_parallel),
                  restyle=float8_tp_style if float8 == "tensorwise" else None)
     if layout.cp > 1:
-        apply_context_parallel(model, mesh["cp"], attention=cfg.cp_attention)
+        apply_context_parallel(model, mesh["cp"], attention=cfg.cp_attention, tp=layout.tp)
     if hasattr(model, "moe_layers") and (layout.tp > 1 or layout.cp > 1):
         route_over_sequence(model, mesh["tp"] if layout.tp > 1 else None, mesh["cp"] if layout.cp > 1 else None)
     if layout.ep > 1:

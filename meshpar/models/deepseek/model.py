@@ -25,8 +25,7 @@ best s + b sum highest, gates s of the chosen experts renormalised and times
 probabilities are the scores normalised per token, and it is computed per sequence and averaged,
 as DeepSeek-V3's sequence-wise balance loss (section 2.1.2; ``balance_loss = "sequence"``).
 
-Limits (docs/moe.md#deepseek-v3): no multi-token-prediction module; context parallelism not yet
-built for this family.
+Limits (docs/moe.md#deepseek-v3): no multi-token-prediction module.
 """
 
 from __future__ import annotations
@@ -75,9 +74,16 @@ def deinterleave(x: Tensor) -> Tensor:
     return rearrange(x, "... (d two) -> ... (two d)", two=2)
 
 
+class LocalKeys(nn.Module):
+    """What fills ``MLA.sequence_keys`` by default: the keys are this forward's own tokens'."""
+
+    def forward(self, latent: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor]:
+        return latent, k_rope
+
+
 class MLA(nn.Module):
     """Multi-head latent attention (module docstring). Heads are inferred from the weights' shapes.
-    Slots: ``inner_attention``, as the Llama family's ``Attention``; ``shared_rope_key``."""
+    Slots: ``inner_attention``, as the Llama family's ``Attention``; ``shared_rope_key``, ``sequence_keys``."""
 
     def __init__(self, args: DeepSeekArgs) -> None:
         super().__init__()
@@ -101,17 +107,22 @@ class MLA(nn.Module):
         # slot: the RoPE key every head shares, k_rope[B, T, R] (identity); tensor parallelism gathers
         # the sequence here ([Note: MLA under tensor parallelism] in meshpar/models/deepseek/parallelize.py)
         self.shared_rope_key: nn.Module = nn.Identity()
+        # slot: (the normalised latent [B, T, C], the rotated RoPE key [B, 1, T, R]) -> those of the tokens
+        # the keys are of; context parallelism gathers the whole sequence's here (meshpar/parallel/
+        # context_parallel/apply.py, [Note: MLA's latent gathered over cp])
+        self.sequence_keys: nn.Module = LocalKeys()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
         q = rearrange(q, "b t (h d) -> b h t d", d=self.nope + self.rope)  # [B, H, T, qk]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.lora, self.rope], dim=-1)  # [B, T, C], [B, T, R]
-        kv = rearrange(self.wkv_b(self.kv_norm(latent)), "b t (h d) -> b h t d", d=self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, H, T, nope], [B, H, T, v]
-        q_rope = apply_rope(deinterleave(q_rope), cos, sin)
         k_rope = self.shared_rope_key(k_rope)  # [B, T, R]
         k_rope = apply_rope(deinterleave(k_rope).unsqueeze(1), cos, sin)  # [B, 1, T, R]: one for every head
+        latent, k_rope = self.sequence_keys(self.kv_norm(latent), k_rope)  # the tokens the keys are of
+        kv = rearrange(self.wkv_b(latent), "b t (h d) -> b h t d", d=self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, H, T, nope], [B, H, T, v]
+        q_rope = apply_rope(deinterleave(q_rope), cos, sin)
         q = torch.cat([q_nope, q_rope], dim=-1) * self.q_scale
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         out = self.inner_attention(q, k, v, mask)  # [B, H, T, v]

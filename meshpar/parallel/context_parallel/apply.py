@@ -60,6 +60,15 @@ from meshpar.parallel.context_parallel.ulysses import ulysses_attention
 # buys memory (two K/V chunks instead of T) and overlap; the gather is the default because it
 # calls one fused kernel per query chunk where the ring runs explicit matmuls.
 
+# [Note: MLA's latent gathered over cp]
+# DeepSeek's multi-head latent attention makes every head's K and V from one latent per token
+# (meshpar/models/deepseek/model.py). Under the gather, cp fills MLA's ``sequence_keys`` slot: each rank
+# gathers the normalised latent and the rotated RoPE key (kv_lora_rank + qk_rope_head_dim numbers per
+# token: 576 for DeepSeek-V3), not K and V (H x (qk_head_dim + v_head_dim): 40,960), and runs wkv_b
+# on the whole sequence itself, a matmul cp times over (about 3% of V3's layer). The attention slot then
+# takes K and V whole (``keys_gathered``). Under tp x cp the latent is a sequence-sharded DTensor on tp
+# and K and V are gathered as for Llama (their heads already split over tp); so are ring and Ulysses.
+
 # [Note: attention per query chunk]
 # Each chunk of local queries attends to the keys up to its own chunk's end, the last ``n`` of them
 # causally: ``causal_lower_right(n, keys)``, which the fused GPU kernels apply without building it.
@@ -190,21 +199,26 @@ def _in_sequence_order(x: Tensor, cp: int, balanced: bool) -> Tensor:
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool = True,
-                           attention: str = "allgather") -> None:
+                           attention: str = "allgather", tp: int = 1) -> None:
     """Make ``model`` (a Llama-family transformer or stage, on meta or with values) run on this cp
     rank's slice of each sequence, by filling its slots: ``model.positions`` gives RoPE at global
     positions (and the whole sequence's documents when the model's ``document_eos`` is set: [Note:
     documents under context parallelism]), each block's ``attention.inner_attention`` attends over
     ``mesh`` (1-D, ``cp``) with K and V gathered (``attention="allgather"``), passed around a ring
     (``"ring"``, meshpar/parallel/context_parallel/ring.py), or with the heads split over cp for one
-    whole-sequence attention (``"ulysses"``, meshpar/parallel/context_parallel/ulysses.py). The inputs
-    must be sliced alike (``shard_sequence``)."""
+    whole-sequence attention (``"ulysses"``, meshpar/parallel/context_parallel/ulysses.py); an MLA
+    gathers its latent instead of K and V when ``tp`` is 1 ([Note: MLA's latent gathered over cp]). The
+    inputs must be sliced alike (``shard_sequence``)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"cp attention {attention!r} is none of {ATTENTIONS} (parallel.cp_attention)")
     layout = _Layout(mesh, balanced)
     model.positions = ContextParallelPositions(layout)
     for block in model.layers.values():
-        block.attention.inner_attention = ContextParallelAttention(layout, attention)
+        # [Note: MLA's latent gathered over cp]
+        latent = attention == "allgather" and tp == 1 and hasattr(block.attention, "sequence_keys")
+        if latent:
+            block.attention.sequence_keys = ContextParallelKeys(layout)
+        block.attention.inner_attention = ContextParallelAttention(layout, attention, keys_gathered=latent)
 
 
 def attends_over_cp(block: nn.Module) -> bool:
@@ -239,17 +253,36 @@ class ContextParallelAttention(InnerAttention):
     whole sequence, gathered ([Note: all-gather of K and V]), around a ring ([Note: ring attention]),
     or for this rank's share of the heads after an all-to-all (ulysses.py)."""
 
-    def __init__(self, layout: _Layout, attention: str = "allgather") -> None:
+    def __init__(self, layout: _Layout, attention: str = "allgather", *, keys_gathered: bool = False) -> None:
         super().__init__()
-        self.layout, self.attention = layout, attention
+        self.layout, self.attention, self.keys_gathered = layout, attention, keys_gathered
 
     @torch.compiler.disable  # [Note: compiling a block under cp]: eager, between two graphs
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        if self.keys_gathered:  # k, v already the whole sequence's: [Note: MLA's latent gathered over cp]
+            return _attend(self.layout, q, k, v, mask, self.kernels, gathered=True)
         attend = {"allgather": _attend, "ring": _attend_ring, "ulysses": _attend_ulysses}[self.attention]
         return attend(self.layout, q, k, v, mask, self.kernels)
 
     def extra_repr(self) -> str:
-        return f"cp={self.layout.mesh.size()}, {self.attention}, balanced={self.layout.balanced}"
+        gathered = ", keys gathered" if self.keys_gathered else ""
+        return f"cp={self.layout.mesh.size()}, {self.attention}, balanced={self.layout.balanced}{gathered}"
+
+
+class ContextParallelKeys(nn.Module):
+    """MLA's ``sequence_keys`` slot on a cp rank: its latent [B, T/cp, C] and rotated RoPE key
+    [B, 1, T/cp, R] -> every rank's, in sequence order ([Note: MLA's latent gathered over cp])."""
+
+    def __init__(self, layout: _Layout) -> None:
+        super().__init__()
+        self.layout = layout
+
+    @torch.compiler.disable  # as ContextParallelAttention's
+    def forward(self, latent: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor]:
+        c, cp = latent.shape[-1], self.layout.mesh.size()
+        both = torch.cat([latent.unsqueeze(1), k_rope.to(latent.dtype)], dim=-1)  # [B, 1, T/cp, C + R]
+        both = _in_sequence_order(_GatherSequence.apply(both, self.layout.mesh.get_group()), cp, self.layout.balanced)
+        return both[..., :c].squeeze(1), both[..., c:]
 
 
 def _whole_sequence(layout: _Layout, tokens: Tensor) -> Tensor:
@@ -270,13 +303,16 @@ def _documents(mask: Tensor | None) -> Tensor | None:
     return mask
 
 
-def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kernels: Kernels) -> Tensor:
-    """[Note: all-gather of K and V]: q[B, H, T/cp, Dh] over k, v gathered to [B, Hkv, T, Dh];
-    ``mask`` None (causal) or the documents doc[B, T] ([Note: documents under context parallelism])."""
+def _attend(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kernels: Kernels, *,
+            gathered: bool = False) -> Tensor:
+    """[Note: all-gather of K and V]: q[B, H, T/cp, Dh] over k, v gathered to [B, Hkv, T, Dh] (or
+    given whole: ``gathered``); ``mask`` None (causal) or the documents doc[B, T] ([Note: documents
+    under context parallelism])."""
     doc = _documents(mask)
-    cp, group = layout.mesh.size(), layout.mesh.get_group()
-    k = _in_sequence_order(_GatherSequence.apply(k, group), cp, layout.balanced)
-    v = _in_sequence_order(_GatherSequence.apply(v, group), cp, layout.balanced)
+    if not gathered:
+        cp, group = layout.mesh.size(), layout.mesh.get_group()
+        k = _in_sequence_order(_GatherSequence.apply(k, group), cp, layout.balanced)
+        v = _in_sequence_order(_GatherSequence.apply(v, group), cp, layout.balanced)
     if kernels.flex and flexlib.takes(q.shape[2], k.shape[2]):  # [Note: cp attention on flex_attention]
         return flexlib.attend(q, k, v, layout.flex_mask(q.shape[2], doc, q.device))
     # [Note: the causal mask off the fused kernels]: recomputed in backward rather than kept; a
