@@ -14,7 +14,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar.config import recipe as recipelib
-from meshpar.config.errors import RecipeError
 from meshpar.distributed import comm_record
 from meshpar.models.deepseek import DEEPSEEK_V3_SIZES, DeepSeekTransformer
 from meshpar.models.deepseek import convert as ds_convert
@@ -27,7 +26,6 @@ from meshpar.parallel.context_parallel.apply import (
     shard_sequence,
 )
 from meshpar.train import train
-from meshpar.training.preflight import preflight
 from tests.distributed import run_distributed
 from tests.helpers import ROOT, SMALL, merged_state, train_losses, train_on_rank
 from tests.parity import TOL, default_dtype, in_float64, must_fail
@@ -303,12 +301,13 @@ def _cp_on_rank(attention: str, broken: bool, latent: bool):
 def test_mla_context_parallel_gathers_the_latent():
     """[Note: MLA's latent gathered over cp]: the debug model on 2 cp ranks (the gather) equals one
     process in float64, logits and every gradient, as do K and V gathered (the path under tp x cp)
-    and Ulysses; the latent's gather sends the share (kv_lora_rank + qk_rope_head_dim) /
-    (H x (qk_head_dim + v_head_dim)) of K and V's bytes; keys left in rank order fail the comparison."""
+    and the ring (one K | V tensor: [Note: MLA's values padded to the keys' width]); the latent's
+    gather sends (kv_lora_rank + qk_rope_head_dim) / (H x 2 qk_head_dim) of K and V's bytes (V
+    padded); keys left in rank order fail the comparison."""
     want_out, want_grads, _ = in_float64(_cp_forward_backward)
     results = {}
     for attention, broken, latent in (("allgather", False, True), ("allgather", False, False),
-                                      ("ulysses", False, True), ("allgather", True, True)):
+                                      ("ring", False, True), ("allgather", True, True)):
         out, grads, nbytes = run_distributed(in_float64, 2, _cp_on_rank, attention, broken, latent, timeout=120)[0]
         results[attention, latent] = nbytes
 
@@ -318,13 +317,7 @@ def test_mla_context_parallel_gathers_the_latent():
                 torch.testing.assert_close(grads[name], want, rtol=TOL, atol=TOL, msg=name)
         same() if not broken else must_fail(same, "MLA's gathered keys not put back in sequence order")
     args = DEEPSEEK_V3_SIZES["debug"]
-    latent, kv = args.kv_lora_rank + args.qk_rope_head_dim, args.n_heads * (args.qk_head_dim + args.v_head_dim)
+    latent, kv = args.kv_lora_rank + args.qk_rope_head_dim, args.n_heads * 2 * args.qk_head_dim
     torch.testing.assert_close(results["allgather", True] / results["allgather", False], latent / kv, rtol=0,
-                               atol=0)  # per layer one all-gather and reduce-scatter of [B, 1, T, 80] for K and V's
+                               atol=0)  # per layer one all-gather and reduce-scatter of [B, 1, T, 80], not K and V's
 
-
-def test_ring_attention_is_refused_for_mla(tmp_path):
-    """The ring passes K and V as one tensor; MLA's differ in width: refused before launch, naming the fix."""
-    recipe = _recipe(tmp_path, "--parallel.dp_shard=2", "--parallel.cp=2", '--parallel.cp_attention="ring"')
-    with pytest.raises(RecipeError, match=r"parallel.cp_attention = 'ring'.*use cp_attention = 'allgather'"):
-        preflight(recipe, 4)

@@ -174,7 +174,9 @@ def _degree(dim: str, layout: Layout) -> int:
 
 def _link(dim: str, layout: Layout, gpus_per_node: int, profile: HardwareProfile) -> tuple[str, float]:
     degrees = dict(zip(DIMS, layout.degrees, strict=True))
-    first = _parts(dim)[0]
+    parts = _parts(dim)
+    # a part of degree 1 spans nothing: dp_shard_mod_ep_tp under ep = dp_shard is the tp ranks alone
+    first = next((p for p in parts if _degree(p, layout) > 1), parts[0])
     outermost = _OUTER.get(first, first)
     span = math.prod(degrees[d] for d in DIMS[DIMS.index(outermost):])  # the dim and every dim inside it
     if first == "ep":  # the innermost part of dp_shard: ep x the dims inside dp_shard

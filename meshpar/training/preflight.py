@@ -147,12 +147,6 @@ def check_context_parallel(recipe: Recipe, layout, args: Any) -> None:
         why = check_heads(args.n_heads, args.n_kv_heads, cp, tp)
         if why is not None:
             raise RecipeError(why, key="parallel.cp")
-    v_dim = getattr(args, "v_head_dim", None)  # MLA: values narrower than the keys
-    if recipe.parallel.cp_attention == "ring" and v_dim is not None and v_dim != args.qk_head_dim:
-        raise RecipeError(f"parallel.cp_attention = 'ring' with model.family = '{recipe.model.family}': the ring "
-                          f"passes K and V as one tensor, and multi-head latent attention's keys "
-                          f"({args.qk_head_dim} wide) and values ({v_dim}) differ; use cp_attention = 'allgather' "
-                          f"(which gathers MLA's latent) or 'ulysses'", key="parallel.cp_attention")
 
 
 def _check_tokenizer_vocabulary(name: str, vocab_size: int, args: Any) -> None:

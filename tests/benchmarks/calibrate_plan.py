@@ -3,7 +3,7 @@
     python -m tests.benchmarks.calibrate_plan [--layouts all | 1,3,7] [--steps 2]
 
 Each layout trains the debug Llama (4 blocks, dim 256; vocabulary 8192 so the loss is a real
-part of the peak; the debug Qwen3 MoE for the ep layouts) on gloo ranks (``tests/distributed.py``)
+part of the peak; the debug Qwen3 MoE and DeepSeek-V3 for the ep layouts) on gloo ranks (``tests/distributed.py``)
 through meshpar's own code: the parallelize path (``meshpar.parallel.parallelize.build``), the
 pipeline schedule, ``meshpar.training.step.train_step`` (the step ``meshpar train`` runs), fused
 AdamW. ``meshpar.profiling.memory.AllocationTracker``
@@ -90,6 +90,14 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
                                        "--train.global_batch=16", "--train.micro_batch=4"]),
     "qwen3_moe dp_shard 2 x tp 2, ep 2": (4, ["--model.family=qwen3_moe", "--parallel.dp_shard=2", "--parallel.tp=2",
                                              "--parallel.ep=2", "--train.global_batch=8", "--train.micro_batch=4"]),
+    "deepseek_v3 dp_shard 4, ep 2": (4, ["--model.family=deepseek_v3", "--parallel.dp_shard=4", "--parallel.ep=2",
+                                         "--train.global_batch=16", "--train.micro_batch=4"]),
+    "deepseek_v3 dp_shard 2 x tp 2, ep 2": (4, ["--model.family=deepseek_v3", "--parallel.dp_shard=2",
+                                                "--parallel.tp=2", "--parallel.ep=2", "--train.global_batch=8",
+                                                "--train.micro_batch=4"]),
+    "deepseek_v3 dp_shard 2 x cp 2, ep 2": (4, ["--model.family=deepseek_v3", "--parallel.dp_shard=2",
+                                                "--parallel.cp=2", "--parallel.ep=2", "--train.global_batch=8",
+                                                "--train.micro_batch=4"]),
 }
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -41,6 +42,15 @@ from meshpar.models.deepseek.args import DeepSeekArgs, yarn_mscale
 from meshpar.models.init import ParamInit
 from meshpar.models.llama.model import FeedForward, _init_linear, apply_rope
 from meshpar.models.moe.model import MoE, MoEBlock, MoETransformer
+
+# [Note: MLA's values padded to the keys' width]
+# A head's value (v_head_dim, 128 in V3) is narrower than its query and key (qk_head_dim, 192).
+# PyTorch's flash kernels take one head width for q, k and v; given two, SDPA falls back to a
+# kernel without that constraint, on CPU the math path, which keeps the [T, T] attention weights
+# per head for backward (for V3 at T = 4096: 8 GiB a layer). So V is zero-padded to the keys'
+# width and the output's extra columns are dropped: each output column depends only on its own
+# value column, so the kept columns are the unpadded attention's, at the cost of computing and
+# keeping a value 1.5 x wider. It also gives the cp ring one width for its K | V tensor.
 
 
 def yarn_frequencies(head_dim: int, theta: float, yarn) -> Tensor:
@@ -125,7 +135,9 @@ class MLA(nn.Module):
         q_rope = apply_rope(deinterleave(q_rope), cos, sin)
         q = torch.cat([q_nope, q_rope], dim=-1) * self.q_scale
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        out = self.inner_attention(q, k, v, mask)  # [B, H, T, v]
+        # [Note: MLA's values padded to the keys' width]
+        v = F.pad(v, (0, q.shape[-1] - self.v_dim)) if self.v_dim < q.shape[-1] else v
+        out = self.inner_attention(q, k, v, mask)[..., :self.v_dim]  # [B, H, T, v]
         return self.wo(rearrange(out, "b h t d -> b t (h d)"))
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
