@@ -161,8 +161,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
+    # not daemonic, as torchrun's ranks are not: a rank may start processes of its own (checkpoint.async =
+    # "process"); the finally below ends every rank however the job goes
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, init_process_group, fn, args, results,
-                                                  environ, _StdFds()), daemon=True) for r in range(world_size)]
+                                                  environ, _StdFds()), daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}

@@ -7,6 +7,7 @@ with the checkpoint section set from the command line.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from meshpar import checkpoint as ckpt
 from meshpar.checkpoint import CheckpointError
+from meshpar.checkpoint import checkpointer as checkpointer_module
 from meshpar.config import recipe as recipelib
 from meshpar.train import train
 from tests.distributed import run_distributed
@@ -37,6 +38,7 @@ LAYOUTS = {
 
 def _on_rank(recipe: recipelib.Recipe):
     result = train(recipe, return_state=True)
+    assert not multiprocessing.active_children(), "a process of the run outlived it (an async save's writer?)"
     return result.records, {**result.state_dict, **{f"optim.{k}": v for k, v in result.optim_state.items()}}
 
 
@@ -58,12 +60,14 @@ def _assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 
 
 # --- 1. exact resume --------------------------------------------------------------------------------
-def test_resume_is_bit_identical_to_a_straight_run(tmp_path, data_cache):
-    """2 ranks, FSDP: 6 straight steps (saving asynchronously at 3 and 6, keeping the last 1) vs
-    resuming the step-3 checkpoint for steps 4-6: identical losses, parameters and AdamW state."""
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_resume_is_bit_identical_to_a_straight_run(mode, tmp_path, data_cache):
+    """2 ranks, FSDP: 6 straight steps (saving asynchronously, on a thread or from a writer process,
+    at 3 and 6, keeping 2) vs resuming the step-3 checkpoint for steps 4-6: identical losses,
+    parameters and AdamW state."""
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    records, state = _run("dp2", straight_dir, "--train.steps=6", "--checkpoint.every=3", "--checkpoint.async=true",
-                          "--checkpoint.keep=2")
+    records, state = _run("dp2", straight_dir, "--train.steps=6", "--checkpoint.every=3",
+                          f"--checkpoint.async={mode}", "--checkpoint.keep=2")
     saved = ckpt.list_checkpoints(straight_dir / "checkpoints")
     assert [(step, done) for step, _, done in saved] == [(3, True), (6, True)]
     info = json.loads((straight_dir / "checkpoints" / "step_3" / "meshpar.json").read_text())
@@ -160,23 +164,29 @@ def test_data_position_reshards_from_dp4_to_dp2(tmp_path, data_cache):
 
 
 # --- 3. a crash mid-save leaves the previous checkpoint --------------------------------------------------
-def _crash_rank1_while_writing_step_4(recipe: recipelib.Recipe):
-    original = ckpt._Writer.write_data
+class _DyingWriter(ckpt._Writer):
+    """Rank 1's writer of step 4 leaves half a file and is killed: the trainer itself under
+    ``async = "thread"``, the writer process under ``"process"`` (which imports this class by name:
+    [Note: a save in another process] in meshpar/checkpoint/background.py)."""
 
     def write_data(self, plan, planner):
-        if dist.get_rank() == 1 and ".step_4." in str(self.path):
+        if self.rank == 1 and ".step_4." in str(self.path):
             Path(self.path, "__1_0.distcp").write_bytes(b"half a file")  # some bytes reach the disk...
             os._exit(9)  # ...and the process is killed
-        return original(self, plan, planner)
+        return super().write_data(plan, planner)
 
-    ckpt._Writer.write_data = write_data
+
+def _crash_rank1_while_writing_step_4(recipe: recipelib.Recipe):
+    checkpointer_module._Writer = _DyingWriter
     return train(recipe).records
 
 
-def test_kill_during_async_save_resumes_from_the_previous_checkpoint(tmp_path, data_cache):
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_kill_during_async_save_resumes_from_the_previous_checkpoint(mode, tmp_path, data_cache):
     out = tmp_path / "run"
     recipe = load_recipe("llama_debug.toml", out, *LAYOUTS["dp2"][1], "--train.steps=6", "--checkpoint.every=2",
-                         "--checkpoint.async=true")
+                         f"--checkpoint.async={mode}")
+    # thread: rank 1 dies, rank 0 fails or is stopped; process: both ranks' next wait() raises
     with pytest.raises(AssertionError, match="ranks failed|never reported"):
         run_distributed(_crash_rank1_while_writing_step_4, 2, recipe, timeout=120, init_process_group=False)
     root = out / "checkpoints"

@@ -459,5 +459,5 @@ def test_converted_checkpoint_has_per_chunk_crcs_that_loads_check(ckpts, tmp_pat
                        if k.startswith("model.")}}
     with pytest.raises(dcp.CheckpointException) as e:
         dcp.load(state, checkpoint_id=out, planner=_CheckedLoadPlanner(out), no_dist=True)
-    error = _find_checkpoint_error(e.value)
+    error = _find_checkpoint_error(e.value.failures)
     assert isinstance(error, CheckpointError) and f"file {info.relative_path} (tensor {fqn}) is corrupted" in str(error)

@@ -99,7 +99,11 @@ BAD_FILES = [
     ("str-for-int", '[train]\nsteps = "100"\n', r'train\.steps = "100": expected an integer, got str$'),
     ("float-for-int", "[train]\nsteps = 1.5\n", r"train\.steps = 1\.5: expected an integer, got float$"),
     ("bool-for-int", "[train]\nsteps = true\n", r'train\.steps = true: expected an integer, got bool$'),
-    ("int-for-bool", "[checkpoint]\nasync = 1\n", r"checkpoint\.async = 1: expected true or false, got int$"),
+    ("int-for-bool", "[profile]\nwith_stack = 1\n", r"profile\.with_stack = 1: expected true or false, got int$"),
+    ("async-misspelt", '[checkpoint]\nasync = "procss"\n',
+     r'checkpoint\.async = "procss": must be one of false, true, "thread", "process"$'),
+    ("async-int", "[checkpoint]\nasync = 1\n", r'checkpoint\.async = 1: must be one of false, true, "thread", '
+                                               r'"process"$'),
     ("str-for-bool", '[profile]\nenable = "yes"\n', r'profile\.enable = "yes": expected true or false, got str$'),
     ("str-for-float", '[optim]\nlr = "1e-3"\n', r'optim\.lr = "1e-3": expected a number, got str$'),
     ("list-for-str", '[model]\nfamily = ["llama"]\n', r'model\.family = \["llama"\]: expected a string, got list$'),
@@ -307,6 +311,17 @@ def test_async_key_maps_to_async_save(tmp_path):
     section = dumps(r).split("[checkpoint]\n", 1)[1].split("\n\n", 1)[0]
     assert "async = true" in section.splitlines()
     assert "async_save" not in dumps(r)
+
+
+@pytest.mark.parametrize(("text", "override", "mode"), [
+    ("false", "false", None), ("true", "true", "thread"), ('"thread"', "thread", "thread"),
+    ('"process"', "process", "process")])
+def test_async_is_false_thread_or_process(text, override, mode, tmp_path):
+    r = load(_write(tmp_path, f"[checkpoint]\nasync = {text}\n"))
+    assert r.checkpoint.async_mode == mode  # true keeps meaning a thread
+    assert load(None, [f"--checkpoint.async={override}"]).checkpoint == r.checkpoint
+    assert f"async = {text}" in dumps(r).splitlines()
+    assert load(_write(tmp_path, dumps(r), "again.toml")).checkpoint == r.checkpoint  # the round trip
 
 
 # --- 5. describe_keys -------------------------------------------------------------------------

@@ -10,7 +10,8 @@ exchange. Loading reads, on every rank, exactly the pieces of each tensor its ow
 cover, so a checkpoint saved on any layout loads on any other (``model.*`` and ``optim.*``
 by global name and shape; the data position by global sample count, see meshpar/data/).
 The files themselves (per-chunk CRCs, fused projections as chunks): format.py; finding
-checkpoints on disk: folders.py; a run's tensors by global name: state.py.
+checkpoints on disk: folders.py; a run's tensors by global name: state.py; saving in the
+background (``checkpoint.async``: a thread or a writer process): background.py.
 
 Notes: [Note: a checkpoint is complete or invisible],
 [Note: the checkpoint folder is probed before the first step], [Note: what checkpoint.keep deletes].
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from meshpar.checkpoint.background import Background
 from meshpar.checkpoint.folders import MARKER, is_complete, latest, list_checkpoints, read_info
 from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it here
     CheckpointError,
@@ -57,7 +59,8 @@ from meshpar.runtime.atomic import fsync_dir, write_atomic
 # [Note: a checkpoint is complete or invisible]
 # Every rank writes into ``<dir>/.step_<N>.partial/``. DCP's last step runs on the coordinator
 # (rank 0) only after every rank has reported its writes; there it writes ``.metadata``, then
-# (``_Writer.publish``) ``recipe.toml``, the tokenizer files and ``meshpar.json``, and renames the folder to
+# (``_Writer.publish``, a ``_Publish``: in rank 0's writer process under ``async = "process"``)
+# ``recipe.toml``, the tokenizer files and ``meshpar.json``, and renames the folder to
 # ``step_<N>`` (one ``os.replace``); DCP then tells every rank the outcome, so once ``save``
 # (``wait``, when async) returns on any rank, ``step_<N>`` exists. An error on any rank or in
 # any of these (a full disk, a folder gone read-only) fails the save on every rank with a
@@ -93,6 +96,40 @@ FORMAT = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a tokenizer as Hugging Face folders hold it
 
 
+@dataclasses.dataclass(frozen=True)
+class _Publish:
+    """Rank 0, inside DCP's last step: make ``.step_<step>.partial`` the checkpoint ``step_<step>``
+    ([Note: a checkpoint is complete or invisible]). Plain data, so that it runs as well in DCP's
+    writer process ([Note: a save in another process] in background.py)."""
+
+    root: Path
+    step: int
+    recipe_toml: str
+    tokenizer_files: Mapping[str, bytes]
+    info: dict[str, Any]  # meshpar.json, but for the time it is written
+
+    def __call__(self) -> None:
+        partial, final = self.root / f".step_{self.step}.partial", self.root / f"step_{self.step}"
+        write_atomic(partial / "recipe.toml", self.recipe_toml)
+        for name, data in self.tokenizer_files.items():
+            write_atomic(partial / name, data)
+        info = dict(self.info, saved_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        write_atomic(partial / MARKER, json.dumps(info, indent=1))
+        if final.exists():  # the same step saved again (a rerun): set the old one aside first
+            old = self.root / f".step_{self.step}.replaced"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            try:
+                os.replace(partial, final)
+            except OSError:
+                os.replace(old, final)  # the old one stays the checkpoint of this step
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(partial, final)
+        fsync_dir(self.root)
+
+
 # --- the checkpointer a training run uses ---------------------------------------------------------------
 @dataclasses.dataclass
 class RunState:
@@ -125,11 +162,13 @@ class Checkpointer:
         if unknown:
             raise ValueError(f"tokenizer_files: {unknown} are not tokenizer files ({', '.join(TOKENIZER_FILES)})")
         self._pending: Future | None = None  # the async save in flight: done once committed
-        self._group = None
-        if cfg.async_save and dist.is_initialized():
-            # async saves run DCP's collectives on a background thread: they get their own gloo
-            # group so they never interleave with the training step's collectives
-            self._group = dist.new_group(backend="gloo")
+        self._background: Background | None = None
+        if cfg.async_mode is not None:
+            # async saves run DCP's collectives (the plan; in a writer process, its set-up) on a
+            # background thread: they get their own gloo group so they never interleave with the
+            # training step's collectives
+            group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            self._background = Background(cfg.async_mode, group)
         if cfg.every:
             self._probe()
 
@@ -167,29 +206,32 @@ class Checkpointer:
             "rng": {f"rank{self.rank}": _rng_state()},
         }
 
-    def save(self, run: RunState, step: int) -> None:
-        """Write step ``step``; with ``checkpoint.async``, return once the state is copied to host
-        memory and let the previous save finish first."""
+    def save(self, run: RunState, step: int, *, blocking: bool = False) -> None:
+        """Write step ``step``; with ``checkpoint.async``, let the previous save finish first and
+        return once the state is copied to host (or shared) memory. ``blocking``: write it from this
+        thread whatever ``checkpoint.async`` says (the save on a stop signal: no copy, no writer)."""
         self.wait()
         partial = self.root / f".step_{step}.partial"
         start = time.perf_counter()
         state = self.state_dict(run, step)
-        writer = _Writer(partial, self.rank, publish=lambda: self._publish(step, partial))
-        if not self.cfg.async_save:
+        info = dict(self.info, format=FORMAT, step=step, world_size=self.world_size)
+        writer = _Writer(partial, self.rank, publish=_Publish(self.root, step, self.recipe_toml, self.tokenizer_files,
+                                                              info))
+        if self._background is None or blocking:
             try:
                 dcp.save(state, storage_writer=writer, planner=_SavePlanner())
             except CheckpointException as e:
                 raise self._save_failed(step, partial, e) from e
             self._saved(step, start)
             return
-        upload = dcp.async_save(state, storage_writer=writer, planner=_SavePlanner(), process_group=self._group)
+        upload = self._background.start(state, writer, _SavePlanner())
         committed: Future = Future()
 
-        def finished(done: Future) -> None:  # on DCP's writer thread, as soon as the upload ends
+        def finished(done: Future) -> None:  # on DCP's executor thread, as soon as the upload ends
             try:
                 try:
                     done.result()
-                except CheckpointException as e:
+                except (CheckpointException, Exception) as e:  # Exception: the writer process died
                     raise self._save_failed(step, partial, e) from e
                 self._saved(step, start)
                 committed.set_result(None)
@@ -199,8 +241,9 @@ class Checkpointer:
         upload.add_done_callback(finished)
         self._pending = committed
         if self.rank == 0:
-            self.log(f"checkpoint: step {step} copied to host memory in {time.perf_counter() - start:.2f} s; "
-                     f"writing in the background")
+            where = "shared memory" if self.cfg.async_mode == "process" else "host memory"
+            self.log(f"checkpoint: step {step} copied to {where} in {time.perf_counter() - start:.2f} s; writing "
+                     f"in the background ({self.cfg.async_mode})")
 
     def wait(self) -> None:
         """Finish the save in flight, if any (its errors surface here)."""
@@ -208,39 +251,24 @@ class Checkpointer:
         if pending is not None:
             pending.result()
 
-    def _publish(self, step: int, partial: Path) -> None:
-        """Rank 0, inside DCP's last step: make ``partial`` the checkpoint ``step_<step>``
-        ([Note: a checkpoint is complete or invisible])."""
-        final = self.root / f"step_{step}"
-        write_atomic(partial / "recipe.toml", self.recipe_toml)
-        for name, data in self.tokenizer_files.items():
-            write_atomic(partial / name, data)
-        info = dict(self.info, format=FORMAT, step=step, world_size=self.world_size,
-                    saved_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-        write_atomic(partial / MARKER, json.dumps(info, indent=1))
-        if final.exists():  # the same step saved again (a rerun): set the old one aside first
-            old = self.root / f".step_{step}.replaced"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            try:
-                os.replace(partial, final)
-            except OSError:
-                os.replace(old, final)  # the old one stays the checkpoint of this step
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial, final)
-        fsync_dir(self.root)
+    def close(self) -> None:
+        """End of the run, on every rank: stop the background writer (a save still in flight, after an
+        error, is abandoned and stays invisible). Call ``wait`` first to keep the last save."""
+        self._pending = None
+        if self._background is not None:
+            self._background.close()
 
-    def _save_failed(self, step: int, partial: Path, e: CheckpointException) -> CheckpointError:
-        """The error every rank raises for a failed save of ``step``; rank 0 removes its folder."""
+    def _save_failed(self, step: int, partial: Path, e: BaseException) -> CheckpointError:
+        """The error every rank raises for a failed save of ``step``; rank 0 removes its folder.
+        ``e``: DCP's CheckpointException, or (a writer process that died) any error of this rank."""
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        inner = _find_checkpoint_error(e)
+        failures = e.failures if isinstance(e, CheckpointException) else {self.rank: e}
+        inner = _find_checkpoint_error(failures)
         if inner is not None:
             return inner
         causes = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in
-                           sorted((r, _failure(f)) for r, f in e.failures.items()))
+                           sorted((r, _failure(f)) for r, f in failures.items()))
         previous = latest(self.root)
         kept = f"the newest complete checkpoint, {previous}, is untouched" if previous else "there is no earlier one"
         return CheckpointError(f"checkpoint: saving step {step} into {self.root} failed ({causes}); no step_{step} "
@@ -313,7 +341,7 @@ class Checkpointer:
         try:
             dcp.load(state, storage_reader=SafeReader(path), planner=_CheckedLoadPlanner(path))
         except CheckpointException as e:  # DCP wraps each rank's failure; ours is the message worth showing
-            inner = _find_checkpoint_error(e)
+            inner = _find_checkpoint_error(e.failures)
             if inner is not None:
                 raise inner from None
             raise
@@ -380,9 +408,9 @@ def _failure(failure: Any) -> BaseException:
     return failure[0] if isinstance(failure, tuple) else failure
 
 
-def _find_checkpoint_error(e: CheckpointException) -> CheckpointError | None:
-    """Our error inside DCP's wrapper."""
-    for failure in e.failures.values():
+def _find_checkpoint_error(failures: Mapping[int, Any]) -> CheckpointError | None:
+    """Our error among DCP's failures (CheckpointException.failures)."""
+    for failure in failures.values():
         if isinstance(_failure(failure), CheckpointError):
             return _failure(failure)
     return None

@@ -231,13 +231,25 @@ class CheckpointConfig:
                           "A run whose dir holds a complete checkpoint resumes from the newest.")
     every: int = option(0, "Save every this many steps; 0 turns saving off.", ge=0)
     keep: int = option(3, "Keep the newest this many checkpoints.", ge=1)
-    async_save: bool = option(False, "Write in the background while training continues.", key="async")
+    async_save: bool | str = option(
+        False, "Save in the background while training continues: false (the step waits for the whole save), "
+               "\"thread\" (copy to host memory, then write on a thread of the training process) or \"process\" "
+               "(copy to shared memory, pinned on a GPU, then write in one background process per rank, which "
+               "competes less with training for the interpreter). true means \"thread\". Either way the step "
+               "waits only for the copy, and for the previous save before the next; a stop signal saves "
+               "synchronously.",
+        choices=(False, True, "thread", "process"), key="async")
     load_from: str = option("", "Start from this checkpoint (a step_<N> folder, or a checkpoint dir: its newest) "
                                 "instead of the newest in dir.")
     hf_weights: str = option("", "Start from the weights in this Hugging Face folder (config.json + safetensors) "
                                  "instead of random initialization; a checkpoint to resume from takes precedence.")
     exclude: tuple[str, ...] = option((), "State to leave out when loading: optimizer, lr_schedule, data, rng.",
                                       choices=("optimizer", "lr_schedule", "data", "rng"))
+
+    @property
+    def async_mode(self) -> str | None:
+        """``async`` as None (synchronous), "thread" or "process" (``true`` is "thread")."""
+        return {False: None, True: "thread"}.get(self.async_save, self.async_save)
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,13 @@ Each part of meshpar receives its own section (``ParallelConfig`` for the mesh,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
 import math
 import sys
+import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,6 +68,9 @@ def _unknown(what: str, name: str, allowed: Sequence[str]) -> str:
     return f"unknown {what} '{name}'{hint}; allowed: {', '.join(allowed)}"
 
 
+_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Check ``value`` against a field's annotation; ints are accepted for floats."""
     def fail(expected: str) -> RecipeError:
@@ -73,22 +78,27 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
 
     if annotation is bool:
         if not isinstance(value, bool):
-            raise fail("true or false")
+            raise fail(_EXPECTED[bool])
         return value
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise fail("an integer")
+            raise fail(_EXPECTED[int])
         return value
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise fail("a number")
+            raise fail(_EXPECTED[float])
         if not math.isfinite(value):
             raise fail("a finite number")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
-            raise fail("a string")
+            raise fail(_EXPECTED[str])
         return value
+    if isinstance(annotation, types.UnionType):  # e.g. bool | str: the first type the value has
+        for member in typing.get_args(annotation):
+            with contextlib.suppress(RecipeError):
+                return _coerce(value, member, where)
+        raise fail(" or ".join(_EXPECTED.get(m, m.__name__) for m in typing.get_args(annotation)))
     if typing.get_origin(annotation) is tuple:
         item = typing.get_args(annotation)[0]
         if not isinstance(value, (list, tuple)):
@@ -112,7 +122,7 @@ def _check_range(value: Any, f: dataclasses.Field, where: str) -> None:
         raise RecipeError(f"{where} = {shown}: must be {m['valid'][1]}")
     if m["choices"] is not None:
         items = value if isinstance(value, tuple) else (value,)
-        if any(v not in m["choices"] for v in items):
+        if any(not any(type(v) is type(c) and v == c for c in m["choices"]) for v in items):  # 1 is not true
             which = "each item must be" if isinstance(value, tuple) else "must be"
             raise RecipeError(f"{where} = {shown}: {which} one of {', '.join(map(_toml_value, m['choices']))}")
     bounds = [(m["ge"], ">=", lambda v, b: v >= b), (m["gt"], ">", lambda v, b: v > b),
@@ -141,6 +151,8 @@ def _build_table(cls: type, table: dict[str, Any], name: str, origin: dict[str, 
             raise RecipeError(source + _unknown(f"key in [{name}]", key, list(fields)))
         f = fields[key]
         where = f"{source}{name}.{key}"
+        if isinstance(hints[f.name], types.UnionType) and f.metadata["choices"] is not None:
+            _check_range(value, f, where)  # a field of mixed types is its list of values: name them for any value
         value = _coerce(value, hints[f.name], where)
         _check_range(value, f, where)
         kwargs[f.name] = value

@@ -60,7 +60,7 @@ __all__ = [
     "attention_ops",
     "profiler_enabled", "record_function_enter", "record_function_exit", "record_cuda_memory_history",
     "dump_cuda_memory_snapshot", "attach_cuda_oom_observer", "schedule_p2p", "set_schedule_p2p",
-    "clear_dtensor_caches", "resolve",
+    "clear_dtensor_caches", "stop_dcp_save_process", "resolve",
 ]
 
 
@@ -259,6 +259,31 @@ def set_schedule_p2p(fn: Callable) -> None:
     schedules._batch_p2p = fn
 
 
+# --- DCP's background save process ------------------------------------------------------------------------
+
+def stop_dcp_save_process(timeout: float) -> None:
+    """Stop the process DCP's process-based ``async_save`` started in this process, if any, and forget
+    it, so that a later save starts a fresh one on the process group of its time. It is asked to stop
+    (it finishes a save in flight first), given ``timeout`` seconds, then killed: meshpar starts it
+    with the stop signals blocked ([Note: a save in another process] in meshpar/checkpoint/background.py),
+    so ``terminate()`` would not end it. Public alternative: none (DCP stops it only when the module
+    global holding it is garbage-collected, and multiprocessing's exit handler joins it first)."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    saver, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+    if saver is None:
+        return
+    process = saver._save_process
+    if process.is_alive():
+        with contextlib.suppress(OSError, ValueError):  # its end of the pipe is gone: it is exiting
+            saver._send(executor._CheckpointSaveProcessControlOpts.TERMINATE)
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    saver._process_pipe.close()
+
+
 # --- DTensor's caches -------------------------------------------------------------------------------------
 
 def clear_dtensor_caches() -> None:
@@ -398,6 +423,12 @@ REQUIRED: dict[str, str] = {
         "meshpar plan: a fresh DTensor cache per (fake) world",
     "torch.distributed.tensor._redistribute._gen_transform_infos.cache_clear": "meshpar plan: a fresh DTensor cache",
     "torch._C._clear_DTensor_sharding_propagator_cache": "meshpar plan: a fresh DTensor cache",
+    "torch.distributed.checkpoint._async_process_executor._CHECKPOINT_PROCESS":
+        "checkpoint.async = \"process\": stopping DCP's writer process at the end of a run (stop_dcp_save_process)",
+    "torch.distributed.checkpoint._async_process_executor._AsyncCheckpointProcess._send":
+        "checkpoint.async = \"process\": stopping DCP's writer process at the end of a run",
+    "torch.distributed.checkpoint._async_process_executor._CheckpointSaveProcessControlOpts.TERMINATE":
+        "checkpoint.async = \"process\": stopping DCP's writer process at the end of a run",
     "torch._guards.TracingContext": "meshpar plan's memory simulation: DTensor's shapes in a fake mode of their own",
     "torch._guards.tracing": "meshpar plan's memory simulation: DTensor's shapes in a fake mode of their own",
     "torch._subclasses.fake_tensor.FakeTensorMode": "meshpar plan's memory simulation (planner/simulate.py)",

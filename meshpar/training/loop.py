@@ -17,6 +17,7 @@ test checks the schedule without a process group (tests/test_training_loop.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -208,8 +209,10 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
     moe_layers = model_sparse_layers(model.stages[0])  # block index of each, on every stage
     clock = _throughput(recipe, checked, profile, info, device, start_step)
     stopped_by = None
+    # the checkpointer is closed however the loop ends: an async save's writer process must not outlive it
     with StepProfiler(recipe.profile, output_dir, mesh, first_step=start_step + 1,
-                      tracked=(model.stages, optimizer)) as profiler:
+                      tracked=(model.stages, optimizer)) as profiler, \
+            contextlib.closing(ckpt) if ckpt is not None else contextlib.nullcontext():
         for step in range(start_step + 1, t.steps + 1):
             comm_record.set_step(step)
             guard.step = step
@@ -237,8 +240,8 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
             if stopped_by is not None:
                 _stop(ckpt, run, step, signals, saved, info)
                 break
-    if ckpt is not None:
-        ckpt.wait()  # the last save is complete before the run reports success
+        if ckpt is not None:
+            ckpt.wait()  # the last save is complete before the run reports success (and before the close)
     metrics.close()
     progress.close()
     return model, optimizer, records, stopped_by
@@ -445,8 +448,8 @@ def _stop(ckpt: Checkpointer, run: RunState, step: int, signals: StopSignals, sa
     with label("checkpoint.save"):
         if not saved:
             ckpt.wait()
-            ckpt.save(run, step)
-        ckpt.wait()  # synchronous: the process exits next
+            ckpt.save(run, step, blocking=True)  # in this process: the process exits next
+        ckpt.wait()  # the step's own save, when it was an async one
     dist.barrier()  # rank 0 has committed it: no rank exits (and gets its peers killed) before that
     signals.saved()
     signal_name = signals.stopped_by
