@@ -35,19 +35,17 @@ from meshpar.config import recipe as recipelib
 from meshpar.config.hardware import HardwareProfile
 from meshpar.config.recipe import Recipe
 from meshpar.data import BatchLoader
-from meshpar.data.packing import IGNORE, Conversations
 from meshpar.distributed import comm, comm_record
 from meshpar.distributed import mesh as meshlib
 from meshpar.parallel import float8 as float8lib
-from meshpar.parallel.context_parallel.apply import shard_sequence
 from meshpar.parallel.parallelize import build
 from meshpar.parallel.pipeline import build_schedule
-from meshpar.parallel.tensor_parallel.plan import loss_parallel_context
 from meshpar.profiling.capture import StepProfiler, label
 from meshpar.runtime.fault import EXIT_PREEMPTED, StopSignals
 from meshpar.runtime.process import RankInfo
 from meshpar.runtime.progress import Progress, print_line
-from meshpar.training.loss import TokenLoss, last_head, layout_chunks, plain
+from meshpar.training.evaluate import evaluate, sample
+from meshpar.training.loss import TokenLoss, last_head, layout_chunks
 from meshpar.training.metrics import MetricsLogger, expert_load_fields, peak_memory_gb
 from meshpar.training.nonfinite import NonFiniteGuard
 from meshpar.training.optim import build_lr_schedule, build_optimizer
@@ -228,7 +226,7 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
                 log({"step": step, "val_loss": evaluate(model, corpus.val, recipe, mesh, device)})
                 clock.restart()  # validation time is not training throughput
             if should_evaluate(step, t.sample_every, t.steps):
-                _sample(model.stages[0], corpus.tokenizer, recipe, step, info, output_dir, progress)
+                sample(model.stages[0], corpus.tokenizer, recipe, step, info, output_dir, progress)
                 clock.restart()
             saved = ckpt is not None and should_save(step, recipe.checkpoint.every, t.steps)
             if saved:
@@ -248,79 +246,6 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
 
 
 @torch.no_grad()
-def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: torch.device) -> float:
-    """Mean loss over the first ``eval_batches`` global batches of held-out data (fine-tuning data:
-    over their trained targets)."""
-    t = recipe.train
-    loader = BatchLoader(tokens, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
-                         dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed, shuffle=False)
-    if isinstance(tokens, Conversations):
-        return _evaluate_trained(model, loader, recipe, mesh, device)
-    model.stages.eval()
-    total = torch.zeros((), device=device)
-    n = 0
-    with loss_parallel_context(model.loss_parallel):
-        for _ in range(t.eval_batches):
-            microbatches = list(loader.next_step())
-            if mesh.layout.cp > 1:  # this cp rank's tokens of every sequence
-                microbatches = [(shard_sequence(x, mesh["cp"]), shard_sequence(y, mesh["cp"])) for x, y in microbatches]
-            if model.pipeline is not None:
-                inputs, targets = (torch.cat(x).to(device) for x in zip(*microbatches, strict=True))
-                loss = model.pipeline.eval(inputs, targets)
-                total += 0.0 if loss is None else plain(loss)
-                n += 1
-                continue
-            for inputs, targets in microbatches:
-                total += plain(model.loss(model.stages[0](inputs.to(device)), targets.to(device)))
-                n += 1
-    model.stages.train()
-    total /= n
-    if mesh.layout.pp > 1:  # the loss lives on the last stage's rank
-        dist.all_reduce(total, group=mesh["pp"].get_group())
-    dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
-    if mesh.layout.cp > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.AVG, group=mesh["cp"].get_group())
-    return total.item()
-
-
-def _evaluate_trained(model: Model, loader: BatchLoader, recipe: Recipe, mesh: meshlib.Mesh,
-                      device: torch.device) -> float:
-    """``evaluate`` on fine-tuning data: the summed loss of trained targets over their count (pp = 1,
-    as document attention requires)."""
-    model.stages.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # [summed loss, trained targets]
-    with loss_parallel_context(model.loss_parallel), model.loss.weight(1.0):
-        for _ in range(recipe.train.eval_batches):
-            for inputs, targets in loader.next_step():
-                if mesh.layout.cp > 1:
-                    inputs, targets = shard_sequence(inputs, mesh["cp"]), shard_sequence(targets, mesh["cp"])
-                targets = targets.to(device)
-                total[0] += plain(model.loss(model.stages[0](inputs.to(device)), targets)).double()
-                total[1] += (targets != IGNORE).sum()
-    model.stages.train()
-    dist.all_reduce(total, group=mesh["dp"].get_group())
-    if mesh.layout.cp > 1:
-        dist.all_reduce(total, group=mesh["cp"].get_group())
-    return (total[0] / total[1].clamp(min=1)).item()
-
-
-def _sample(model: torch.nn.Module, tokenizer: Any, recipe: Recipe, step: int, info: RankInfo, output_dir: Path,
-            progress: Progress) -> None:
-    """train.sample_every: the model's greedy continuation of train.sample_prompt, run by every rank
-    (pp = 1: the one stage is the model), printed and appended to samples.jsonl by rank 0."""
-    from meshpar.models.decode import generate, prompt_ids
-
-    t = recipe.train
-    prompt = prompt_ids(tokenizer, t.sample_prompt)
-    out = generate(model, prompt, max(1, min(t.sample_tokens, t.seq_len - len(prompt))),
-                   stop=getattr(tokenizer, "eos_id", None))
-    if info.is_rank0:
-        text = tokenizer.decode(out)
-        with (output_dir / "samples.jsonl").open("a") as f:
-            f.write(json.dumps({"step": step, "prompt": t.sample_prompt, "tokens": out, "text": text}) + "\n")
-        progress.print(f"step {step:>6} | sample: {t.sample_prompt + text!r}")
-
-
 # --- building the run ---------------------------------------------------------------------------------
 def _wandb_sink(recipe: Recipe, info: RankInfo, output_dir: Path, start_step: int):
     """Rank 0's W&B run when ``metrics.wandb`` is set ([Note: one W&B run per training run]), else None."""
