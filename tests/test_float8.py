@@ -216,14 +216,17 @@ def test_meshpar_train_with_float8_and_its_checkpoints(tmp_path):
     on another layout (dp_shard 2) loads it."""
     float8 = ("--model.float8=tensorwise", "--model.float8_emulate=true", "--parallel.tp=2")
     straight, resumed, plain = tmp_path / "straight", tmp_path / "resumed", tmp_path / "plain"
-    code, output = finish_run(start_run(straight, *float8, "--train.steps=4", "--checkpoint.every=2"), timeout=300)
+    code, output = finish_run(start_run(straight, *float8, "--train.steps=4", "--checkpoint.every=2",
+                                        "--train.eval_every=4"), timeout=300)
     assert code == 0, output[-4000:]
+    assert [r["step"] for r in metrics_records(straight) if "val_loss" in r] == [4]  # float8's gathers in eval too
     assert ("meshpar: float8 tensorwise (emulated), all-gather in float8, tensor-parallel activations gathered in "
             "float8 (layers without a bias) | left in high precision: output\n") in output
     losses = [r["loss"] for r in metrics_records(straight) if "loss" in r]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), losses
     step_2 = straight / "checkpoints" / "step_2"
-    code, output = finish_run(start_run(resumed, *float8, "--train.steps=4", f"--checkpoint.load_from={step_2}"),
+    code, output = finish_run(start_run(resumed, *float8, "--train.steps=4", f"--checkpoint.load_from={step_2}",
+                                        "--train.eval_every=4"),
                               timeout=300)
     assert code == 0 and "resumed from" in output, output[-4000:]
     want = [r for r in metrics_records(straight) if r.get("step", 0) > 2]

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from meshpar.distributed._torch import TorchDispatchMode, c10d_functional_ops
@@ -159,5 +161,14 @@ def precompute_scales(model: nn.Module) -> None:
     the FSDP mesh only, so under tensor parallelism each tp rank would scale its shard by its own amax
     for that one step (and a resumed run would not repeat the uninterrupted one)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_linear import Float8Linear
 
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    # torchao's pass stacks the weights' amaxes, which needs one mesh; a mixture-of-experts layer under tp
+    # shards its dense linears (DeepSeek's shared experts) over dp_shard x tp flattened, the blocks' over
+    # (dp_shard, tp): one pass per mesh. Each weight's scale is its own amax's either way.
+    by_mesh: dict[Any, list[nn.Module]] = {}
+    for m in model.modules():
+        if isinstance(m, Float8Linear) and isinstance(m.weight, DTensor):
+            by_mesh.setdefault(m.weight.device_mesh, []).append(m)
+    for modules in by_mesh.values():
+        precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(modules))

@@ -24,6 +24,7 @@ from meshpar.training.loss import plain
 from meshpar.training.step import Model
 
 
+@torch.no_grad()
 def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: torch.device) -> float:
     """Mean loss over the first ``eval_batches`` global batches of held-out data (fine-tuning data:
     over their trained targets)."""
@@ -35,7 +36,7 @@ def evaluate(model: Model, tokens, recipe: Recipe, mesh: meshlib.Mesh, device: t
     model.stages.eval()
     total = torch.zeros((), device=device)
     n = 0
-    with loss_parallel_context(model.loss_parallel):
+    with loss_parallel_context(model.loss_parallel), model.around_step():  # float8's gloo all-gathers, as in training
         for _ in range(t.eval_batches):
             microbatches = list(loader.next_step())
             if mesh.layout.cp > 1:  # this cp rank's tokens of every sequence
@@ -65,7 +66,7 @@ def _evaluate_trained(model: Model, loader: BatchLoader, recipe: Recipe, mesh: m
     as document attention requires)."""
     model.stages.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # [summed loss, trained targets]
-    with loss_parallel_context(model.loss_parallel), model.loss.weight(1.0):
+    with loss_parallel_context(model.loss_parallel), model.loss.weight(1.0), model.around_step():
         for _ in range(recipe.train.eval_batches):
             for inputs, targets in loader.next_step():
                 if mesh.layout.cp > 1:

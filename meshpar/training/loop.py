@@ -245,7 +245,6 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
     return model, optimizer, records, stopped_by
 
 
-@torch.no_grad()
 # --- building the run ---------------------------------------------------------------------------------
 def _wandb_sink(recipe: Recipe, info: RankInfo, output_dir: Path, start_step: int):
     """Rank 0's W&B run when ``metrics.wandb`` is set ([Note: one W&B run per training run]), else None."""
