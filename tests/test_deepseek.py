@@ -321,3 +321,27 @@ def test_mla_context_parallel_gathers_the_latent():
     torch.testing.assert_close(results["allgather", True] / results["allgather", False], latent / kv, rtol=0,
                                atol=0)  # per layer one all-gather and reduce-scatter of [B, 1, T, 80], not K and V's
 
+
+
+def test_hf_folder_trains_and_converts_back_to_transformers_logits(tmp_path, data_cache):
+    """A random DeepseekV3ForCausalLM folder trains in meshpar from ``checkpoint.hf_weights``
+    (one rank, fp32); its checkpoint converts back to a folder transformers loads, whose logits are
+    the trained meshpar model's to 2e-5 (the bound of test_logits_equal_transformers), and the
+    weights did move away from the folder's."""
+    transformers = pytest.importorskip("transformers")
+    from meshpar.convert import convert
+
+    args = dataclasses.replace(DEEPSEEK_V3_SIZES["debug"], n_layers=2, vocab_size=256)  # SMALL's shape
+    start, folder = _hf_folder(tmp_path, args)
+    out = tmp_path / "run"
+    result = train(_recipe(out, "--parallel.dp_shard=1", "--parallel.ep=1", f"--checkpoint.hf_weights={folder}",
+                           "--checkpoint.every=3"), return_state=True)
+    convert(out / "checkpoints" / "step_3", tmp_path / "back", to="hf", progress=False)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    model = DeepSeekTransformer(args)
+    model.load_state_dict(result.state_dict)
+    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, got, before = back(tokens).logits, model.eval()(tokens), start(tokens).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    assert (got - before).abs().max() > 1e-3  # three steps of training changed the model
