@@ -143,6 +143,7 @@ def _assert_same(records, state, reference) -> None:
 
 LAYOUTS = {  # name: (overrides of recipes/deepseek_v3_debug.toml, world size)
     "dp_shard4-ep2": ([], 4),  # the recipe: routed experts over ep 2, FSDP over 4 (2 for the experts)
+    "dp_replicate2-dp_shard2-ep2": (["--parallel.dp_replicate=2", "--parallel.dp_shard=2"], 4),  # HSDP
     "dp_shard2-tp2-ep2": (["--parallel.dp_shard=2", "--parallel.tp=2"], 4),  # MLA's heads over tp
     "dp_shard2-cp2-ep2": (["--parallel.dp_shard=2", "--parallel.cp=2"], 4),  # the latent gathered over cp
     "pp2-dp_shard2-ep2-full-ac": (["--parallel.pp=2", "--parallel.dp_shard=2",
