@@ -47,7 +47,7 @@ from meshpar.models.moe.model import MoE, MoEBlock, MoETransformer
 # A head's value (v_head_dim, 128 in V3) is narrower than its query and key (qk_head_dim, 192).
 # PyTorch's flash kernels take one head width for q, k and v; given two, SDPA falls back to a
 # kernel without that constraint, on CPU the math path, which keeps the [T, T] attention weights
-# per head for backward (for V3 at T = 4096: 8 GiB a layer). So V is zero-padded to the keys'
+# per head for backward (H x T x T numbers a layer). So V is zero-padded to the keys'
 # width and the output's extra columns are dropped: each output column depends only on its own
 # value column, so the kept columns are the unpadded attention's, at the cost of computing and
 # keeping a value 1.5 x wider. It also gives the cp ring one width for its K | V tensor.

@@ -64,8 +64,8 @@ from meshpar.parallel.context_parallel.ulysses import ulysses_attention
 # DeepSeek's multi-head latent attention makes every head's K and V from one latent per token
 # (meshpar/models/deepseek/model.py). Under the gather, cp fills MLA's ``sequence_keys`` slot: each rank
 # gathers the normalised latent and the rotated RoPE key (kv_lora_rank + qk_rope_head_dim numbers per
-# token: 576 for DeepSeek-V3), not K and V (H x (qk_head_dim + v_head_dim): 40,960), and runs wkv_b
-# on the whole sequence itself, a matmul cp times over (about 3% of V3's layer). The attention slot then
+# token), not K and V (H x 2 x qk_head_dim, V padded: [Note: MLA's values padded to the keys' width]),
+# and runs wkv_b on the whole sequence itself, a small matmul done cp times over. The attention slot then
 # takes K and V whole (``keys_gathered``). Under tp x cp the latent is a sequence-sharded DTensor on tp
 # and K and V are gathered as for Llama (their heads already split over tp); so are ring and Ulysses.
 
