@@ -2,6 +2,7 @@
 
     meshpar train RECIPE [--nproc N] [--max-restarts N] [--section.key=value ...]
     meshpar train RECIPE --auto [--gpus N]             # search the layout (keeping what is set), then train it
+    meshpar lighthouse [--port P] [--min-replicas N]     # coordinates replica groups (fault.replicas = "torchft")
     meshpar recipe RECIPE [--section.key=value ...]     # resolve and check, print the TOML
     meshpar recipe --keys                               # every key, its default and meaning
     meshpar convert SRC DST --to {hf,torch,dcp} [--layout dp_shard=4,tp=2] [--verify] [--shard-size 5GB]
@@ -26,7 +27,7 @@ import sys
 from pathlib import Path
 
 from meshpar.config import recipe as recipelib
-from meshpar.config.keys import local_world_size
+from meshpar.config.keys import local_world_size, replica_jobs
 from meshpar.config.recipe import RecipeError
 
 # What each local rank runs (meshpar/runtime/launch.py): named, so the launcher need not import it
@@ -63,6 +64,15 @@ def parser() -> argparse.ArgumentParser:
                        "many seconds (default 600)")
     train.add_argument("--profile", action="store_true", help="trace steps with the torch profiler (the same as "
                        "--profile.enable=true; schedule and ranks from [profile]); then `meshpar profile summarize`")
+    lighthouse = sub.add_parser("lighthouse", help="coordinate replica groups under fault.replicas = \"torchft\": "
+                                "serve each step's quorum until stopped (docs/cluster.md)")
+    lighthouse.add_argument("--port", type=int, default=29510, help="port to listen on (0: any free one; default "
+                            "29510)")
+    lighthouse.add_argument("--min-replicas", type=int, default=1, help="groups a quorum needs (default 1)")
+    lighthouse.add_argument("--join-timeout-ms", type=int, default=1000, help="how long a quorum waits for more "
+                            "groups to join once it could form (default 1000)")
+    lighthouse.add_argument("--heartbeat-timeout-ms", type=int, default=5000, help="a group silent this long is left "
+                            "out of the next quorum (default 5000)")
     show = sub.add_parser("recipe", help="resolve a recipe, check it and print it as TOML", epilog=EPILOG)
     show.add_argument("recipe", type=Path, nargs="?", help="a TOML recipe (omit for the defaults)")
     show.add_argument("--keys", action="store_true", help="list every recipe key with its default and meaning")
@@ -181,7 +191,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
                           "--nproc N starts N ranks")
     if "WORLD_SIZE" in os.environ:  # already a rank (torchrun, which does the restarting): train here
         return _train_here(recipe)
-    nproc = local_world_size(recipe.parallel) if args.nproc is None else args.nproc
+    jobs = replica_jobs(recipe)  # under fault.replicas = "torchft" this command starts one replica group
+    nproc = local_world_size(recipe.parallel) // jobs if args.nproc is None else args.nproc
     if nproc < 1:
         raise RecipeError(f"--nproc {nproc}: must be >= 1")
     local = nproc > 1 or args.max_restarts
@@ -189,7 +200,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from meshpar.runtime.forkserver import start_forkserver
         start_forkserver(RANK_ENTRYPOINT)
     from meshpar.training.preflight import preflight
-    preflight(recipe, nproc)  # every recipe error before a process starts; tokenizes once for all ranks
+    preflight(recipe, nproc * jobs)  # every recipe error before a process starts; tokenizes once for all ranks
     if not local:
         return _train_here(recipe)
     from meshpar.runtime.launch import launch_local
@@ -240,6 +251,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(generate_main(argv[1:]))
     cli = parser()
     args, extra = cli.parse_known_args(argv)
+    if args.command == "lighthouse":
+        if extra:
+            cli.error(f"unrecognized arguments: {' '.join(extra)}")
+        from meshpar.runtime.replicas import serve_lighthouse
+        sys.exit(serve_lighthouse(args.port, args.min_replicas, args.join_timeout_ms, args.heartbeat_timeout_ms))
     if args.command in ("convert", "checkpoint", "profile", "data"):
         if extra:
             cli.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -32,10 +32,12 @@ from torch.distributed.tensor import DTensor
 from meshpar.checkpoint import CheckpointError, optimizer_state, param_names
 from meshpar.config import recipe as recipelib
 from meshpar.config.hardware import load_profile
+from meshpar.config.keys import replica_jobs
 from meshpar.config.recipe import Recipe, RecipeError
 from meshpar.convert import load_hf_weights
 from meshpar.distributed import comm_record
 from meshpar.distributed import mesh as meshlib
+from meshpar.runtime import replicas
 from meshpar.runtime.fault import (
     EXIT_PREEMPTED,
     StopSignals,
@@ -61,7 +63,8 @@ def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
     """Run ``recipe`` on this rank. ``return_state`` also returns the final parameters and
     optimizer state, gathered to full tensors (for tests)."""
     info = rank_info()
-    checked = preflight(recipe, info.world_size)
+    recipe = replicas.group_recipe(recipe)  # under torchft: this replica group's output folders
+    checked = preflight(recipe, info.world_size * replica_jobs(recipe))
     device = select_device(recipe.train.device, info)
     profile = load_profile(recipe.metrics.hardware, device.type)
     timeout = collective_timeout(recipe.fault.timeout, device.type)
@@ -69,7 +72,7 @@ def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
     comm_record.set_flight_recorder(recipe.fault.flight_recorder)
     signals = StopSignals(recipe.fault.signals)
     try:
-        mesh = meshlib.build(checked.layout, device.type)
+        mesh = meshlib.build(replicas.group_layout(recipe, checked.layout), device.type)
         model, optimizer, records, stopped_by = train_loop(recipe, checked, mesh, device, profile, info, signals,
                                                          load_hf_weights=load_hf_weights)
         result = RunResult(records, None, stopped_by=stopped_by)

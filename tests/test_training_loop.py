@@ -93,7 +93,7 @@ def all_reduces(monkeypatch) -> list[tuple[str, object, object]]:
 def _sync(pp: bool = False, cp: bool = False) -> SimpleNamespace:
     """A GradSync's process groups, as names."""
     return SimpleNamespace(pp_groups=["pp group"] if pp else [], dp=SimpleNamespace(get_group=lambda: "dp group"),
-                           cp=SimpleNamespace(get_group=lambda: "cp group") if cp else None)
+                           cp=SimpleNamespace(get_group=lambda: "cp group") if cp else None, groups=None)
 
 
 def test_the_loss_is_summed_over_stages_and_averaged_over_dp_and_cp(all_reduces):

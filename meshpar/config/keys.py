@@ -83,6 +83,12 @@ def local_world_size(cfg: ParallelConfig) -> int:
     return math.prod(max(getattr(cfg, d), 1) for d in DIMS)
 
 
+def replica_jobs(recipe: Recipe) -> int:
+    """Jobs a run is made of: one per replica group under ``fault.replicas = "torchft"``
+    (``parallel.dp_replicate`` of them, each with ``world / dp_replicate`` ranks), else one."""
+    return recipe.parallel.dp_replicate if recipe.fault.replicas == "torchft" else 1
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     pp: int = option(1, "Pipeline-parallel degree (outermost mesh dim).", ge=1)
@@ -303,6 +309,19 @@ class FaultConfig:
                             "(and the ranks that did not arrive); 0 means 300 on gloo, 600 on NCCL.", ge=0)
     flight_recorder: int = option(32, "Collectives each rank remembers (op, mesh dim, bytes, step), printed when "
                                   "one fails or times out.", ge=1)
+    replicas: str = option("none", "Who manages parallel.dp_replicate: none (one job, every replica restarts with the "
+                                   "others) or torchft (each replica group is its own job, one `meshpar train` per "
+                                   "group; a group that dies heals from a live one while the others keep training: "
+                                   "docs/cluster.md; pip install 'meshpar[ft]').", choices=("none", "torchft"))
+    replica_id: int = option(0, "With replicas = torchft: this job's replica group, 0 to parallel.dp_replicate - 1.",
+                             ge=0)
+    lighthouse: str = option("", "With replicas = torchft: the lighthouse's address (http://host:port, from `meshpar "
+                                 "lighthouse`); empty means the TORCHFT_LIGHTHOUSE environment variable.")
+    min_replicas: int = option(1, "With replicas = torchft: replica groups a step needs to commit; with fewer alive "
+                                  "the step waits for one to join.", ge=1)
+    replica_wait: float = option(300.0, "With replicas = torchft: seconds a group, at its start, waits for every "
+                                        "replica group to join its first quorum before it trains with those there "
+                                        "(groups then start together instead of one healing from another).", ge=0)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import sys
 import types
 import typing
@@ -276,6 +277,7 @@ def check(recipe: Recipe) -> None:
         if importlib.util.find_spec("torchao") is None:
             raise RecipeError("model.float8 needs torchao, which is not installed: pip install 'meshpar[float8]' "
                               "(or set model.float8 = \"none\")", "model.float8")
+    _check_replicas(recipe)
     if recipe.metrics.tensorboard:
         import importlib.util
 
@@ -290,6 +292,31 @@ def check(recipe: Recipe) -> None:
             raise RecipeError("metrics.wandb = true needs the wandb package, which is not installed: pip install "
                               "'meshpar[wandb]' (metrics.jsonl is always written; or set metrics.wandb = false)",
                               "metrics.wandb")
+
+
+def _check_replicas(recipe: Recipe) -> None:
+    """``fault.replicas = "torchft"`` and the keys that go with it."""
+    f, groups = recipe.fault, recipe.parallel.dp_replicate
+    if f.replicas != "torchft":
+        for key in ("replica_id", "lighthouse", "min_replicas", "replica_wait"):
+            if getattr(f, key) != getattr(FaultConfig, key):
+                raise RecipeError(f"fault.{key} is read only by fault.replicas = \"torchft\": set it, or remove "
+                                  f"{key}", f"fault.{key}")
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        raise RecipeError("fault.replicas = \"torchft\" needs torchft, which is not installed: pip install "
+                          "'meshpar[ft]' (or set fault.replicas = \"none\")", "fault.replicas")
+    if not (f.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise RecipeError("fault.replicas = \"torchft\" needs a lighthouse: start `meshpar lighthouse` and set "
+                          "fault.lighthouse (or TORCHFT_LIGHTHOUSE) to the address it prints", "fault.lighthouse")
+    if f.replica_id >= groups:
+        raise RecipeError(f"fault.replica_id = {f.replica_id}: the job has parallel.dp_replicate = {groups} replica "
+                          f"groups, numbered 0 to {groups - 1}; start each group with its own id", "fault.replica_id")
+    if f.min_replicas > groups:
+        raise RecipeError(f"fault.min_replicas = {f.min_replicas} is more than the parallel.dp_replicate = {groups} "
+                          f"groups there are: no step could commit; use 1 to {groups}", "fault.min_replicas")
 
 
 def _toml_value(value: Any) -> str:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from meshpar.checkpoint import Checkpointer, RunState
 from meshpar.config import recipe as recipelib
 from meshpar.config.hardware import HardwareProfile
+from meshpar.config.keys import replica_jobs
 from meshpar.config.recipe import Recipe
 from meshpar.data import BatchLoader
 from meshpar.distributed import comm, comm_record
@@ -41,7 +42,8 @@ from meshpar.parallel import float8 as float8lib
 from meshpar.parallel.parallelize import build
 from meshpar.parallel.pipeline import build_schedule
 from meshpar.profiling.capture import StepProfiler, label
-from meshpar.runtime.fault import EXIT_PREEMPTED, StopSignals
+from meshpar.runtime import replicas
+from meshpar.runtime.fault import EXIT_PREEMPTED, StopSignals, collective_timeout
 from meshpar.runtime.process import RankInfo
 from meshpar.runtime.progress import Progress, print_line
 from meshpar.training.evaluate import evaluate, sample
@@ -99,10 +101,12 @@ def _over_stages_and_dp(x: torch.Tensor, sync: GradSync, dp_op: dist.ReduceOp.Re
 
 def reduce_loss(loss: torch.Tensor, sync: GradSync) -> torch.Tensor:
     """The step's loss: from the last stage's rank (pp), averaged over dp, and over cp (each cp
-    rank's mean over its tokens: the same count on each)."""
+    rank's mean over its tokens: the same count on each), and over the quorum's replica groups."""
     loss = _over_stages_and_dp(loss.clone(), sync, dist.ReduceOp.AVG)
     if sync.cp is not None:
         comm.all_reduce(loss, sync.cp.get_group(), dim="cp", op=dist.ReduceOp.AVG)
+    if sync.groups is not None:
+        sync.groups.mean(loss)
     return loss
 
 
@@ -139,8 +143,11 @@ class Throughput:
     def mfu(self, tokens_per_s: float) -> float:
         return self.flops_per_token * tokens_per_s / self.peak_flops
 
-    def restart(self) -> None:
+    def restart(self, step: int | None = None) -> None:
+        """The clock from now (and from ``step``, when the run jumped to it)."""
         self.time = time.perf_counter()
+        if step is not None:
+            self.step = step
 
 
 def step_record(step: int, done: StepResult, lr: float, sync: GradSync, clock: Throughput,
@@ -202,7 +209,8 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
         records.append(record)
         metrics.log(record)
 
-    sync = GradSync.of(mesh, recipe.parallel, recipe.optim)
+    groups = _replica_groups(recipe, run, start_step, device)  # None unless fault.replicas = "torchft"
+    sync = GradSync.of(mesh, recipe.parallel, recipe.optim, groups=groups, jobs=replica_jobs(recipe))
     guard = NonFiniteGuard(t.on_nonfinite, t.max_skips, model.stages)
     moe_layers = model_sparse_layers(model.stages[0])  # block index of each, on every stage
     clock = _throughput(recipe, checked, profile, info, device, start_step)
@@ -210,18 +218,29 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
     # the checkpointer is closed however the loop ends: an async save's writer process must not outlive it
     with StepProfiler(recipe.profile, output_dir, mesh, first_step=start_step + 1,
                       tracked=(model.stages, optimizer)) as profiler, \
-            contextlib.closing(ckpt) if ckpt is not None else contextlib.nullcontext():
-        for step in range(start_step + 1, t.steps + 1):
+            contextlib.closing(ckpt) if ckpt is not None else contextlib.nullcontext(), \
+            contextlib.closing(groups) if groups is not None else contextlib.nullcontext():
+        step = start_step
+        while step < t.steps:
+            step = step + 1 if groups is None else _quorum_step(groups, step, clock, log, model)
             comm_record.set_step(step)
             guard.step = step
+            position = loader.state_dict() if groups is not None else None
             done = train_step(model, loader.next_step, checked.accum, sync, device, optimizer, scheduler, guard=guard)
+            if done.retry:  # the replica groups did not commit it: the same step again, on the same batch
+                loader.load_state_dict(position)
+                step -= 1
+                continue
             lr = done.lr
             if done.skipped:  # [Note: non-finite steps]
                 lr = scheduler.get_last_lr()[0]  # not stepped with: the rate the next step will use
                 log({"step": step, "skipped": "non-finite gradient"})
             progress.update(step)
             if should_log(step, t.log_every, t.steps):
-                log(step_record(step, done, lr, sync, clock, moe_layers, checked.args))
+                record = step_record(step, done, lr, sync, clock, moe_layers, checked.args)
+                if groups is not None:
+                    record["replica_groups"] = groups.participants
+                log(record)
             if should_evaluate(step, t.eval_every, t.steps):
                 log({"step": step, "val_loss": evaluate(model, corpus.val, recipe, mesh, device)})
                 clock.restart()  # validation time is not training throughput
@@ -303,11 +322,40 @@ def _float8_line(recipe: Recipe, model: Model, mesh: meshlib.Mesh) -> str:
 
 
 def _train_loader(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh) -> BatchLoader:
+    """This rank's slice of each global batch; under torchft the slices of every replica group
+    ([Note: replica groups under torchft])."""
     t, corpus = recipe.train, checked.corpus
     mixture = len(corpus.sources) > 1  # [Note: mixtures]
+    dp_rank = mesh.dp_rank + (recipe.fault.replica_id * mesh.layout.dp if replicas.managed(recipe) else 0)
     return BatchLoader(corpus.sources if mixture else corpus.train, seq_len=t.seq_len, global_batch=t.global_batch,
-                       micro_batch=t.micro_batch, dp_rank=mesh.dp_rank, dp_size=mesh.layout.dp, seed=t.seed,
+                       micro_batch=t.micro_batch, dp_rank=dp_rank, dp_size=checked.layout.dp, seed=t.seed,
                        weights=corpus.weights if mixture else None)
+
+
+def _replica_groups(recipe: Recipe, run: RunState, start_step: int,
+                    device: torch.device) -> replicas.ReplicaGroups | None:
+    """Under ``fault.replicas = "torchft"`` this rank's seat in the replica groups, at the step it
+    resumed from; a group behind receives ``run`` from a live one."""
+    if not replicas.managed(recipe):
+        return None
+    parts = (run.model_state, run.optimizer, run.scheduler, run.loader)
+    return replicas.ReplicaGroups.join(recipe.fault, recipe.parallel.dp_replicate,
+                                       functools.partial(replicas.heal_state, *parts),
+                                       lambda state: replicas.load_heal_state(state, *parts), step=start_step,
+                                       device=device, timeout=collective_timeout(recipe.fault.timeout, device.type))
+
+
+def _quorum_step(groups: replicas.ReplicaGroups, step: int, clock: Throughput, log: Callable[[dict], None],
+                 model: Model) -> int:
+    """The next step under torchft: the quorum's. When this group was behind it has just received
+    a live group's state at the quorum's step: say so, and count throughput from there."""
+    following = groups.next_step()
+    if following != step + 1:
+        log({"step": following - 1, "healed": f"from a live replica group, at step {following - 1}"})
+        clock.restart(following - 1)
+        if model.after_step is not None:  # the parameters just received get what each step's give
+            model.after_step()
+    return following
 
 
 def _throughput(recipe: Recipe, checked: Preflight, profile: HardwareProfile, info: RankInfo, device: torch.device,

@@ -111,8 +111,10 @@ def format_record(r: dict[str, Any]) -> str:
         return f"step {r['step']:>6} | val_loss {r['val_loss']:.4f}"
     if "skipped" in r:
         return f"step {r['step']:>6} | skipped: {r['skipped']}"
+    if "healed" in r:  # fault.replicas = "torchft": this group received a live group's state
+        return f"step {r['step']:>6} | healed {r['healed']}"
     aux = f" | aux_loss {r['aux_loss']:.4f}" if "aux_loss" in r else ""
     aux += f" | trained {100 * r['trained_frac']:.1f}%" if "trained_frac" in r else ""
     return (f"step {r['step']:>6} | loss {r['loss']:.4f}{aux} | grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | "
             f"{r['tokens_per_s']:,.0f} tok/s | mfu {100 * r['mfu']:.2f}% | mem {r['mem_gb']:.2f} GB"
-            f"{_expert_summary(r)}")
+            f"{_expert_summary(r)}{' | replica groups ' + str(r['replica_groups']) if 'replica_groups' in r else ''}")

@@ -138,13 +138,18 @@ class GradSync:
     pp_groups: list[dist.ProcessGroup] = field(default_factory=list)  # the norm sums over stages
     dp: DeviceMesh | None = None  # mesh["dp"]: expert loads sum over it ([Note: auxiliary losses])
     cp: DeviceMesh | None = None  # mesh["cp"] when context parallel: each rank takes its tokens of every sequence
+    # under fault.replicas = "torchft": meshpar.runtime.replicas.ReplicaGroups, the groups' average
+    # and commit vote, and how many groups the job has; else None and 1
+    groups: Any = None
+    jobs: int = 1
 
     @classmethod
-    def of(cls, mesh: Mesh, parallel: ParallelConfig, optim: OptimConfig) -> GradSync:
+    def of(cls, mesh: Mesh, parallel: ParallelConfig, optim: OptimConfig, *, groups: Any = None,
+           jobs: int = 1) -> GradSync:
         return cls(mesh.replicas, mesh.layout.tp > 1, parallel.grad_reduce == "microbatch",
                    optim.grad_clip if optim.grad_clip > 0 else math.inf,
                    [mesh["pp"].get_group()] if mesh.layout.pp > 1 else [], mesh["dp"],
-                   mesh["cp"] if mesh.layout.cp > 1 else None)
+                   mesh["cp"] if mesh.layout.cp > 1 else None, groups, jobs)
 
 
 @dataclass
@@ -156,6 +161,7 @@ class StepResult:
     aux_loss: torch.Tensor | None = None  # this rank's auxiliary loss, not in ``loss`` ([Note: auxiliary losses])
     expert_load: torch.Tensor | None = None  # [2, L_sparse, E] slots routed / dropped, this rank ([Note: expert load])
     trained: int | None = None  # fine-tuning: the global batch's trained targets (None: every target)
+    retry: bool = False  # the replica groups did not commit the step (torchft): run it again
 
 
 def labelled(name: str, microbatch: int | None = None) -> AbstractContextManager:
@@ -186,6 +192,12 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
         with phase("optimizer"):
             maybe_reduce_replicas(model.stages, sync)
             params = [q for q in model.stages.parameters() if q.requires_grad]
+            if sync.groups is not None:  # the mean over the replica groups in the quorum (torchft)
+                sync.groups.average(params)
+                if not sync.groups.commit():
+                    if optimizer is not None:
+                        optimizer.zero_grad(set_to_none=True)
+                    return StepResult(loss_sum, torch.zeros(()), None, skipped=True, retry=True)
             grad_norm = clip_grad_norm_(params, sync.max_norm, extra_groups=sync.pp_groups)
             if guard is not None and not guard.allows_step(grad_norm):
                 if optimizer is not None:
@@ -205,7 +217,7 @@ def token_weight(trained: int | None, accum: int, sync: GradSync) -> float | Non
     when every target trains; 0 when none of the global batch's do (the step then changes nothing)."""
     if trained is None:
         return None
-    ranks = (sync.dp.size() if sync.dp is not None else 1) * (sync.cp.size() if sync.cp is not None else 1)
+    ranks = (sync.dp.size() if sync.dp is not None else 1) * (sync.cp.size() if sync.cp is not None else 1) * sync.jobs
     return accum * ranks / trained if trained else 0.0
 
 
