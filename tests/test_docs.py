@@ -11,7 +11,7 @@ and ``|``; leading ``NAME=value`` words are skipped. Each command is checked by 
   renamed key, a missing recipe file or an impossible layout fails here; ``plan --model F/S`` checks
   the model against the registry; ``generate``'s flags are parsed by its own parser;
 - ``torchrun ... -m meshpar.train RECIPE ...``, ``python -m meshpar.train RECIPE ...`` and
-  ``sbatch scripts/slurm.sbatch RECIPE ...``: the same for the recipe;
+  ``sbatch [OPTIONS] scripts/slurm.sbatch RECIPE ...``: the same for the recipe;
 - ``python -m pytest ...``: every marker named by ``-m`` is registered in pyproject.toml, and every
   test path exists;
 - ``python -m MODULE ...`` (a benchmark): the module exists, and every ``--flag`` it is given is
@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import itertools
 import re
 import shlex
 import sys
@@ -287,6 +288,8 @@ def check(words: list[str]) -> None:
     if head == "torchrun":
         return _torchrun(args)
     if head in ("bash", "sbatch"):
+        if head == "sbatch":  # sbatch's own options come before the script
+            args = list(itertools.dropwhile(lambda a: a.startswith("-"), args))
         _exists(args[0])
         if args[0] == "scripts/slurm.sbatch":
             _train_module(args[1:])

@@ -62,6 +62,8 @@ def test_recipe_errors_name_the_key_and_the_fix(tmp_path):
         load(*GROUPS, "--fault.lighthouse=localhost:1", "--fault.replica_id=2")
     with pytest.raises(RecipeError, match=r"fault.min_replicas = 3 .* use 1 to 2"):
         load(*GROUPS, "--fault.lighthouse=localhost:1", "--fault.min_replicas=3")
+    with pytest.raises(RecipeError, match=r"model.aux_free_bias with fault.replicas = \"torchft\" is not built"):
+        load(*GROUPS, "--fault.lighthouse=localhost:1", "--model.aux_free_bias=true")
     with pytest.raises(RecipeError, match=r"fault.replica_id is read only by fault.replicas"):
         load("--fault.replica_id=1")
     env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}

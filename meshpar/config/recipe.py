@@ -311,6 +311,10 @@ def _check_replicas(recipe: Recipe) -> None:
     if not (f.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
         raise RecipeError("fault.replicas = \"torchft\" needs a lighthouse: start `meshpar lighthouse` and set "
                           "fault.lighthouse (or TORCHFT_LIGHTHOUSE) to the address it prints", "fault.lighthouse")
+    if recipe.model.aux_free_bias:
+        raise RecipeError("model.aux_free_bias with fault.replicas = \"torchft\" is not built: each replica group "
+                          "would move its expert biases by its own loads and the groups would drift apart; use "
+                          "model.aux_loss_coef for balancing, or fault.replicas = \"none\"", "model.aux_free_bias")
     if f.replica_id >= groups:
         raise RecipeError(f"fault.replica_id = {f.replica_id}: the job has parallel.dp_replicate = {groups} replica "
                           f"groups, numbered 0 to {groups - 1}; start each group with its own id", "fault.replica_id")
