@@ -107,10 +107,15 @@ class ReplicaGroups:
                               "'meshpar[ft]'", "fault.replicas") from e
         rank, world = dist.get_rank(), dist.get_world_size()
         store, host, port = _group_store()
+        # The groups' all-reduce fails after ``timeout`` (fault.timeout) when a peer hangs; the
+        # group's own vote and quorum wait longer: a rank whose peer died still sits in that
+        # all-reduce while the others of its group already vote, and a group with a hung rank
+        # stays in the lighthouse's view (heartbeating) until its own collectives time out.
+        waits = 2 * timeout + datetime.timedelta(seconds=60)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         manager = Manager(pg=pg, load_state_dict=load_heal_state, state_dict=heal_state,
                           min_replica_size=fault.min_replicas, use_async_quorum=False, init_sync=False,
-                          timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=rank,
+                          timeout=waits, quorum_timeout=waits, connect_timeout=timeout, rank=rank,
                           world_size=world, store_addr=host, store_port=port,
                           lighthouse_addr=lighthouse_address(fault) if rank == 0 else None,
                           replica_id=f"meshpar_replica_{fault.replica_id}")
