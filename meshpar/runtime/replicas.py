@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import math
 import os
 import time
@@ -105,6 +106,8 @@ class ReplicaGroups:
         except ImportError as e:
             raise RecipeError("fault.replicas = \"torchft\" needs torchft, which is not installed: pip install "
                               "'meshpar[ft]'", "fault.replicas") from e
+        if device.type != "cuda":  # torchft warns at each new quorum that it cannot reset NCCL's recorder
+            logging.getLogger("torchft.manager").addFilter(_quiet_without_nccl)
         rank, world = dist.get_rank(), dist.get_world_size()
         store, host, port = _group_store()
         # The groups' all-reduce fails after ``timeout`` (fault.timeout) when a peer hangs; the
@@ -167,6 +170,10 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _quiet_without_nccl(record: logging.LogRecord) -> bool:
+    return "NCCL flight recorder" not in record.getMessage()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
