@@ -15,6 +15,7 @@ lighthouse in this process, gloo ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -84,6 +85,14 @@ def test_each_group_writes_its_own_folder_and_reads_its_slice(tmp_path):
     assert group.train.output_dir == str(tmp_path / "replica_1")
     assert group.checkpoint.dir == str(tmp_path / "ckpt" / "replica_1")
     assert replica_jobs(recipe) == 2 and replica_jobs(recipelib.load(None, [])) == 1
+    # a group back after the others finished finds their marker and trains nothing
+    assert replicas.finished_elsewhere(group) is None
+    other = dataclasses.replace(group.train, output_dir=str(tmp_path / "replica_0"))
+    (tmp_path / "replica_0").mkdir()  # the group's run made it
+    replicas.mark_finished(dataclasses.replace(group, train=other), group.train.steps - 1)
+    assert replicas.finished_elsewhere(group) is None  # short of the last step: not done
+    replicas.mark_finished(dataclasses.replace(group, train=other), group.train.steps)
+    assert replicas.finished_elsewhere(group) == tmp_path / "replica_0"
 
 
 # --- two groups against one process, float64 -------------------------------------------------------------

@@ -28,13 +28,16 @@ repeated (docs/cluster.md, "Replica groups").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import json
 import logging
 import math
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ from meshpar.config.keys import FaultConfig, Recipe
 from meshpar.config.recipe import RecipeError
 from meshpar.distributed._torch import dtensor_like, local_tensor
 from meshpar.distributed.mesh import Layout
+from meshpar.runtime.atomic import write_atomic
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable for the lighthouse's address
 
@@ -69,6 +73,30 @@ def group_recipe(recipe: Recipe) -> Recipe:
     train = dataclasses.replace(t, output_dir=os.path.join(t.output_dir, sub)) if t.output_dir else t
     checkpoint = dataclasses.replace(c, dir=os.path.join(c.dir, sub)) if c.dir else c
     return dataclasses.replace(recipe, train=train, checkpoint=checkpoint)
+
+
+FINISHED = "replica_finished.json"  # in a group's output folder once it trained the run's last step
+
+
+def mark_finished(recipe: Recipe, step: int) -> None:
+    """Rank 0 of a group that trained the last step: say so in its folder, for a group that comes
+    back after the others are done (``finished_elsewhere``)."""
+    write_atomic(Path(recipe.train.output_dir) / FINISHED, json.dumps({"step": step}))
+
+
+def finished_elsewhere(recipe: Recipe) -> Path | None:
+    """Under torchft, another group's folder that says it trained ``train.steps``: a group that
+    restarts after the others finished has no quorum to join and nothing left to train."""
+    if not managed(recipe) or not recipe.train.output_dir:
+        return None
+    job = Path(recipe.train.output_dir).parent
+    for g in range(recipe.parallel.dp_replicate):
+        marker = job / f"replica_{g}" / FINISHED
+        if g != recipe.fault.replica_id and marker.is_file():
+            with contextlib.suppress(ValueError, KeyError):
+                if json.loads(marker.read_text())["step"] >= recipe.train.steps:
+                    return marker.parent
+    return None
 
 
 def lighthouse_address(fault: FaultConfig) -> str:

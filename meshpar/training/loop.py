@@ -209,7 +209,13 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
         records.append(record)
         metrics.log(record)
 
-    groups = _replica_groups(recipe, run, start_step, device)  # None unless fault.replicas = "torchft"
+    done_by = replicas.finished_elsewhere(recipe)
+    if done_by is not None:  # back after the other replica groups finished: no quorum left to join
+        if info.is_rank0:
+            print(f"meshpar: replica group {recipe.fault.replica_id}: the run is done ({done_by} trained step "
+                  f"{t.steps}); nothing left for this group", flush=True)
+        start_step = t.steps
+    groups = _replica_groups(recipe, run, start_step, device) if start_step < t.steps else None
     sync = GradSync.of(mesh, recipe.parallel, recipe.optim, groups=groups, jobs=replica_jobs(recipe))
     guard = NonFiniteGuard(t.on_nonfinite, t.max_skips, model.stages)
     moe_layers = model_sparse_layers(model.stages[0])  # block index of each, on every stage
@@ -259,6 +265,8 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
                 break
         if ckpt is not None:
             ckpt.wait()  # the last save is complete before the run reports success (and before the close)
+        if groups is not None and step >= t.steps and info.is_rank0:
+            replicas.mark_finished(recipe, step)
     metrics.close()
     progress.close()
     return model, optimizer, records, stopped_by

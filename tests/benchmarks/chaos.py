@@ -15,7 +15,8 @@ picks, for each fault, a delay after the run has made progress again, a signal a
 - SIGSTOP: a hung rank: its peers time out after --timeout s, fail naming it, and the agent
   restarts every rank (the stopped one is SIGKILLed after the agent's 30 s grace).
 
-With ``--replicas torchft`` the same seeded SIGKILLs and SIGSTOPs go to the ranks of replica 1,
+With ``--replicas torchft`` the same seeded SIGKILLs and SIGSTOPs (alternating; none in the run's
+second half, so that the live group cannot finish before the victim is back) go to the ranks of replica 1,
 once in one 4-rank job (dp_replicate 2 x dp_shard 2) restarting from checkpoints, once in 2
 replica groups of 2 ranks under torchft, each beside its clean run: steps redone and seconds lost
 per fault in each mode; under torchft whether the live group trained every step once, how many
@@ -200,9 +201,10 @@ def _ft_command(out: Path, args: argparse.Namespace, *extra: str) -> list[str]:
 
 
 def _inject(faults: list[tuple[signal.Signals, int, float]], launcher: subprocess.Popen, victim_out: Path,
-            first_rank: int, start: float) -> list[tuple[str, int, int]]:
+            first_rank: int, start: float, last: int) -> list[tuple[str, int, int]]:
     """Each fault once the victim (the whole job, or replica 1's group) trained 3 steps past the
-    previous one: (signal, rank of the victim's launcher, the victim's step when it came)."""
+    previous one, up to step ``last``: (signal, rank of the victim's launcher, the victim's step
+    when it came)."""
     injected = []
     for kind, rank, delay in faults:
         reached = _last_step(victim_out)
@@ -210,7 +212,7 @@ def _inject(faults: list[tuple[signal.Signals, int, float]], launcher: subproces
             time.sleep(0.2)
         time.sleep(delay)
         pids = _rank_pids(launcher.pid)
-        if launcher.poll() is not None or first_rank + rank not in pids:
+        if launcher.poll() is not None or first_rank + rank not in pids or _last_step(victim_out) > last:
             break
         at = _last_step(victim_out)
         os.kill(pids[first_rank + rank], kind)
@@ -231,8 +233,8 @@ def _groups(tmp: Path, name: str, args: argparse.Namespace, address: str, faults
              _run(_ft_command(out, args, *common, "--fault.replica_id=1", *restarts), tmp / f"{name}_1.log")]
     injected = []
     try:
-        if faults:
-            injected = _inject(faults, procs[1], out / "replica_1", 0, start)
+        if faults:  # none in the last half: the live group would finish before the victim came back
+            injected = _inject(faults, procs[1], out / "replica_1", 0, start, args.steps // 2)
         codes = [p.wait(timeout=3600) for p in procs]
     finally:
         for p in procs:
@@ -255,7 +257,7 @@ def replicas_main(args: argparse.Namespace, tmp: Path) -> None:
     from torchft.coordination import LighthouseServer
 
     rng = random.Random(args.seed)
-    faults = [(rng.choice(FT_KINDS), rng.randrange(2), rng.uniform(0.5, 3.0)) for _ in range(args.faults)]
+    faults = [(FT_KINDS[i % 2], rng.randrange(2), rng.uniform(0.5, 3.0)) for i in range(args.faults)]  # both kinds
     shown = [(k.name, r, round(d, 2)) for k, r, d in faults]
     print(f"faults (signal, rank of replica 1, delay s): {shown}", flush=True)
 
@@ -268,7 +270,7 @@ def replicas_main(args: argparse.Namespace, tmp: Path) -> None:
     job = _run(_ft_command(out, args, f"--max-restarts={args.faults + 1}"), tmp / "restart.log")
     start = time.monotonic()
     try:
-        injected = _inject(faults, job, out, 2, start)
+        injected = _inject(faults, job, out, 2, start, args.steps // 2)
         restart_code = job.wait(timeout=3600)
     finally:
         if job.poll() is None:
