@@ -76,6 +76,13 @@ def _last_step(out: Path) -> int:
     return max((r.get("step", 0) for r in _records(out)), default=0)
 
 
+def _resumes(log: str) -> list[int]:
+    """The step each restart of a run resumed from (0: no checkpoint yet), in order: the log's
+    attempts start with the run's banner (``| layout ``), a resume says so after it."""
+    attempts = re.split(r"^meshpar: .* \| layout .*$", log, flags=re.M)[2:]  # text before and after the first
+    return [int(m.group(1)) if (m := re.search(r"resumed from \S+ at step (\d+)", a)) else 0 for a in attempts]
+
+
 def _rank_pids(launcher: int) -> dict[int, int]:
     """rank -> pid of the training processes under ``launcher`` (named ``meshpar rank R``:
     meshpar/runtime/launch.py)."""
@@ -168,8 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         if chaos.poll() is None:
             _kill_tree(chaos)
     chaos_s = time.monotonic() - start
-    log = (tmp / "chaos.log").read_text()
-    resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log)]
+    resumed = _resumes((tmp / "chaos.log").read_text())
     survived = sum(1 for _, _, at in injected if code == 0 and _last_step(out) > at)
     redone = sum(max(0, at - r) for (_, _, at), r in zip(injected, resumed, strict=False))
     same_metrics = _records(out) == _records(tmp / "clean")
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nchaos: {args.steps} steps, 4 ranks (dp_shard 2 x tp 2), checkpoint every {args.every}, "
           f"timeout {args.timeout:g} s, seed {args.seed}")
     print(f"  faults injected        {len(injected)}  ({', '.join(k for k, _, _ in injected)})")
-    print(f"  faults survived        {survived}  (exit code {code}, {len(resumed)} resumes)")
+    print(f"  faults survived        {survived}  (exit code {code}, {len(resumed)} restarts)")
     print(f"  steps redone           {redone}")
     print(f"  wall time              {chaos_s:.1f} s vs {clean_s:.1f} s clean: {lost:.1f} s lost per fault")
     print(f"  metrics.jsonl          {'bit-identical' if same_metrics else 'DIFFERENT'} to the clean run's")
@@ -276,7 +282,7 @@ def replicas_main(args: argparse.Namespace, tmp: Path) -> None:
         if job.poll() is None:
             _kill_tree(job)
     restart_s = time.monotonic() - start
-    resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", (tmp / "restart.log").read_text())]
+    resumed = _resumes((tmp / "restart.log").read_text())
     redone = sum(max(0, at - r) for (_, _, at), r in zip(injected, resumed, strict=False))
     restart_same = restart_code == 0 and _records(out) == _records(tmp / "restart_clean")
 
