@@ -34,7 +34,8 @@ def _both(name: str, world: int, nccl: bool, overrides: list[str]) -> list[tuple
             full = simulate(dry_run._build(family, args, mesh, recipe), mesh, recipe, accum, nccl=nccl)
             stages = dry_run._build(family, args, mesh, recipe)
             blocks = [dry_run._alike(b) for b in stages[0][1].layers.values()]
-            assert extrapolate.short_counts(len(blocks), extrapolate.period(blocks)) is not None
+            head, period = extrapolate.pattern(blocks)
+            assert extrapolate.short_counts(len(blocks), period, head) is not None
             ends = (s == 0, s == layout.pp - 1)
             out.append((full, dry_run._simulate(family, args, mesh, recipe, stages, accum, nccl, {}, ends)))
     return out
@@ -60,9 +61,10 @@ def _differences(full: Measured, short: Measured) -> list[tuple]:
 
 
 # a layout per dim and checkpointing period, gradient reduction and attention path the planner
-# builds, at block counts of both parities, extrapolated 2 to 5 blocks past the short stages;
-# pipeline cases check the first and the last stage. The shipped recipes' header tests check the
-# same at their real block counts (4 to 94 blocks past) in other layouts.
+# builds, and a head of unlike blocks, at block counts of both parities, extrapolated 2 to 5 blocks
+# past the short stages; pipeline cases check the first and the last stage. The shipped recipes'
+# header tests check the same at their real block counts (from a few to about 95 blocks past) in
+# other layouts.
 LAYOUTS = {
     "fsdp-ac-every-2": ("llama_debug_fsdp", 2, False, ["--model.n_layers=11", "--parallel.ac_every=2",
                                                        "--parallel.activation_checkpoint=selective"]),
@@ -74,6 +76,7 @@ LAYOUTS = {
     "gpt2-replicate-tp": ("gpt2_debug_2d", 4, False, ["--model.n_layers=9"]),
     "moe-ep-tp": ("mixtral_debug", 8, True, ["--model.n_layers=7", "--parallel.tp=2", "--parallel.ep=2",
                                              "--train.micro_batch=2"]),
+    "deepseek-dense-head-ep": ("deepseek_v3_debug", 4, True, ["--model.n_layers=7"]),  # a dense block, then MoE
 }
 FAST = ("gpt2-replicate-tp",)  # the inner loop's one, the cheapest (docs/performance.md#test-suite-and-set-up)
 
@@ -101,9 +104,11 @@ def test_the_period_is_how_often_the_blocks_repeat():
     assert extrapolate.period("abaaaaaa") == 7 and extrapolate.period("a") == 1 and extrapolate.period("") == 1
 
 
-def test_blocks_that_follow_no_pattern_are_simulated_whole():
-    """The debug Qwen3-MoE keeps layer 1 dense among sparse ones (``mlp_only_layers``): its blocks
-    repeat with no period shorter than the stage, so the planner simulates every one of them."""
+def test_blocks_before_the_repetition_are_kept_whole():
+    """The debug Qwen3-MoE keeps layer 1 dense among sparse ones (``mlp_only_layers``): the stage's
+    blocks repeat with no period shorter than the stage, but those after the first two do, so the
+    short stages keep those two and one period of the sparse ones between their edge blocks. With
+    too few blocks after the head, the planner simulates every one of them."""
     recipe = load(RECIPES / "qwen3_moe_debug.toml", ["--model.n_layers=12"])
     family = get_family(recipe.model.family)
     args = family.model_args(recipe.model)
@@ -113,17 +118,22 @@ def test_blocks_that_follow_no_pattern_are_simulated_whole():
         blocks = [dry_run._alike(b) for b in stage.layers.values()]
     assert blocks[1] != blocks[0] == blocks[2] and extrapolate.period(blocks) == 11
     assert extrapolate.short_counts(12, 11) is None
+    assert extrapolate.pattern(blocks) == (2, 1) and extrapolate.short_counts(12, 1, 2) == (5, 6)
+    assert extrapolate.kept(12, 5, 2) == [0, 1, 2, 10, 11] and extrapolate.kept(12, 6, 2) == [0, 1, 2, 3, 10, 11]
+    assert extrapolate.pattern(blocks[:6]) == (0, 5) and extrapolate.short_counts(6, 1, 2) is None
 
 
 def test_short_stages_keep_each_blocks_class():
-    for n, period in [(80, 1), (126, 1), (20, 2), (21, 2), (31, 3)]:
-        n1, n2 = extrapolate.short_counts(n, period)
-        assert n2 - n1 == period and (n - n1) % period == 0 and n1 >= 2 * (extrapolate.EDGE + period)
+    for n, period, head in [(80, 1, 0), (126, 1, 0), (20, 2, 0), (21, 2, 0), (31, 3, 0), (16, 1, 3), (21, 2, 3)]:
+        n1, n2 = extrapolate.short_counts(n, period, head)
+        assert n2 - n1 == period and (n - n1) % period == 0 and n1 >= head + 2 * extrapolate.EDGE + period
         for short in (n1, n2):
-            kept = extrapolate.kept(n, short)
-            assert len(kept) == short and kept == sorted(set(kept))
-            assert [j % period for j in kept] == [j % period for j in range(short)]  # checkpointed alike
-    assert extrapolate.short_counts(5, 1) is None and extrapolate.short_counts(4, 1) is None  # no cheaper
+            kept = extrapolate.kept(n, short, head)
+            assert len(kept) == short and kept == sorted(set(kept)) and kept[:head] == list(range(head))
+            # checkpointed alike: the classes of the blocks after the head
+            assert [(j - head) % period for j in kept[head:]] == [j % period for j in range(short - head)]
+    assert extrapolate.short_counts(4, 1) is None and extrapolate.short_counts(3, 1) is None  # no longer
+    assert extrapolate.short_counts(7, 1, 3) is None and extrapolate.short_counts(8, 1, 3) == (6, 7)
 
 
 def _phase(n: int, stretches: dict) -> Phase:

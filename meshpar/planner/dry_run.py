@@ -194,23 +194,26 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
 def _simulate(family, args, mesh: meshlib.Mesh, recipe: Recipe, stages: list[tuple[int, torch.nn.Module]],
               accum: int, nccl: bool, shorts: dict[tuple, Measured], ends: tuple[bool, bool]) -> Measured:
     """The simulated step of ``stages`` (built, not yet run); a stage of many blocks that repeat
-    through two short ones (``extrapolate.py``), which give the same figures in a fraction of the
-    time. ``shorts``: short stages simulated before, by (blocks, ``ends``: first and last stage,
-    each kept block's ``_alike``), which stages of other lengths share."""
+    (after a head of others, as DeepSeek-V3's dense first layers) through two short ones
+    (``extrapolate.py``), which give the same figures in a fraction of the time. ``shorts``: short
+    stages simulated before, by (blocks, ``ends``: first and last stage, each kept block's
+    ``_alike``), which stages of other lengths share."""
     (_, stage), = stages
     blocks = [_alike(block) for block in stage.layers.values()]
-    n, period = len(blocks), extrapolate.period(blocks)
-    counts = extrapolate.short_counts(n, period)
+    n = len(blocks)
+    head, period = extrapolate.pattern(blocks)
+    counts = extrapolate.short_counts(n, period, head)
     if counts is None:
         return simulate(stages, mesh, recipe, accum, nccl=nccl)
     short = []
     for c in counts:
-        kept = extrapolate.kept(n, c)
+        kept = extrapolate.kept(n, c, head)
         key = (c, ends, tuple(blocks[j] for j in kept))
         if key not in shorts:
             shorts[key] = simulate(_build(family, args, mesh, recipe, keep=kept), mesh, recipe, accum, nccl=nccl)
         short.append(shorts[key])
-    return extrapolate.extrapolate(short[0], counts[0], short[1], counts[1], n=n, period=period, accum=accum)
+    return extrapolate.extrapolate(short[0], counts[0], short[1], counts[1], n=n, period=period, accum=accum,
+                                   head=head)
 
 
 def _alike(block: torch.nn.Module) -> tuple:
