@@ -1,7 +1,7 @@
 """Replica groups that heal while the others train: ``fault.replicas = "torchft"``.
 
-    groups = ReplicaGroups.join(recipe.fault, n_groups, heal_state, load_heal_state, step=.., device=.., timeout=..)
-    step = groups.next_step()          # every step: this step's quorum (a group behind heals first)
+    groups = ReplicaGroups.for_run(recipe, run, step, device, timeout)   # None unless fault.replicas = "torchft"
+    step = groups.advance(step, on_heal)  # every step: this step's quorum (a group behind heals first)
     groups.average(grads)               # after the group's own reduction: the mean over the quorum
     if not groups.commit(): ...         # the step is redone with the same batch
     groups.close()
@@ -84,6 +84,16 @@ def mark_finished(recipe: Recipe, step: int) -> None:
     write_atomic(Path(recipe.train.output_dir) / FINISHED, json.dumps({"step": step}))
 
 
+def nothing_left(recipe: Recipe, announce: bool) -> bool:
+    """Whether another group already trained the run to its end (``finished_elsewhere``); says so
+    when ``announce``."""
+    done_by = finished_elsewhere(recipe)
+    if done_by is not None and announce:
+        print(f"meshpar: replica group {recipe.fault.replica_id}: the run is done ({done_by} trained step "
+              f"{recipe.train.steps}); nothing left for this group", flush=True)
+    return done_by is not None
+
+
 def finished_elsewhere(recipe: Recipe) -> Path | None:
     """Under torchft, another group's folder that says it trained ``train.steps``: a group that
     restarts after the others finished has no quorum to join and nothing left to train."""
@@ -152,6 +162,26 @@ class ReplicaGroups:
                           replica_id=f"meshpar_replica_{fault.replica_id}")
         manager.load_state_dict({"step": step, "batches_committed": 0})
         return cls(manager, store, groups, fault.replica_wait)
+
+    @classmethod
+    def for_run(cls, recipe: Recipe, run: Any, step: int, device: torch.device,
+                timeout: datetime.timedelta) -> ReplicaGroups | None:
+        """Under ``fault.replicas = "torchft"`` this rank's seat, at the step its group resumed
+        from; a group behind receives ``run`` (a meshpar.checkpoint.RunState: model state,
+        optimizer, LR schedule, data loader) from a live one. None otherwise."""
+        if not managed(recipe):
+            return None
+        parts = (run.model_state, run.optimizer, run.scheduler, run.loader)
+        return cls.join(recipe.fault, recipe.parallel.dp_replicate, lambda: heal_state(*parts),
+                        lambda state: load_heal_state(state, *parts), step=step, device=device, timeout=timeout)
+
+    def advance(self, step: int, on_heal: Callable[[int], None]) -> int:
+        """The step to train after ``step``: the quorum's. When this group was behind, it has just
+        received a live group's state at the quorum's step, and ``on_heal`` gets that step."""
+        following = self.next_step()
+        if following != step + 1:
+            on_heal(following - 1)
+        return following
 
     def next_step(self) -> int:
         """This step's quorum (a collective with the groups alive; a group behind heals inside it):
