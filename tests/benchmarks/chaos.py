@@ -154,22 +154,13 @@ def main(argv: list[str] | None = None) -> None:
     out = tmp / "chaos"
     chaos = _run(_command(out, args, f"--max-restarts={args.faults + 1}"), tmp / "chaos.log")
     start = time.monotonic()
-    injected: list[tuple[str, int, int]] = []  # (signal, rank, step it came at)
+    # (signal, rank, delay) drawn in the order the runs of earlier commits drew them: a seed gives the same faults
+    faults = []
+    for _ in range(args.faults):
+        delay = rng.uniform(0.5, 1.5 * clean_s / args.steps * args.every)  # somewhere in the next steps
+        faults.append((rng.choice(KINDS), rng.randrange(4), delay))
     try:
-        for _ in range(args.faults):
-            reached = _last_step(out)
-            while chaos.poll() is None and _last_step(out) < reached + 3:  # progress again after the last fault
-                time.sleep(0.2)
-            time.sleep(rng.uniform(0.5, 1.5 * clean_s / args.steps * args.every))  # somewhere in the next steps
-            kind, rank = rng.choice(KINDS), rng.randrange(4)
-            pids = _rank_pids(chaos.pid)
-            if chaos.poll() is not None or rank not in pids:
-                break
-            at = _last_step(out)
-            os.kill(pids[rank], kind)
-            injected.append((kind.name, rank, at))
-            print(f"  fault {len(injected)}: {kind.name} to rank {rank} at step {at} "
-                  f"({time.monotonic() - start:.1f} s)", flush=True)
+        injected = _inject(faults, chaos, out, 0, start, args.steps)
         code = chaos.wait(timeout=3600)
     finally:
         if chaos.poll() is None:
