@@ -5,10 +5,14 @@ lighthouse in this process, gloo ranks.
   does, in float64 to 1e-9 (tests/parity.py [Note: parity in float64]), and end bit-identical
   to each other: the quorum's average replaces HSDP's replica all-reduce.
 - One group's rank SIGKILLed mid-run (``meshpar train`` as users launch it): the other group
-  trains every step once without stopping, on its own while the first restarts; the restarted
+  trains every step once without stopping (alone while the first restarts, when the lighthouse
+  has dropped it by then); the restarted
   group receives the live group's state, rejoins, and both end with identical parameters and
   optimizer state, bit for bit (the healed state is a copy and every later step is the same
   arithmetic on both).
+- The lighthouse killed mid-run: each group, once its quorum wait has passed, saves its last
+  committed step and exits 75 with an error naming the lighthouse; with a lighthouse again the
+  same commands resume both and they finish together.
 - Recipe errors before any process starts.
 """
 
@@ -18,6 +22,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -173,13 +178,15 @@ def test_a_killed_group_heals_while_the_other_trains(tmp_path, data_cache):
     survivor = metrics_records(out / "replica_0")
     assert [r["step"] for r in survivor] == list(range(1, STEPS + 1)), "the live group redid or skipped a step"
     assert not any("healed" in r or "skipped" in r for r in survivor), survivor
+    # steps alone while the killed group restarts: none when its restart came back before the
+    # lighthouse's heartbeat timeout dropped it from the quorum (it then heals at once)
     alone = [r["step"] for r in survivor if r["replica_groups"] == 1]
-    assert alone and alone[0] > kill_at, f"no step of the live group alone after the kill at step {kill_at}"
+    assert all(step > kill_at for step in alone), (alone, kill_at)
     assert survivor[-1]["replica_groups"] == 2, "the killed group never rejoined"
 
     healed = metrics_records(out / "replica_1")
     heal = next(r for r in healed if "healed" in r)
-    assert heal["step"] >= alone[-1], (heal, alone)  # it received the state the live group had reached
+    assert heal["step"] >= max(alone, default=kill_at), (heal, alone)  # the state the live group had reached
     after = [r for r in healed if r["step"] > heal["step"]]
     assert [r["step"] for r in after] == list(range(heal["step"] + 1, STEPS + 1))
     assert after == [r for r in survivor if r["step"] > heal["step"]]  # the same loss and norm, step by step
@@ -188,3 +195,40 @@ def test_a_killed_group_heals_while_the_other_trains(tmp_path, data_cache):
     assert ours.keys() == theirs.keys()
     for name, value in ours.items():
         assert torch.equal(value, theirs[name]) if isinstance(value, torch.Tensor) else value == theirs[name], name
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(420)
+def test_a_lost_lighthouse_stops_each_group_with_a_checkpoint_and_the_same_commands_resume(tmp_path, data_cache):
+    out, steps = tmp_path / "run", 12
+    common = (*GROUPS, f"--train.steps={steps}", f"--checkpoint.every={steps}", "--fault.timeout=5")
+
+    def both(address: str) -> list:
+        return [start_run(out, *common, f"--fault.lighthouse={address}", f"--fault.replica_id={g}") for g in (0, 1)]
+
+    with lighthouse() as address:
+        runs = both(address)
+        try:
+            wait_for_step(runs[0], out / "replica_0", 3, timeout=240)
+        except BaseException:
+            for p in runs:
+                finish_run(p, timeout=1)
+            raise
+    ends = [finish_run(p, timeout=240) for p in runs]  # each quorum waits 2 x fault.timeout + 60 s first
+    stopped = []
+    for g, (code, output) in enumerate(ends):
+        assert code == 75, output[-3000:]
+        assert "no quorum from the lighthouse at" in output, output[-3000:]
+        found = re.search(r"stopped after step (\d+): checkpoint", output)
+        assert found, output[-3000:]
+        stopped.append(int(found.group(1)))
+        assert (out / f"replica_{g}" / "checkpoints" / f"step_{stopped[-1]}" / "meshpar.json").is_file()
+    assert stopped[0] == stopped[1] >= 3, stopped  # both had committed the same steps
+    with lighthouse() as address:
+        runs = both(address)
+        ends = [finish_run(p, timeout=300) for p in runs]
+    for code, output in ends:
+        assert code == 0 and f"resumed from {out}" in output, output[-3000:]
+    groups = [metrics_records(out / f"replica_{g}") for g in (0, 1)]
+    assert [r["step"] for r in groups[0]] == list(range(1, steps + 1)), groups[0]
+    assert groups[0] == groups[1]

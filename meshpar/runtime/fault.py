@@ -37,7 +37,7 @@ import torch.distributed as dist
 from meshpar.config.keys import PREEMPTION_SIGNALS
 from meshpar.distributed import comm, comm_record
 
-EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on a signal after saving a checkpoint; run again to resume
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped (a signal, a lost quorum) after saving a checkpoint; run again
 REPEAT_AFTER_S = 5.0  # a repeated signal this much later means "now"; sooner, it is the same one twice
 DEFAULT_TIMEOUT = {"gloo": 300.0, "nccl": 600.0}  # seconds a collective waits when fault.timeout = 0
 

@@ -46,13 +46,13 @@ _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d
 
 
 def describe_exit(code: int) -> str:
-    """``-9`` -> ``signal SIGKILL``; ``75`` -> ``exit code 75 (stopped on a signal, checkpoint saved)``."""
+    """``-9`` -> ``signal SIGKILL``; ``75`` -> ``exit code 75 (stopped, checkpoint saved)``."""
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
         except ValueError:
             return f"signal {-code}"
-    return f"exit code {code}" + (" (stopped on a signal, checkpoint saved)" if code == EXIT_PREEMPTED else "")
+    return f"exit code {code}" + (" (stopped, checkpoint saved)" if code == EXIT_PREEMPTED else "")
 
 
 class _FailureLines(logging.Handler):
@@ -75,7 +75,7 @@ class _FailureLines(logging.Handler):
         code, rank = int(m.group(1)), int(m.group(2))
         self.rounds += 1
         left = self.max_restarts - self.rounds + 1
-        what = "stopped on a signal, checkpoint saved" if code == EXIT_PREEMPTED else f"failed: {describe_exit(code)}"
+        what = "stopped, checkpoint saved" if code == EXIT_PREEMPTED else f"failed: {describe_exit(code)}"
         then = (f"restarting all {self.nproc} ranks from the newest checkpoint ({left - 1} restart"
                 f"{'' if left - 1 == 1 else 's'} left after this one)" if left > 0 else "no restarts left")
         print(f"meshpar: rank {rank} (pid {m.group(3)}) {what}; {then}", file=sys.stderr, flush=True)
@@ -135,7 +135,7 @@ def launch_local(nproc: int, entrypoint: str, argv: list[str], *, max_restarts: 
         codes = sorted({f.exitcode for f in e.failures.values()})
         ranks = ", ".join(str(r) for r in sorted(e.failures))
         if EXIT_PREEMPTED in codes:  # a rank exits 75 only after the stop checkpoint is committed
-            print(f"meshpar: stopped on a signal after saving a checkpoint (exit code {EXIT_PREEMPTED}); run the "
+            print(f"meshpar: stopped after saving a checkpoint (exit code {EXIT_PREEMPTED}); run the "
                   f"same command to resume", file=sys.stderr)
             return EXIT_PREEMPTED
         print(f"meshpar: rank(s) {ranks} of {nproc} failed ({', '.join(describe_exit(c) for c in codes)}); "

@@ -118,13 +118,24 @@ def lighthouse_address(fault: FaultConfig) -> str:
     return address if "://" in address else f"http://{address}"
 
 
+class QuorumLost(RuntimeError):
+    """No quorum within the wait (the lighthouse gone or out of reach). ``intact``: this rank's
+    state is still its last committed step's (no heal had begun), so the group may save it."""
+
+    def __init__(self, message: str, intact: bool):
+        super().__init__(message)
+        self.intact = intact
+
+
 class ReplicaGroups:
     """This rank's seat in the replica groups: torchft's Manager and its cross-group process group."""
 
     WAIT_INTERVAL_S = 0.5  # between the quorums of a group waiting for the others at its start
 
-    def __init__(self, manager: Any, store: dist.Store | None, groups: int, wait_s: float):
-        self.manager, self.groups = manager, groups
+    def __init__(self, manager: Any, store: dist.Store | None, groups: int, wait_s: float, address: str = "",
+                 wait: datetime.timedelta | None = None):
+        self.manager, self.groups, self.address, self.wait = manager, groups, address, wait
+        self.healing = False  # set once a live group's state starts to load into this rank's run
         self._store = store  # group rank 0 hosts the store the group's managers meet in: kept alive
         # quorums left to wait for every group in at the start: a count, not a clock, so that every
         # rank of the group (which sees the same quorums) stops waiting at the same one
@@ -154,14 +165,21 @@ class ReplicaGroups:
         # stays in the lighthouse's view (heartbeating) until its own collectives time out.
         waits = 2 * timeout + datetime.timedelta(seconds=60)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        manager = Manager(pg=pg, load_state_dict=load_heal_state, state_dict=heal_state,
+        seat: ReplicaGroups | None = None
+
+        def load(state: dict) -> None:
+            seat.healing = True  # from here until the step commits, this rank's state may be half a live group's
+            load_heal_state(state)
+
+        manager = Manager(pg=pg, load_state_dict=load, state_dict=heal_state,
                           min_replica_size=fault.min_replicas, use_async_quorum=False, init_sync=False,
                           timeout=waits, quorum_timeout=waits, connect_timeout=timeout, rank=rank,
                           world_size=world, store_addr=host, store_port=port,
                           lighthouse_addr=lighthouse_address(fault) if rank == 0 else None,
                           replica_id=f"meshpar_replica_{fault.replica_id}")
         manager.load_state_dict({"step": step, "batches_committed": 0})
-        return cls(manager, store, groups, fault.replica_wait)
+        seat = cls(manager, store, groups, fault.replica_wait, lighthouse_address(fault), waits)
+        return seat
 
     @classmethod
     def for_run(cls, recipe: Recipe, run: Any, step: int, device: torch.device,
@@ -186,13 +204,19 @@ class ReplicaGroups:
     def next_step(self) -> int:
         """This step's quorum (a collective with the groups alive; a group behind heals inside it):
         the number of the step to train, one past the step the quorum has committed. The first
-        quorum is asked again until every group is in it or ``fault.replica_wait`` has passed."""
-        self.manager.start_quorum()
-        while self._waits > 0 and self.manager.num_participants() < self.groups:
-            self._waits -= 1
-            time.sleep(self.WAIT_INTERVAL_S)
+        quorum is asked again until every group is in it or ``fault.replica_wait`` has passed.
+        QuorumLost when the lighthouse gives none within the wait."""
+        try:
             self.manager.start_quorum()
+            while self._waits > 0 and self.manager.num_participants() < self.groups:
+                self._waits -= 1
+                time.sleep(self.WAIT_INTERVAL_S)
+                self.manager.start_quorum()
+        except TimeoutError as e:  # torchft's quorum call past its timeout
+            raise QuorumLost(f"no quorum from the lighthouse at {self.address} within {self.wait} ({e}): is "
+                             f"`meshpar lighthouse` still running there?", intact=not self.healing) from e
         self._waits = 0
+        self.healing = False
         return self.manager.current_step() + 1
 
     @property

@@ -210,14 +210,19 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
     moe_layers = model_sparse_layers(model.stages[0])  # block index of each, on every stage
     clock = _throughput(recipe, checked, profile, info, device, start_step)
     stopped_by = None
+    healed = functools.partial(_healed, clock, log, model)
     # the checkpointer is closed however the loop ends: an async save's writer process must not outlive it
     with StepProfiler(recipe.profile, output_dir, mesh, first_step=start_step + 1,
                       tracked=(model.stages, optimizer)) as profiler, \
             contextlib.closing(ckpt) if ckpt is not None else contextlib.nullcontext(), \
             contextlib.closing(groups) if groups is not None else contextlib.nullcontext():
-        step = start_step
+        step, saved = start_step, False
         while step < t.steps:
-            step = step + 1 if groups is None else groups.advance(step, functools.partial(_healed, clock, log, model))
+            try:
+                step = step + 1 if groups is None else groups.advance(step, healed)
+            except replicas.QuorumLost as lost:
+                stopped_by = _quorum_lost(lost, ckpt, run, step, start_step, saved, info)
+                break
             comm_record.set_step(step)
             guard.step = step
             position = loader.state_dict() if groups is not None else None
@@ -278,6 +283,27 @@ def _throughput(recipe: Recipe, checked: Preflight, profile: HardwareProfile, in
     n_devices = info.world_size if device.type == "cuda" else info.world_size // info.local_world_size
     peak = profile.peak_flops(getattr(torch, recipe.parallel.param_dtype)) * n_devices
     return Throughput(t.global_batch * t.seq_len, checked.args.flops_per_token(t.seq_len), peak, device, start_step)
+
+
+def _quorum_lost(lost: replicas.QuorumLost, ckpt: Checkpointer | None, run: RunState, step: int, start_step: int,
+                 saved: bool, info: RankInfo) -> str:
+    """Every rank of a replica group that got no quorum: its last committed step ``step`` saved
+    when its state is that step's (no heal had begun) and a checkpointer exists, then the run
+    stops as on a stop signal: with the lighthouse back, the same command resumes. Otherwise the
+    error, and the last checkpoint stays the one to resume from."""
+    if not lost.intact or ckpt is None:
+        raise lost
+    if step > start_step and not saved:
+        with label("checkpoint.save"):
+            ckpt.wait()
+            ckpt.save(run, step, blocking=True)
+    ckpt.wait()
+    dist.barrier()  # rank 0 has committed it before any rank exits
+    if info.is_rank0:
+        where = f"checkpoint {ckpt.root / f'step_{step}'}" if step > 0 else "no step trained yet"
+        print_line(f"meshpar: {lost}\nmeshpar: stopped after step {step}: {where}; exit code {EXIT_PREEMPTED}; "
+                   f"run the same command to resume once the lighthouse is back")
+    return "lost quorum"
 
 
 def _stop(ckpt: Checkpointer, run: RunState, step: int, signals: StopSignals, saved: bool, info: RankInfo) -> None:
