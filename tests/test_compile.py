@@ -1,7 +1,7 @@
 """torch.compile per block (``parallel.compile``): inductor on this CPU gives the eager numbers.
 
-Compiling replaces each block's ``forward`` on the instance, so parameter names do not change
-and hooks on ``__call__`` (FSDP's) stay outside the compiled graph. One small model, one step:
+Compiling wraps each block's ``forward`` in place (meshpar/parallel/wrap.py), so parameter names
+do not change and hooks on ``__call__`` (FSDP's) stay outside the compiled graph. One small model, one step:
 compilation dominates the time.
 
 In float32, the dtype compile serves, not float64: inductor's float64 CPU code does not
