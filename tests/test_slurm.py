@@ -97,6 +97,9 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(slurm, t
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
     # the script requeues the job: SLURM holds a requeued job 2 minutes, released here at once
     _wait(slurm, job, lambda s: s == "PENDING" or _done(s), 120, log)
+    # slurmd refuses a job whose credential is not newer than the requeue's revocation of the old
+    # one, in whole seconds ("Job credential revoked"): released within that second, it failed
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=slurm, check=True)
     assert _wait(slurm, job, _done, 240, log) == "COMPLETED", _tail(log)
 
