@@ -132,8 +132,8 @@ class ReplicaGroups:
 
     WAIT_INTERVAL_S = 0.5  # between the quorums of a group waiting for the others at its start
 
-    def __init__(self, manager: Any, store: dist.Store | None, groups: int, wait_s: float, address: str = "",
-                 wait: datetime.timedelta | None = None):
+    def __init__(self, manager: Any, store: dist.Store | None, groups: int, wait_s: float, address: str,
+                 wait: datetime.timedelta):
         self.manager, self.groups, self.address, self.wait = manager, groups, address, wait
         self.healing = False  # set once a live group's state starts to load into this rank's run
         self._store = store  # group rank 0 hosts the store the group's managers meet in: kept alive
@@ -164,6 +164,7 @@ class ReplicaGroups:
         # all-reduce while the others of its group already vote, and a group with a hung rank
         # stays in the lighthouse's view (heartbeating) until its own collectives time out.
         waits = 2 * timeout + datetime.timedelta(seconds=60)
+        address = lighthouse_address(fault)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         seat: ReplicaGroups | None = None
 
@@ -175,10 +176,10 @@ class ReplicaGroups:
                           min_replica_size=fault.min_replicas, use_async_quorum=False, init_sync=False,
                           timeout=waits, quorum_timeout=waits, connect_timeout=timeout, rank=rank,
                           world_size=world, store_addr=host, store_port=port,
-                          lighthouse_addr=lighthouse_address(fault) if rank == 0 else None,
+                          lighthouse_addr=address if rank == 0 else None,
                           replica_id=f"meshpar_replica_{fault.replica_id}")
         manager.load_state_dict({"step": step, "batches_committed": 0})
-        seat = cls(manager, store, groups, fault.replica_wait, lighthouse_address(fault), waits)
+        seat = cls(manager, store, groups, fault.replica_wait, address, waits)
         return seat
 
     @classmethod
