@@ -212,3 +212,29 @@ def test_interval_arithmetic():
     assert pr._intersect(a, [(2, 6), (8, 10)]) == [(2, 3), (5, 6), (8, 9)]
     assert pr._subtract(a, [(1, 2), (4, 6), (8, 10)]) == [(0, 1), (2, 3), (6, 8)]
     assert pr._length(a) == 7
+
+
+def test_work_started_behind_a_later_issue_keeps_its_dim():
+    """Two dims on one group (the default one): a gloo thread that mostly runs ep's all-to-alls
+    starts the dp_shard all-gather after the other thread started the two all-to-alls issued after
+    it (a busy machine, seen in a real trace). It still counts as the all-gather on dp_shard, not as
+    an unmatched item of its thread's dim, and every other item as its own issue op's."""
+    from meshpar.profiling.report.attribution import _attribute
+
+    def x(name, ts, dur, tid=1):
+        return {"name": name, "ts": float(ts), "dur": float(dur), "tid": tid}
+
+    def issued(op, dim, ts):
+        name = {"all_gather": "c10d::_allgather_base_", "all_to_all": "c10d::alltoall_base_"}[op]
+        return [x(f"meshpar::comm.{op}[{dim}]", ts, 5), x(name, ts + 1, 3)]
+
+    on_main = [*issued("all_gather", "dp_shard", 0), *issued("all_to_all", "ep", 10),
+               *issued("all_to_all", "ep", 20), *issued("all_to_all", "ep", 40), *issued("all_to_all", "ep", 50),
+               *issued("all_gather", "dp_shard", 60)]
+    workers = [x("gloo:all_to_all", 12, 10, tid=3), x("gloo:all_to_all", 23, 10, tid=3),
+               x("gloo:all_gather", 25, 10, tid=2), x("gloo:all_to_all", 42, 5, tid=2),
+               x("gloo:all_to_all", 52, 5, tid=2), x("gloo:all_gather", 62, 10, tid=3)]
+    per_kind, calls = _attribute(on_main, workers, own_groups=set())
+    assert per_kind == {("all_to_all", "ep"): [(12.0, 22.0), (23.0, 33.0), (42.0, 47.0), (52.0, 57.0)],
+                        ("all_gather", "dp_shard"): [(25.0, 35.0), (62.0, 72.0)]}
+    assert calls == {("all_gather", "dp_shard", "meshpar"): 2, ("all_to_all", "ep", "meshpar"): 4}

@@ -7,11 +7,12 @@ its dim from the enclosing ``meshpar::comm.<op>[<dim>]`` label, or is ``tp`` ins
 (meshpar/profiling/labels.py); an unlabelled op is ``?``. The work runs on a gloo worker thread,
 which serves one process group: each of its events votes for the dim of the latest compatible
 issue op before it, the thread takes the majority, and its events then match that dim's issue
-ops first in, first out. Dims that span all ranks share DeviceMesh's default group, so its
-threads and one queue; which dims have a group of their own comes from the trace's
-``distributedInfo.pg_config`` (a trace without it gets a group per dim). Calls per (op, dim) are
-counted from the labels; bytes come from the header's accounting (a trace records no sizes).
-Per-collective exposed times may overlap; the rank's exposed total counts each instant once.
+ops first in, first out (a busy machine may start an item a few places late: ``_match``). Dims
+that span all ranks share DeviceMesh's default group, so its threads and one queue; which dims
+have a group of their own comes from the trace's ``distributedInfo.pg_config`` (a trace without
+it gets a group per dim). Calls per (op, dim) are counted from the labels; bytes come from the
+header's accounting (a trace records no sizes). Per-collective exposed times may overlap; the
+rank's exposed total counts each instant once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import bisect
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 
 from meshpar.profiling.report.intervals import Intervals
 
@@ -115,13 +117,11 @@ def _attribute(on_main: list[dict], workers: list[dict], own_groups: set[str] | 
     thread_dim = {tid: next((d for d, _ in c.most_common() if d != "?"), "?") for tid, c in votes.items()}
     per_kind: dict[tuple[str, str], Intervals] = defaultdict(list)
     for g in {group(d) for d in thread_dim.values()} | {"?"}:
-        queue, j = [i for i in issues if group(i[3]) == g], 0  # this group's issue ops, first in first out
-        for e in sorted((e for e in workers if group(thread_dim.get(e["tid"], "?")) == g), key=lambda e: e["ts"]):
+        queue = [i for i in issues if group(i[3]) == g]  # this group's issue ops, first in first out
+        for e, k in _match(queue, sorted((e for e in workers if group(thread_dim.get(e["tid"], "?")) == g),
+                                         key=lambda e: e["ts"])):
             kind = _kind(e["name"])
-            k = next((n for n in range(j, len(queue)) if queue[n][0] <= e["ts"] and _runs_as(queue[n][1], kind)),
-                     None)
-            unmatched = (_OP_NAMES.get(kind, kind), thread_dim.get(e["tid"], "?"), j)
-            op, dim, j = (*queue[k][2:], k + 1) if k is not None else unmatched
+            op, dim = queue[k][2:] if k is not None else (_OP_NAMES.get(kind, kind), thread_dim.get(e["tid"], "?"))
             per_kind[(op, dim)].append((e["ts"], e["ts"] + e["dur"]))
     for e in on_main:  # gloo work run by the main thread itself: p2p send / recv
         if e["name"].startswith("gloo:"):
@@ -130,3 +130,28 @@ def _attribute(on_main: list[dict], workers: list[dict], own_groups: set[str] | 
             op, dim = hit[2:] if hit else (_OP_NAMES.get(kind, kind), dim_label(e))
             per_kind[(op, dim)].append((e["ts"], e["ts"] + e["dur"]))
     return per_kind, calls
+
+
+REORDER = 4  # how many later issue ops a work event may have started behind ([Note: the mesh dim of a collective])
+
+
+def _match(queue: list[tuple], events: list[dict]) -> Iterator[tuple[dict, int | None]]:
+    """(event, index of its issue op in ``queue`` or None) for a group's worker ``events`` in start
+    order: the earliest issue op not yet taken that was issued before the event and runs as it.
+    The group's threads take work in issue order, but one of them may start its item after another
+    thread started a later one; an issue op passed over stays eligible until ``REORDER`` later ones
+    have been taken (one whose work the trace lacks must not hold every later match back)."""
+    j, passed = 0, []  # next issue op not yet looked at; those looked at, passed over, and still eligible
+    for e in events:
+        kind = _kind(e["name"])
+        k = next((n for n in passed if _runs_as(queue[n][1], kind)), None)
+        if k is not None:
+            passed.remove(k)
+        else:
+            k = next((n for n in range(j, len(queue)) if queue[n][0] <= e["ts"] and _runs_as(queue[n][1], kind)),
+                     None)
+            if k is not None:
+                passed += range(j, k)
+                j = k + 1
+        passed = [n for n in passed if n >= j - 1 - REORDER]
+        yield e, k
