@@ -291,7 +291,7 @@ LAYOUTS = {  # name: (overrides of recipes/llama_debug_cp.toml, world size)
     "pp2-cp2-ulysses-full-ac": (["--parallel.dp_shard=1", "--parallel.pp=2", '--parallel.cp_attention="ulysses"',
                                  '--parallel.activation_checkpoint="full"'], 4),
 }
-RESUMED = {"cp2-dp_shard2"}  # its step-2 checkpoint also resumes on one rank and on cp 4
+RESUMED = {"cp2-dp_shard2"}  # its step-1 checkpoint also resumes on one rank and on cp 4
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +301,8 @@ def reference(tmp_path_factory):
                                  "--parallel.dp_shard=1", "--parallel.cp=1"), return_state=True)
 
 
-STEPS = ["--train.steps=3", "--train.seq_len=256", "--train.eval_every=3", "--data.val_fraction=0.1"]
+# two steps: the second runs on the first update and its own update is checked in every parameter
+STEPS = ["--train.steps=2", "--train.seq_len=256", "--train.eval_every=2", "--data.val_fraction=0.1"]
 
 
 # the parity reruns on other kernel paths (.ci/run) take the recipe's own layout and the ring only: the
@@ -313,24 +314,24 @@ PARITY_LAYOUTS = {"cp2-dp_shard2", "cp2-dp_shard2-ring-selective-ac"}
                                     for name in LAYOUTS])
 def test_meshpar_train_with_cp_matches_one_rank(layout, reference, tmp_path, data_cache):
     """recipes/llama_debug_cp.toml through meshpar train in each layout against the same recipe on
-    one rank, float64, 3 steps at 256 tokens: losses, validation loss, gradient norms and every
-    parameter to TOL. The recipe's own layout's step-2 checkpoint then resumes on one rank and on
-    cp 4, each giving the straight run's step-3 loss (a skipped or repeated sample would not)."""
+    one rank, float64, 2 steps at 256 tokens: losses, validation loss, gradient norms and every
+    parameter to TOL. The recipe's own layout's step-1 checkpoint then resumes on one rank and on
+    cp 4, each giving the straight run's step-2 loss (a skipped or repeated sample would not)."""
     overrides, world = LAYOUTS[layout]
     resume = layout in RESUMED
     recipe = load_recipe("llama_debug_cp.toml", tmp_path / "run", *STEPS, *overrides,
-                         *(["--checkpoint.every=2"] if resume else []))
+                         *(["--checkpoint.every=1"] if resume else []))
     _train_matches(recipe, world, reference)
     if resume:  # cp changes no parameter placement but the FSDP mesh; the data position is global
-        saved = f"--checkpoint.load_from={tmp_path / 'run' / 'checkpoints' / 'step_2'}"
+        saved = f"--checkpoint.load_from={tmp_path / 'run' / 'checkpoints' / 'step_1'}"
         with default_dtype():
             one = train(load_recipe("llama_debug_cp.toml", tmp_path / "one", *STEPS, saved, "--parallel.dp_shard=1",
                                     "--parallel.cp=1"))
-        _close(train_losses(one.records), train_losses(reference.records)[2:], "resumed on one rank")
+        _close(train_losses(one.records), train_losses(reference.records)[1:], "resumed on one rank")
         cp4 = load_recipe("llama_debug_cp.toml", tmp_path / "cp4", *STEPS, saved, "--parallel.dp_shard=1",
                           "--parallel.cp=4")
         records = run_distributed(in_float64, 4, train_on_rank, cp4, timeout=300, init_process_group=False)[0][0]
-        _close(train_losses(records), train_losses(reference.records)[2:], "resumed on cp 4")
+        _close(train_losses(records), train_losses(reference.records)[1:], "resumed on cp 4")
 
 
 # --- document-causal attention through meshpar train --------------------------------------------
@@ -368,7 +369,7 @@ def documents_reference(tmp_path_factory, paragraphs):
 @pytest.mark.parametrize("layout", list(DOC_LAYOUTS))
 def test_meshpar_train_with_documents_under_cp_matches_one_rank(layout, documents_reference, paragraphs, tmp_path):
     """``model.attention = "document"`` with cp 2 (the gather inside FSDP; the ring under tp 2) on a
-    corpus of short documents against the same recipe on one rank, float64, 3 steps at 256 tokens:
+    corpus of short documents against the same recipe on one rank, float64, 2 steps at 256 tokens:
     losses, gradient norms, validation loss and every parameter to TOL."""
     reference, eos = documents_reference
     assert eos is not None

@@ -1,6 +1,6 @@
 """Expert parallelism composed with the other mesh dims, through ``meshpar train``, against one rank.
 
-recipes/qwen3_moe_debug_ep.toml (Qwen3-MoE debug: 4 blocks, block 1 dense, 8 experts, top 2) runs 3
+recipes/qwen3_moe_debug_ep.toml (Qwen3-MoE debug: 4 blocks, block 1 dense, 8 experts, top 2) runs 2
 steps in float64 on 4 ranks in each layout below, and once on one rank with the same data, batch
 and values. Losses, auxiliary losses, gradient norms, the per-layer expert loads (max and mean token
 slots per expert, summed over the data-parallel ranks) and every parameter equal the one-rank run's
@@ -19,7 +19,9 @@ from tests.distributed import run_distributed
 from tests.helpers import load_recipe, merged_state, train_losses, train_on_rank
 from tests.parity import TOL, default_dtype, in_float64
 
-STEPS = ["--train.steps=3", "--train.micro_batch=1", "--model.n_layers=4"]  # sparse blocks 0, 2, 3
+# two steps: the second routes and runs on the first update (and, aux-free, its bias); its own update
+# is checked in every parameter
+STEPS = ["--train.steps=2", "--train.micro_batch=1", "--model.n_layers=4"]  # sparse blocks 0, 2, 3
 # aux-free balancing: each step's loads move the routing bias, so a forward counted twice or on
 # wrong tokens (torch's metadata inference under pp: [Note: forwards outside the schedule]) changes
 # the next step's routing
@@ -43,7 +45,7 @@ LAYOUTS = {  # name: (overrides, world size[, model overrides shared with the re
 }
 
 
-RESUMED = {"pp2-ep2", "tp2-ep2-chunked-loss"}  # layouts whose step-2 checkpoint is also resumed on one rank
+RESUMED = {"pp2-ep2", "tp2-ep2-chunked-loss"}  # layouts whose step-1 checkpoint is also resumed on one rank
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def test_composed_layout_matches_one_rank(layout, references, tmp_path, data_cac
     reference = references(model)
     resume = layout in RESUMED
     recipe = load_recipe("qwen3_moe_debug_ep.toml", tmp_path / "run", *STEPS, *model, *overrides,
-                         *(["--checkpoint.every=2"] if resume else []))
+                         *(["--checkpoint.every=1"] if resume else []))
     results = run_distributed(in_float64, world, train_on_rank, recipe, timeout=300, init_process_group=False)
     records, want = results[0][0], reference.records
     _close(train_losses(records), train_losses(want), "loss")
@@ -95,5 +97,5 @@ def test_composed_layout_matches_one_rank(layout, references, tmp_path, data_cac
         with default_dtype():
             resumed = train(load_recipe("qwen3_moe_debug_ep.toml", tmp_path / "resumed", *STEPS, *model,
                                         "--parallel.dp_shard=1", "--parallel.ep=1",
-                                        f"--checkpoint.load_from={tmp_path / 'run' / 'checkpoints' / 'step_2'}"))
-        _close(train_losses(resumed.records), train_losses(want)[2:], "resumed loss")
+                                        f"--checkpoint.load_from={tmp_path / 'run' / 'checkpoints' / 'step_1'}"))
+        _close(train_losses(resumed.records), train_losses(want)[1:], "resumed loss")
