@@ -32,7 +32,7 @@ CONFIGS = {  # architecture -> its transformers config, small
     "gemma": lambda: transformers.GemmaConfig(**SMALL_DIMS, head_dim=16),
     "phi3": lambda: transformers.Phi3Config(**SMALL_DIMS, pad_token_id=0),
 }
-STEPS = ["--train.steps=3", "--train.eval_every=3", "--data.val_fraction=0.1", "--train.seq_len=64"]
+STEPS = ["--train.steps=2", "--train.eval_every=2", "--data.val_fraction=0.1", "--train.seq_len=64"]
 
 
 def _folder(tmp: Path, arch: str) -> Path:
@@ -74,7 +74,7 @@ LAYOUTS = {  # name: (overrides, world size)
                                               ("phi3", "tp2-gathered-logits")])
 def test_fsdp_matches_one_process(arch, layout, tmp_path, data_cache):
     """A random model of each architecture (meshpar's layout-independent init of its linear and
-    embedding weights, transformers' of the rest), 3 steps on 2 FSDP ranks with full activation
+    embedding weights, transformers' of the rest), 2 steps on 2 FSDP ranks with full activation
     checkpointing (and Llama under HSDP with a chunked loss), equals one process in float64: losses,
     validation loss, every parameter to TOL."""
     folder = _folder(tmp_path, arch)
@@ -98,8 +98,8 @@ def test_checkpoint_converts_to_a_folder_transformers_loads(tmp_path, data_cache
 
     folder = _folder(tmp_path, "gemma")
     with default_dtype():
-        run = train(_recipe(tmp_path / "run", folder, "--checkpoint.every=3"), return_state=True)
-    convert(tmp_path / "run" / "checkpoints" / "step_3", tmp_path / "hf", to="hf", progress=False)
+        run = train(_recipe(tmp_path / "run", folder, "--checkpoint.every=2"), return_state=True)
+    convert(tmp_path / "run" / "checkpoints" / "step_2", tmp_path / "hf", to="hf", progress=False)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == "gemma" and config["dtype"] == "float64"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
@@ -124,7 +124,7 @@ def test_checkpoint_converts_to_a_folder_transformers_loads(tmp_path, data_cache
 
 
 def test_hf_llama_trains_as_meshpar_llama(tmp_path, data_cache):
-    """The same Llama weights (a transformers folder) trained 3 steps by family hf and by meshpar's own
+    """The same Llama weights (a transformers folder) trained 2 steps by family hf and by meshpar's own
     llama, float64: the losses agree to 1e-6 relative. Not 1e-9: the implementations differ in RoPE,
     transformers' inverse frequencies being float32 (1e-7 relative on each angle) and meshpar's
     float64, and in summation orders; a wrong weight mapping or mask would move the loss by 1e-2."""

@@ -39,7 +39,7 @@ from meshpar.parallel.tensor_parallel.plan import apply_tp, loss_parallel_contex
 from tests.distributed import CaseSet
 from tests.parity import must_fail
 
-STEPS, BATCH, SEQ_LEN, LR, TOL, GRAD_TOL = 5, 4, 32, 1e-3, 1e-9, 1e-9
+STEPS, BATCH, SEQ_LEN, LR, TOL, GRAD_TOL = 3, 4, 32, 1e-3, 1e-9, 1e-9
 
 LLAMA = dataclasses.replace(LLAMA_SIZES["debug"], n_layers=2)
 QWEN3 = dataclasses.replace(LLAMA, head_dim=64, qk_norm=True, norm_eps=1e-6)  # as QWEN3_SIZES["debug"], 2 layers
@@ -93,7 +93,7 @@ def _build(case: str, mesh, loss_parallel: bool, fsdp: bool) -> tuple[nn.Module,
 
 
 def _train_case(case: str, mesh, loss_parallel: bool, fsdp: bool, bug=None) -> dict:
-    """5 steps next to the reference; ``bug(model)``, a planted error, replaces reduce_partial_grads."""
+    """STEPS steps next to the reference; ``bug(model)``, a planted error, replaces reduce_partial_grads."""
     model, ref = _build(case, mesh, loss_parallel, fsdp)
     init_diff = max((_full(p) - ref.get_parameter(n)).abs().max().item() for n, p in model.named_parameters())
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR) for m in (model, ref))
