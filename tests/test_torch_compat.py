@@ -86,3 +86,24 @@ def test_importing_meshpar_skips_the_heavy_private_modules():
     assert proc.returncode == 0, proc.stderr
     loaded = proc.stdout.strip()
     assert not loaded, f"import meshpar / meshpar.fsdp loaded {loaded}"
+
+
+def test_a_dtensor_made_by_new_alone_is_the_one_the_constructor_makes():
+    """``dtensor_like`` calls ``DTensor.__new__`` without ``__init__`` ([Note: DTensor without __init__]):
+    after a torch upgrade that gives ``__init__`` work of its own, the two objects differ here."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        like = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)])
+        local = torch.arange(8.0).view(4, 2)
+        made, built = _torch.dtensor_like(local, like), DTensor(local, like._spec, requires_grad=False)
+        assert type(made) is type(built) is DTensor
+        assert vars(made).keys() == vars(built).keys()
+        assert made._spec is built._spec and made._local_tensor is built._local_tensor is local
+        assert (made.requires_grad, made.shape, made.stride()) == (built.requires_grad, built.shape, built.stride())
+        assert torch.equal((made * 2).full_tensor(), (built * 2).full_tensor())
+    finally:
+        dist.destroy_process_group()

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from meshpar.config.recipe import OptimConfig
-from meshpar.distributed._torch import adam_init_group, local_tensor
+from meshpar.distributed._torch import adam_init_group, local_tensor, same_spec
 
 
 class ShardLocalAdamW(torch.optim.AdamW):
@@ -28,6 +28,10 @@ class ShardLocalAdamW(torch.optim.AdamW):
     dispatch, as AdamW would. Host cost: docs/performance.md#host-overhead.
     """
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._steady: dict[int, _Steady] = {}  # id(group) -> [Note: the steady step]
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -35,7 +39,12 @@ class ShardLocalAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])  # params, grads, m, v, v max, steps
+            steady = self._steady.get(id(group))
+            lists = steady.lists(group, self.state) if steady is not None else None
+            if lists is not None:
+                self._update(group, lists, steady.has_complex)
+                continue
+            lists = ([], [], [], [], [], [])  # params, grads, m, v, v max, steps
             has_complex = adam_init_group(self, group, *lists)
             local: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
             other: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
@@ -52,6 +61,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
             for chosen in (local, other):
                 if chosen[0]:
                     self._update(group, chosen, has_complex)
+            self._steady[id(group)] = _Steady.of(group, self.state, has_complex) if not other[0] else None
         return loss
 
     def _update(self, group: dict, lists: tuple[list[torch.Tensor], ...], has_complex: bool) -> None:
@@ -60,6 +70,62 @@ class ShardLocalAdamW(torch.optim.AdamW):
                                          "differentiable", "fused", "decoupled_weight_decay")}
         adam(*lists, has_complex=has_complex, beta1=beta1, beta2=beta2, grad_scale=getattr(self, "grad_scale", None),
              found_inf=getattr(self, "found_inf", None), **options)
+
+
+# [Note: the steady step]
+# After the first step every parameter has its state, and each step hands the fused kernel the same
+# parameters and state tensors with new gradients. ``_Steady`` keeps a group's local parameter and
+# state tensors from a step in which every parameter had a gradient placed like itself, and later
+# steps only unwrap the gradients (checked placed alike: by identity where FSDP built the gradient on
+# its parameter's spec); AdamW's ``_init_group`` and the placement comparisons then run no more. Anything
+# else (a missing gradient, one placed otherwise, a parameter or state tensor that is not the object
+# kept: a state dict loaded, a group edited) takes the whole path above, and the kernel runs on the
+# same tensors either way (tests/test_fsdp.py compares the two paths with torch.optim.AdamW).
+
+
+class _Steady:
+    """One parameter group's local tensors for the steady step."""
+
+    def __init__(self, group: dict, params: list[torch.Tensor], state: dict, has_complex: bool) -> None:
+        self.group, self.params, self.state, self.has_complex = group, params, state, has_complex
+        self.kept = [(state[p], state[p]["exp_avg"], state[p]["exp_avg_sq"], state[p].get("max_exp_avg_sq"),
+                      state[p]["step"]) for p in params]
+
+    @classmethod
+    def of(cls, group: dict, state: dict, has_complex: bool) -> _Steady | None:
+        params = list(group["params"])
+        if not all(p.grad is not None and p in state for p in params):
+            return None
+        return cls(group, params, state, has_complex)
+
+    def lists(self, group: dict, state: dict) -> tuple[list[torch.Tensor], ...] | None:
+        """This step's (params, grads, m, v, v max, steps) as local tensors, or None: take the whole path."""
+        params = group["params"]
+        if group is not self.group or state is not self.state or len(params) != len(self.params):
+            return None
+        out: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
+        amsgrad = group["amsgrad"]
+        for p, kept_p, (st, m, v, vmax, step) in zip(params, self.params, self.kept, strict=True):
+            g = p.grad
+            if p is not kept_p or g is None or state.get(p) is not st or st["exp_avg"] is not m \
+                    or st["exp_avg_sq"] is not v or st["step"] is not step:
+                return None
+            if isinstance(p, DTensor):
+                if not (isinstance(g, DTensor) and (same_spec(g, p) or (g.placements == p.placements
+                                                                       and g.device_mesh == p.device_mesh))):
+                    return None
+                p, g, m, v = local_tensor(p), local_tensor(g), local_tensor(m), local_tensor(v)
+                vmax = local_tensor(vmax) if vmax is not None else None
+            elif isinstance(g, DTensor):
+                return None
+            out[0].append(p)
+            out[1].append(g)
+            out[2].append(m)
+            out[3].append(v)
+            if amsgrad:
+                out[4].append(vmax)
+            out[5].append(step)
+        return out
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
