@@ -102,6 +102,7 @@ class ParamGroup(GroupUnshard, GroupReduce):
         bf16 unit) travel as bytes in one collective, each segment 8-byte aligned so it can be
         viewed back as its own dtype."""
         self.all_params = self.params + self.replicated
+        self._cast_plan = None  # unshard.py [Note: the steady cast]
         self._refresh_extensions()
         # [Note: forcing the collectives of one rank]; an extension's hooks run at one rank too, as PyTorch's
         self.single = (self.world == 1 and self.mesh_info.replicate_size == 1 and self.custom_all_gather is None

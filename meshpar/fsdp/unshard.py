@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshpar.distributed import comm
-from meshpar.distributed._torch import foreach_copy_, preserve_version_counter
+from meshpar.distributed._torch import foreach_copy_, local_tensor, module_parameters, preserve_version_counter
 from meshpar.distributed.comm_record import comm_buffers
 from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp.sharded_param import ParamState, ShardedParam
@@ -40,6 +40,80 @@ def _write_from_local(params: list[ShardedParam], dtypes: list[torch.dtype]) -> 
         sources = [p.local for p in params]
         sources = [x if x.shape == out.shape else x.view(out.shape) for x, out in zip(sources, outs, strict=True)]
         foreach_copy_(outs, sources, non_blocking=True)
+
+
+# [Note: the steady cast]
+# A group whose every parameter is cast from its whole local tensor (one rank, or replicated
+# parameters; [Note: one data-parallel rank]) repeats the same work at each unshard: resize each
+# unsharded storage back, one ``_foreach_copy_`` from the same local tensors, the same unsharded
+# parameters set on the same modules. After a full unshard ``_CastPlan`` keeps those objects, and
+# the next unshards only check that each is still the one kept (the parameter's sharded and
+# unsharded tensors, its dtype, its hook); any change (``.to``, ``to_empty``, a load with
+# ``assign=True``, a new policy) takes the full path above, which keeps a new plan.
+
+
+class _CastPlan:
+    """What a steady unshard of a cast group repeats ([Note: the steady cast])."""
+
+    def __init__(self, group: GroupUnshard, params: list[ShardedParam]) -> None:
+        self.params = params
+        self.kept = [(p.sharded, p.local, p.unsharded, p.unsharded_padded) for p in params]
+        self.dtypes = [group.compute_dtype(p) for p in params]
+        self.outs = [p.unsharded_padded for p in params]
+        self.sources = [p.local if p.local.shape == out.shape else p.local.view(out.shape)
+                        for p, out in zip(params, self.outs, strict=True)]
+        self.storages = [(out.untyped_storage(), out.untyped_storage().size()) for out in self.outs]
+        self.slots = [[(module_parameters(module), attr) for module, attr in p.places] for p in params]
+        self.unsharded = tuple(p.unsharded for p in params)
+        self.whole = len(params) == len(group.all_params)  # every parameter of the group: it reshards them too
+
+    @classmethod
+    def of(cls, group: GroupUnshard) -> _CastPlan | None:
+        params = group.replicated + (group.params if group.single else [])
+        if not params or (group.single and group.replicated) or group._gather is not None:
+            return None  # nothing cast from a whole local tensor, or both kinds: the full path's order of work
+        if any(p.extension is not None or isinstance(p.unsharded, DTensor) or p.unsharded_padded is None
+               or p.local.device != p.compute_device or p.local.dtype == group.compute_dtype(p)
+               or p.unsharded.dtype != group.compute_dtype(p) for p in params):
+            return None
+        return cls(group, params)
+
+    def run(self, group: GroupUnshard) -> bool:
+        """The steady unshard, or False (nothing done) when something kept has changed."""
+        for p, (sharded, local, unsharded, padded) in zip(self.params, self.kept, strict=True):
+            if p.sharded is not sharded or p.unsharded is not unsharded or p.unsharded_padded is not padded \
+                    or local_tensor(sharded) is not local:
+                group._cast_plan = None
+                return False
+        if [group.compute_dtype(p) for p in self.params] != self.dtypes:
+            group._cast_plan = None
+            return False
+        with trace_range("meshpar::fsdp.cast"), torch.no_grad():
+            for storage, nbytes in self.storages:
+                if storage.size() != nbytes:
+                    storage.resize_(nbytes)
+            with preserve_version_counter(self.unsharded):
+                foreach_copy_(self.outs, self.sources, non_blocking=True)
+        for p, slots, unsharded in zip(self.params, self.slots, self.unsharded, strict=True):
+            wanted = p.sharded.requires_grad
+            if unsharded.requires_grad != wanted:
+                unsharded.requires_grad_(wanted)
+            for slot, attr in slots:
+                slot[attr] = unsharded
+            p.state = ParamState.UNSHARDED
+            hooked = p.hooked
+            if wanted and (hooked is None or hooked() is not unsharded):
+                group._hook_grad(p)
+        return True
+
+    def reshard(self) -> None:
+        """``to_sharded`` and ``free_unsharded`` of every parameter kept."""
+        for p, slots, (sharded, *_), (storage, _) in zip(self.params, self.slots, self.kept, self.storages,
+                                                         strict=True):
+            for slot, attr in slots:
+                slot[attr] = sharded
+            p.state = ParamState.SHARDED
+            storage.resize_(0)
 
 
 @dataclass
@@ -200,6 +274,10 @@ class GroupUnshard:
                         p.write_unsharded(piece, world)
         # the local tensor is the whole parameter: replicated ones, and all on one rank ([Note: one
         # data-parallel rank]); [Note: the unsharded parameter keeps its identity] in sharded_param.py
+        plan = self._cast_plan
+        if plan is not None and plan.run(self):
+            self.state = ParamState.UNSHARDED
+            return
         with trace_range("meshpar::fsdp.cast"), torch.no_grad():
             cast: list[ShardedParam] = []
             dtypes: list[torch.dtype] = []
@@ -218,6 +296,7 @@ class GroupUnshard:
             p.to_unsharded()
             self._hook_grad(p)
         self.state = ParamState.UNSHARDED
+        self._cast_plan = _CastPlan.of(self)
 
     def wait_for_gather(self) -> None:
         """Finish an all-gather in flight (``UnshardHandle.wait``): the unsharded parameters are then
@@ -239,7 +318,11 @@ class GroupUnshard:
             group, k, _ = self.post_forward
             rank = dist.get_rank(group)
             self._post_forward_shards = [p.post_forward_piece(k, rank) for p in self.params]
-        for p in self.all_params:
-            p.to_sharded()
-            p.free_unsharded()  # a view of the shard has no storage of its own: nothing to free
+        plan = self._cast_plan
+        if plan is not None and plan.whole:
+            plan.reshard()
+        else:
+            for p in self.all_params:
+                p.to_sharded()
+                p.free_unsharded()  # a view of the shard has no storage of its own: nothing to free
         self.state = ParamState.SHARDED

@@ -1,0 +1,77 @@
+"""meshpar's FSDP on one data-parallel rank with a cast for compute ([Note: one data-parallel rank]),
+in one process: the steady unshard (meshpar/fsdp/unshard.py [Note: the steady cast]) does the same
+copies as the full path, so a run with it equals a run without it bit for bit, through what changes
+what it keeps: a parameter frozen and unfrozen, ``load_state_dict(assign=True)`` replacing the
+sharded parameters, and ``model.to(dtype)``. The run must also have taken the steady path (else it
+proved nothing)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
+from meshpar.fsdp import unshard as unshardlib
+from tests.fsdp_models import NET, shard_units
+
+
+@pytest.fixture
+def mesh():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(mesh, steady: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """(losses, parameters after the last step, unshards the steady path served)."""
+    served = [0]
+    run = unshardlib._CastPlan.run
+
+    def counted(plan, group) -> bool:
+        done = run(plan, group)
+        served[0] += done
+        return done
+
+    with mock.patch.object(unshardlib._CastPlan, "run", counted) if steady else \
+            mock.patch.object(unshardlib._CastPlan, "of", classmethod(lambda cls, group: None)):
+        model = NET.build().double()
+        shard_units(model, fully_shard, mesh=mesh,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64))
+        opt = torch.optim.AdamW(model.parameters(), lr=NET.lr)
+        losses = []
+        for step in range(8):
+            if step == 2:
+                model.layers[1].a.weight.requires_grad_(False)
+            if step == 3:
+                model.layers[1].a.weight.requires_grad_(True)
+            if step == 4:  # new sharded parameters: a plan keeps the old ones
+                model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+                opt = torch.optim.AdamW(model.parameters(), lr=NET.lr)
+            if step == 6:  # the compute dtype is the policy's; the parameters' own dtype changes
+                model.to(torch.float32)
+                opt = torch.optim.AdamW(model.parameters(), lr=NET.lr)
+            loss = NET.loss(model, NET.batch(step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        params = {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+                  for k, v in model.named_parameters()}
+    return losses, params, served[0]
+
+
+def test_the_steady_cast_equals_the_full_path_bit_for_bit(mesh):
+    losses, params, served = _run(mesh, steady=True)
+    want_losses, want_params, _ = _run(mesh, steady=False)
+    assert losses == want_losses
+    assert params.keys() == want_params.keys()
+    for name, want in want_params.items():
+        assert torch.equal(params[name], want), name
+    assert served >= 8, served  # steady unshards in forward and backward of most steps
