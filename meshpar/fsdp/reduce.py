@@ -166,14 +166,16 @@ class GroupReduce:
         # get one back
         trainable = [p for p in self.params if id(p) in grads]
         if self.single:  # [Note: one data-parallel rank]: the gradient is already the reduced one
-            factor = self._divide_factor()
+            factor, hooked = self._divide_factor(), self.all_reduce_hook is not None
             for p in trainable:
                 grad = grads[id(p)]
                 if grad is not None:
-                    grad = grad.to(reduce_dtype)
+                    if grad.dtype != reduce_dtype:
+                        grad = grad.to(reduce_dtype)
                     if factor != 1:
                         grad = grad.div_(factor)
-                    self._call_hook(grad)
+                    if hooked:
+                        self._call_hook(grad)
                     p.add_sharded_grad(grad)
         elif trainable and (any(grads[id(p)] is not None for p in trainable) or self._partial is not None):
             group = self.reduce_group or self.mesh_info.shard_group

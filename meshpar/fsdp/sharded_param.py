@@ -370,7 +370,9 @@ class ShardedParam:
         """Accumulate a reduced local gradient into ``sharded.grad`` (a DTensor like the parameter),
         then run the parameter's post-accumulate-grad hooks (optimizer in backward), as autograd
         runs them for a parameter it accumulates into."""
-        local_grad = local_grad.to(self.local.device, self.orig_dtype)  # to CPU when offloaded
+        device = self.local.device
+        if local_grad.dtype != self.orig_dtype or local_grad.device != device:
+            local_grad = local_grad.to(device, self.orig_dtype)  # to CPU when offloaded
         if self.sharded.grad is None:
             self.sharded.grad = dtensor_like(local_grad, self.sharded)
         else:

@@ -17,11 +17,15 @@ from typing import Any
 
 import torch
 
+_LEAVES = frozenset({int, float, bool, str, bytes, torch.dtype, torch.device})
+
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` with every tensor ``t`` replaced by ``fn(t)``; the same object where nothing changed."""
     if isinstance(tree, torch.Tensor):
         return fn(tree)
+    if tree is None or type(tree) in _LEAVES:  # the common leaves first: is_dataclass costs a few lookups
+        return tree
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         changes = {}
         for f in dataclasses.fields(tree):
@@ -34,6 +38,8 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
                 changes[f.name] = new
         return dataclasses.replace(tree, **changes) if changes else tree
     if isinstance(tree, dict):
+        if not tree:
+            return tree
         items = {k: map_tensors(fn, v) for k, v in tree.items()}
         if all(items[k] is v for k, v in tree.items()):
             return tree
