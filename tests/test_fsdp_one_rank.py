@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from meshpar.distributed import comm_record
 from meshpar.fsdp import MixedPrecisionPolicy, fully_shard
 from meshpar.fsdp import unshard as unshardlib
 from tests.fsdp_models import NET, shard_units
@@ -29,8 +30,10 @@ def mesh():
         dist.destroy_process_group()
 
 
-def _run(mesh, steady: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """(losses, parameters after the last step, unshards the steady path served)."""
+def _run(mesh, steady: bool, threshold: int = 0) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """(losses, parameters after the last step, unshards the steady path served). ``threshold``: FSDP's
+    ``shard_threshold`` under forced collectives, so that units hold sharded parameters, which the
+    collective path gathers, beside replicated ones, which are cast."""
     served = [0]
     run = unshardlib._CastPlan.run
 
@@ -40,9 +43,10 @@ def _run(mesh, steady: bool) -> tuple[list[float], dict[str, torch.Tensor], int]
         return done
 
     with mock.patch.object(unshardlib._CastPlan, "run", counted) if steady else \
-            mock.patch.object(unshardlib._CastPlan, "of", classmethod(lambda cls, group: None)):
+            mock.patch.object(unshardlib._CastPlan, "of", classmethod(lambda cls, group: None)), \
+            comm_record.force_collectives(threshold > 0):
         model = NET.build().double()
-        shard_units(model, fully_shard, mesh=mesh,
+        shard_units(model, fully_shard, mesh=mesh, shard_threshold=threshold,
                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64))
         opt = torch.optim.AdamW(model.parameters(), lr=NET.lr)
         losses = []
@@ -67,11 +71,15 @@ def _run(mesh, steady: bool) -> tuple[list[float], dict[str, torch.Tensor], int]
     return losses, params, served[0]
 
 
-def test_the_steady_cast_equals_the_full_path_bit_for_bit(mesh):
-    losses, params, served = _run(mesh, steady=True)
-    want_losses, want_params, _ = _run(mesh, steady=False)
+@pytest.mark.parametrize("threshold", [0, 20], ids=["one rank", "replicated beside sharded"])
+def test_the_steady_cast_equals_the_full_path_bit_for_bit(mesh, threshold):
+    losses, params, served = _run(mesh, True, threshold)
+    want_losses, want_params, _ = _run(mesh, False, threshold)
     assert losses == want_losses
     assert params.keys() == want_params.keys()
     for name, want in want_params.items():
         assert torch.equal(params[name], want), name
-    assert served >= 8, served  # steady unshards in forward and backward of most steps
+    if threshold == 0:
+        assert served >= 8, served  # steady unshards in forward and backward of most steps
+    else:  # units of both kinds take the full path (the biases and the gain are replicated, weights sharded)
+        assert served == 0, served

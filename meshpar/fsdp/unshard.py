@@ -43,8 +43,8 @@ def _write_from_local(params: list[ShardedParam], dtypes: list[torch.dtype]) -> 
 
 
 # [Note: the steady cast]
-# A group whose every parameter is cast from its whole local tensor (one rank, or replicated
-# parameters; [Note: one data-parallel rank]) repeats the same work at each unshard: resize each
+# A group whose every parameter is cast from its whole local tensor (one rank, or a unit of only
+# replicated parameters; [Note: one data-parallel rank]) repeats the same work at each unshard: resize each
 # unsharded storage back, one ``_foreach_copy_`` from the same local tensors, the same unsharded
 # parameters set on the same modules. After a full unshard ``_CastPlan`` keeps those objects, and
 # the next unshards only check that each is still the one kept (the parameter's sharded and
@@ -65,13 +65,12 @@ class _CastPlan:
         self.storages = [(out.untyped_storage(), out.untyped_storage().size()) for out in self.outs]
         self.slots = [[(module_parameters(module), attr) for module, attr in p.places] for p in params]
         self.unsharded = tuple(p.unsharded for p in params)
-        self.whole = len(params) == len(group.all_params)  # every parameter of the group: it reshards them too
 
     @classmethod
     def of(cls, group: GroupUnshard) -> _CastPlan | None:
         params = group.replicated + (group.params if group.single else [])
-        if not params or (group.single and group.replicated) or group._gather is not None:
-            return None  # nothing cast from a whole local tensor, or both kinds: the full path's order of work
+        if not params or len(params) != len(group.all_params) or group._gather is not None:
+            return None  # the group's every parameter cast from its whole local tensor, or the full path
         if any(p.extension is not None or isinstance(p.unsharded, DTensor) or p.unsharded_padded is None
                or p.local.device != p.compute_device or p.local.dtype == group.compute_dtype(p)
                or p.unsharded.dtype != group.compute_dtype(p) for p in params):
@@ -319,7 +318,7 @@ class GroupUnshard:
             rank = dist.get_rank(group)
             self._post_forward_shards = [p.post_forward_piece(k, rank) for p in self.params]
         plan = self._cast_plan
-        if plan is not None and plan.whole:
+        if plan is not None:
             plan.reshard()
         else:
             for p in self.all_params:
