@@ -22,6 +22,8 @@ Anything else in a marked block fails the test. Nothing is run: one process, no 
 
 Links: every relative link (and image) in README.md and docs/*.md points at an existing file, and
 a ``#fragment`` into a Markdown file names one of its headings, as GitHub makes anchors of them.
+
+README.md's recipe table names each recipe's degrees and rank count as its file sets them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import contextlib
 import importlib.util
 import io
 import itertools
+import math
 import re
 import shlex
 import sys
@@ -377,3 +380,26 @@ def test_links(page: Path):
         elif fragment and dest.suffix == ".md" and fragment not in _anchors(dest):
             broken.append(f"{target}: no heading #{fragment} in {dest.relative_to(REPO)}")
     assert not broken, f"{page.relative_to(REPO)}: broken links:\n  " + "\n  ".join(broken)
+
+
+_RECIPE_ROW = re.compile(r"^\| `(\w+\.toml)` \| [^|]+ \| ([\d,]+)(?: \w+)? \| ([^|]+) \|")
+_DEGREE = re.compile(r"\b(pp|dp_replicate|dp_shard|cp|tp|ep) (\d+)")
+
+
+def test_the_readme_recipe_table_gives_each_recipes_layout():
+    """README.md's recipe table: each row of one recipe names its degrees (``pp 4 x dp_shard 64 x tp 4,
+    ep 64``) and its rank count as the recipe file sets them; a recipe whose layout changed fails here
+    until its row does."""
+    rows = [m.groups() for line in (REPO / "README.md").read_text().splitlines() if (m := _RECIPE_ROW.match(line))]
+    assert len(rows) >= 20, f"the table's rows were not found: {len(rows)}"
+    for name, ranks, layout in rows:
+        p = recipelib.load(REPO / "recipes" / name).parallel
+        said = {dim: int(n) for dim, n in _DEGREE.findall(layout)}
+        if "single rank" in layout:
+            said = {dim: 1 for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+        for dim, n in said.items():
+            value = getattr(p, dim)
+            assert value in (n, -1 if dim == "dp_shard" else n), f"{name}: README says {dim} {n}, the recipe {value}"
+        mesh = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        total = math.prod(said.get(dim, max(getattr(p, dim), 1)) for dim in mesh)
+        assert total == int(ranks.replace(",", "")), f"{name}: README says {ranks} ranks, its layout makes {total}"
