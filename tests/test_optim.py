@@ -44,12 +44,13 @@ def _grad(p: torch.Tensor, step: int, i: int, how: str) -> torch.Tensor:
     return DTensor.from_local(g, p.device_mesh, p.placements)  # placed alike, a spec of its own
 
 
-def test_the_steady_step_gives_adamws_bits_and_falls_back_when_it_must(mesh, monkeypatch):
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_the_steady_step_gives_adamws_bits_and_falls_back_when_it_must(mesh, monkeypatch, amsgrad):
     ours, theirs = _params(mesh), _params(mesh)
     opt = optim.ShardLocalAdamW([{"params": ours[:2], "weight_decay": 0.1}, {"params": ours[2:], "weight_decay": 0}],
-                                lr=1e-2, fused=True)
+                                lr=1e-2, fused=True, amsgrad=amsgrad)
     ref = torch.optim.AdamW([{"params": theirs[:2], "weight_decay": 0.1}, {"params": theirs[2:], "weight_decay": 0}],
-                            lr=1e-2, fused=True)
+                            lr=1e-2, fused=True, amsgrad=amsgrad)
     inits = []
     whole = optim.adam_init_group
     monkeypatch.setattr(optim, "adam_init_group", lambda *a: inits.append(1) or whole(*a))

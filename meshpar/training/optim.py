@@ -80,7 +80,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
 # its parameter's spec); AdamW's ``_init_group`` and the placement comparisons then run no more. Anything
 # else (a missing gradient, one placed otherwise, a parameter or state tensor that is not the object
 # kept: a state dict loaded, a group edited) takes the whole path above, and the kernel runs on the
-# same tensors either way (tests/test_fsdp.py compares the two paths with torch.optim.AdamW).
+# same tensors either way (tests/test_optim.py and tests/test_fsdp.py compare both with torch.optim.AdamW).
 
 
 class _Steady:
@@ -108,7 +108,7 @@ class _Steady:
         for p, kept_p, (st, m, v, vmax, step) in zip(params, self.params, self.kept, strict=True):
             g = p.grad
             if p is not kept_p or g is None or state.get(p) is not st or st["exp_avg"] is not m \
-                    or st["exp_avg_sq"] is not v or st["step"] is not step:
+                    or st["exp_avg_sq"] is not v or st["step"] is not step or st.get("max_exp_avg_sq") is not vmax:
                 return None
             if isinstance(p, DTensor):
                 if not (isinstance(g, DTensor) and (same_spec(g, p) or (g.placements == p.placements
