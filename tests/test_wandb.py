@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,8 @@ def wandb_records(path: Path):
             continue
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if len(chunk) < length:  # the record the writer is still writing
+            return
         if kind in (1, 2):  # full, first
             pending = chunk
         elif kind in (3, 4):  # middle, last
@@ -44,11 +47,22 @@ def wandb_records(path: Path):
             yield record
 
 
-def read_run(path: Path) -> tuple[dict[int, dict], dict, object]:
-    """(history by step, config, the run record) of an offline run's ``.wandb`` file."""
+def read_run(path: Path, wait_s: float = 60) -> tuple[dict[int, dict], dict, object]:
+    """(history by step, config, the run record) of an offline run's ``.wandb`` file, once it is whole.
+
+    ``run.finish()`` returns when W&B's service process has taken the run's last record, not when
+    that process has written its file: under load the test can read the file first. So this reads
+    until the file ends with the run's ``exit`` record, waiting up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = list(wandb_records(path))
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if kinds and kinds[-1] == "exit":
+            break
+        assert time.monotonic() < deadline, f"{path} holds no exit record after {wait_s} s: {kinds}"
+        time.sleep(0.2)
     history, config, run = {}, {}, None
-    for r in wandb_records(path):
-        kind = r.WhichOneof("record_type")
+    for r, kind in zip(records, kinds, strict=True):
         if kind == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
             history[items["_step"]] = items
@@ -56,6 +70,7 @@ def read_run(path: Path) -> tuple[dict[int, dict], dict, object]:
             updates = r.config.update if kind == "config" else r.run.config.update
             config.update({i.key: json.loads(i.value_json) for i in updates})
             run = r.run if kind == "run" else run
+    assert run is not None, f"{path} holds no run record: {kinds}"
     return history, config, run
 
 
