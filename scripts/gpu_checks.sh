@@ -13,8 +13,9 @@
 #    in bf16, at one ep-8 rank's share of Qwen3-30B-A3B and 235B-A22B layers);
 # 5. float8 (issue 29): bench_gpu --float8, torchao's tensorwise float8 against bf16 in both
 #    engines at 1B (4096, 8192) and 3B, compiled: the float8/bf16 and meshpar/plain ratios.
-# 6. cp (issue 31): tests/test_cuda.py's flex tests (the all-gather's attention on flex_attention,
-#    forward and backward against float64), then bench_cp_attention --flex at the 128k recipes' shapes.
+# 6. cp (issue 31): tests/test_cuda.py's flex tests (the all-gather's attention and the ring on
+#    flex_attention, forward and backward against float64), then bench_cp_attention --flex at the
+#    128k recipes' shapes (gather-flex and ring-flex beside the others: the ring/gather ratio).
 # Each part has its own time limit and writes its log under $OUT, so one that fails or runs out
 # of time leaves the others' results. The machine's python3 is its own PyTorch (not this
 # repository's .venv), so the package is used from the source tree.
@@ -58,7 +59,7 @@ if want float8; then  # issue 29. The GPU machine reaches no index: carry the wh
     --json "$out/bench_float8.json" 2>&1 | grep -v "^USDT" | tee "$out/bench_float8.log"
 fi
 if want cp; then
-  # issue 31: the gather on flex (forward and backward against float64), then its rate beside the others
+  # issue 31: the gather and the ring on flex (forward and backward against float64), then their rates
   timeout "${CP_TESTS_S:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k flex 2>&1 \
     | tee "$out/cp_flex_tests.log"
   timeout "${CP_S:-150}" python3 -m tests.benchmarks.bench_cp_attention --hardware h200 --flex \

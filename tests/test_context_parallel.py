@@ -57,27 +57,30 @@ def _case_parity(mesh) -> dict:
     return out
 
 
-def reference_model(seed: int = 0, documents: bool = False, n_kv_heads: int = 4):
-    """The debug Llama (2 blocks, vocabulary 64), a batch [B, T + 1] of tokens, and its logits after
+def reference_model(seed: int = 0, documents: bool = False, n_kv_heads: int = 4, seq_len: int = T):
+    """The debug Llama (2 blocks, vocabulary 64), a batch [B, seq_len + 1] of tokens, and its logits after
     one process's forward and backward (its parameters hold their gradients). With ``documents``
     the tokens are packed documents (DOCUMENTS) and the model's attention is document-causal."""
-    ref = build_model("llama", "debug", n_layers=2, vocab_size=64, max_seq_len=T,
+    ref = build_model("llama", "debug", n_layers=2, vocab_size=64, max_seq_len=seq_len,
                       document_eos=EOS if documents else -1, n_kv_heads=n_kv_heads)
     if documents:
         tokens, _ = packed_documents(64, DOCUMENTS, seed=seed)
     else:
-        tokens = torch.randint(0, 64, (B, T + 1), generator=torch.Generator().manual_seed(seed))
+        tokens = torch.randint(0, 64, (B, seq_len + 1), generator=torch.Generator().manual_seed(seed))
     logits = ref(tokens[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     return ref, tokens, logits
 
 
-def run_cp(ref, inputs, targets, mesh, balanced: bool, attention: str = "allgather"):
-    """A copy of ``ref`` over cp on this rank's tokens: its logits, every parameter's gradient
-    averaged over the cp ranks (as FSDP over dp_shard x cp does), the collectives it issued."""
+def run_cp(ref, inputs, targets, mesh, balanced: bool, attention: str = "allgather", kernels: Kernels | None = None):
+    """A copy of ``ref`` over cp on this rank's tokens (attention's kernel paths ``kernels``, if given):
+    its logits, every parameter's gradient averaged over the cp ranks (as FSDP over dp_shard x cp
+    does), the collectives it issued."""
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)
     apply_context_parallel(model, mesh, balanced=balanced, attention=attention)
+    for block in model.layers.values() if kernels else ():
+        block.attention.inner_attention.kernels = kernels
     with comm_record.count() as counted:
         local = model(shard_sequence(inputs, mesh, balanced=balanced))
         F.cross_entropy(local.flatten(0, 1), shard_sequence(targets, mesh, balanced=balanced).flatten()).backward()
@@ -160,7 +163,7 @@ def _case_flex(mesh) -> dict:
             whole, local = ref(tokens), model(shard_sequence(tokens, mesh))
         idx = sequence_indices(t, mesh.size(), mesh.get_local_rank())
         layout = model.layers["0"].attention.inner_attention.layout
-        ran = layout._doc_mask is not None if documents else any(key[0] == "flex" for key in layout._built)
+        ran = any(key[0] == "flex" for key in (layout._doc_masks if documents else layout._built))
         out[documents] = {"diff": ((local - whole[:, idx]).abs().max() / whole.abs().max()).item(), "flex": ran}
     return out
 

@@ -481,18 +481,11 @@ def test_document_chunks_on_cuda_equal_document_attention_and_avoid_the_math_ker
         assert (ql.grad.double().cpu() - gq).abs().max().item() <= tol * gq.abs().max().item(), rank
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-@pytest.mark.parametrize("cp", [2, 4])
-def test_gather_on_flex_equals_masked_attention(cp, documents, dtype):
-    """The all-gather's attention on compiled flex_attention ([Note: cp attention on flex_attention];
-    the CPU suite checks its forward and its tiles, not its backward): every virtual rank's queries
-    of the balanced split over the gathered K and V under ``flex.block_mask``, forward and backward,
-    against one masked attention in float64 on the CPU; dK and dV summed over the ranks (the
-    reduce-scatter) against the whole sequence's. Tolerance as in the chunk tests above."""
+def _flex_reference(documents: bool):
+    """The flex tests' case: (T, q, k, v, dO, doc or None, the float64 inputs holding their
+    gradients, the output) of one masked attention in float64 on the CPU, GQA 8 / 4 heads of 64
+    over 1024 tokens, causal or by documents that end inside tiles and at a tile's edge."""
     from meshpar.models.attention import document_ids, document_mask
-    from meshpar.parallel.context_parallel import apply as cplib
-    from meshpar.parallel.context_parallel import flex as flexlib
 
     b, h, hkv, t, d = 2, 8, 4, 1024, 64
     gen = torch.Generator().manual_seed(0)
@@ -507,6 +500,22 @@ def test_gather_on_flex_equals_masked_attention(cp, documents, dtype):
     ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, attn_mask=mask, is_causal=not documents,
                                                            enable_gqa=True)
     ref.backward(grad)
+    return t, q, k, v, grad, doc, ref_in, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_gather_on_flex_equals_masked_attention(cp, documents, dtype):
+    """The all-gather's attention on compiled flex_attention ([Note: cp attention on flex_attention];
+    the CPU suite checks its forward and its tiles, not its backward): every virtual rank's queries
+    of the balanced split over the gathered K and V under ``flex.block_mask``, forward and backward,
+    against one masked attention in float64 on the CPU; dK and dV summed over the ranks (the
+    reduce-scatter) against the whole sequence's. Tolerance as in the chunk tests above."""
+    from meshpar.parallel.context_parallel import apply as cplib
+    from meshpar.parallel.context_parallel import flex as flexlib
+
+    t, q, k, v, grad, doc, ref_in, ref = _flex_reference(documents)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(cp):
@@ -524,3 +533,54 @@ def test_gather_on_flex_equals_masked_attention(cp, documents, dtype):
     for got, want in ((dk, ref_in[1].grad), (dv, ref_in[2].grad)):
         assert (got - want).abs().max().item() <= tol * want.abs().max().item()
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "contiguous"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_on_flex_equals_masked_attention(cp, balanced, documents, dtype):
+    """The ring on compiled flex_attention ([Note: the ring on flex]; the CPU suite runs it on gloo
+    ranks with flex's eager reference): each virtual rank's ``_FlexRing`` over a ring held in one
+    process (``_OneProcessRing``: every rank's K/V chunk at hand, the dK/dV a rank computes for the
+    others' chunks kept), forward and backward, against one masked attention in float64 on the CPU;
+    dK and dV summed over the ranks. Tolerance as in the gather's test above."""
+    from meshpar.models.attention import Kernels
+    from meshpar.parallel.context_parallel import apply as cplib
+    from meshpar.parallel.context_parallel import ring as ringlib
+    from meshpar.parallel.context_parallel import ring_flex
+
+    class _OneProcessRing(ringlib.Ring):
+        def __init__(self, rank: int, kv: list[torch.Tensor]) -> None:
+            self.cp, self.rank, self.balanced, self.kernels = cp, rank, balanced, Kernels(flex=True)
+            self.kv, self.dkv = kv, [torch.zeros_like(x) for x in kv]
+
+        def forward(self, kv, attend):
+            for step in range(self.cp):
+                src = (self.rank - step) % self.cp
+                attend(src, kv if src == self.rank else self.kv[src])
+
+        def backward(self, kv, grads):
+            for step in range(self.cp):
+                src = (self.rank - step) % self.cp
+                self.dkv[src] += grads(src, kv if src == self.rank else self.kv[src]).to(kv.dtype)
+            return self.dkv[self.rank]
+
+    t, q, k, v, grad, doc, ref_in, ref = _flex_reference(documents)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    every_rank = torch.stack([cplib.sequence_indices(t, cp, r, balanced=balanced) for r in range(cp)])
+    chunks = [torch.stack([x[:, :, every_rank[r]] for x in (k, v)]).to("cuda", dtype) for r in range(cp)]
+    rings = [_OneProcessRing(rank, chunks) for rank in range(cp)]
+    for rank, ring in enumerate(rings):
+        idx = every_rank[rank]
+        masks = ring_flex.step_masks(ring, every_rank.cuda(), None if doc is None else doc[:, every_rank].cuda())
+        ql = q[:, :, idx].to("cuda", dtype).requires_grad_()
+        out = ring_flex.flex_ring_attention(ql, *chunks[rank].unbind(0), ring, masks)
+        out.backward(grad[:, :, idx].to("cuda", dtype))
+        assert (out.double().cpu() - ref[:, :, idx]).abs().max().item() <= tol * ref.abs().max().item(), rank
+        gq = ref_in[0].grad[:, :, idx]
+        assert (ql.grad.double().cpu() - gq).abs().max().item() <= tol * gq.abs().max().item(), rank
+    for i, want in ((0, ref_in[1].grad), (1, ref_in[2].grad)):
+        got = torch.cat([sum(ring.dkv[r] for ring in rings)[i].double().cpu() for r in range(cp)], dim=2)
+        want = want[:, :, every_rank.flatten()]
+        assert (got - want).abs().max().item() <= tol * want.abs().max().item()

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from meshpar.models.attention import Kernels, document_ids, document_mask
+from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.parallel.context_parallel import ring as ringlib
+from meshpar.parallel.context_parallel import ring_flex
 from meshpar.parallel.context_parallel.apply import apply_context_parallel, sequence_indices
 from meshpar.planner import cost as costlib
 from tests.distributed import CaseSet
@@ -102,7 +104,73 @@ def _case_ring(mesh) -> dict:
     return out
 
 
-JOBS = CaseSet({"ring": (_case_ring, (2, 4))}, setup=_setup, timeout=240)
+def _flex_ring_alone(mesh, balanced: bool, documents: bool) -> dict:
+    """[Note: the ring on flex] alone: q, k, v of 8 query heads over 2 kv heads, a rank holding two
+    chunks of one tile (128 tokens) each (or one of 256), with documents whose ends fall inside tiles
+    and at a chunk's edge; out and the q, k, v gradients against one process's; and the same with
+    the planted bug, the steps' log-sum-exp given no gradient."""
+    cp = mesh.size()
+    seq = flexlib.BLOCK * 2 * cp
+    g = torch.Generator().manual_seed(1)
+    q, dout = (torch.randn(2, H, seq, DH, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, HKV, seq, DH, generator=g) for _ in range(2))
+    tokens = torch.ones(2, seq, dtype=torch.long)
+    if documents:  # row 0: ends inside the first tile and at a chunk's last token; row 1: one long document
+        tokens[0, [40, flexlib.BLOCK - 1, seq // 2 + 7]] = 0
+        tokens[1, [seq - 200]] = 0
+    doc, _ = document_ids(tokens, eos=0)
+    mask = document_mask(tokens, eos=0)[0] if documents else None
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, attn_mask=mask, is_causal=mask is None, enable_gqa=True).backward(dout)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    every_rank = torch.stack([sequence_indices(seq, cp, r, balanced=balanced) for r in range(cp)])
+    idx = every_rank[mesh.get_local_rank()]
+    ring = ringlib.Ring(mesh, balanced, Kernels(flex=True))
+    masks = ring_flex.step_masks(ring, every_rank, doc[:, every_rank] if documents else None)
+
+    def run():
+        local = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)]
+        out = ring_flex.flex_ring_attention(*local, ring, masks)
+        out.backward(dout[:, :, idx])
+        diff = {"out": _rel(out, want[:, :, idx])}
+        diff.update({f"d{n}": _rel(x.grad, r.grad[:, :, idx]) for n, x, r in zip("qkv", local, ref, strict=True)})
+        return diff
+
+    diff = run()
+    upstream = ring_flex._upstream
+    ring_flex._upstream = lambda *a: (upstream(*a)[0], torch.zeros_like(a[1]))
+    try:
+        bug = run()
+    finally:
+        ring_flex._upstream = upstream
+    return {"diff": diff, "bug": {k: bug[k] for k in ("dq", "dk")}, "skipped": masks.count(None)}
+
+
+def _case_flex(mesh) -> dict:
+    """The ring on flex alone, and in the debug Llama (``attention="ring"``, ``Kernels(flex=True)``) at
+    a sequence of one tile per chunk: logits and every gradient against one process's."""
+    alone = {(balanced, documents): _flex_ring_alone(mesh, balanced, documents)
+             for balanced in (True, False) for documents in (False, True)}
+    t = flexlib.BLOCK * 2 * mesh.size()
+    ref, tokens, logits = reference_model(seq_len=t)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    model, attend = {}, flexlib.attend_lse
+    for balanced in (True, False):
+        idx = sequence_indices(t, mesh.size(), mesh.get_local_rank(), balanced=balanced)
+        flex_calls = []
+        flexlib.attend_lse = lambda *a, n=flex_calls: n.append(1) or attend(*a)  # counts the flex calls
+        try:
+            local, grads, calls = run_cp(ref, inputs, targets, mesh, balanced, attention="ring",
+                                         kernels=Kernels(flex=True))
+        finally:
+            flexlib.attend_lse = attend
+        diff = {"logits": _rel(local, logits[:, idx])}
+        diff.update({name: _rel(grads[name], p.grad) for name, p in ref.named_parameters()})
+        model[balanced] = {"diff": diff, "calls": calls, "flex_calls": len(flex_calls)}
+    return {"alone": alone, "model": model}
+
+
+JOBS = CaseSet({"ring": (_case_ring, (2, 4)), "flex": (_case_flex, (2, 4))}, setup=_setup, timeout=240)
 
 
 def _within(diff: dict[str, float], what) -> None:
@@ -125,6 +193,26 @@ def test_ring_attention_matches_one_process_and_the_all_gather(world):
         for docs in (False, True):
             bug = {"out": max((r[balanced]["documents"] if docs else r[balanced])["bug"] for r in ranks)}
             must_fail(lambda bug=bug: _within(bug, "unrescaled merge"), "the merge left unrescaled")
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_on_flex_matches_one_process(world):
+    """[Note: the ring on flex], flex run by its eager reference (float64): every rank's output and q,
+    k, v gradients equal one process's, balanced and contiguous (whose later ranks' steps are skipped),
+    causal and by document; the debug Llama's logits and every gradient too, with the ring's hops and
+    nothing else; giving the steps' log-sum-exp no gradient breaks dQ and dK."""
+    for rank, r in enumerate(JOBS.check("flex", world)):
+        for (balanced, documents), case in r["alone"].items():
+            _within(case["diff"], ("flex ring alone", balanced, documents, rank))
+            must_fail(lambda case=case: _within(case["bug"], "no lse gradient"), "the steps' lse left without gradient")
+            assert case["skipped"] == (0 if balanced else world - 1 - rank), (balanced, rank, case["skipped"])
+        for balanced, case in r["model"].items():
+            _within(case["diff"], ("debug Llama, ring on flex", balanced, rank))
+            # per layer, a flex call for each step that sees keys, forward and again in backward
+            steps = world if balanced else rank + 1
+            assert case["flex_calls"] == 2 * 2 * steps, (balanced, rank, case["flex_calls"])
+            assert case["calls"] == {("send_recv", "cp"): 2 * 3 * (world - 1)}, case["calls"]
 
 
 def test_cp_attention_is_checked():
@@ -165,7 +253,7 @@ def test_the_planner_runs_one_score_block_per_chunk_pair():
     """The planner's simulation takes each (query chunk, key chunk) pair's largest score block only
     (``Kernels(fake=True)``; a 131072-token plan would otherwise run ~10^5 fake matmuls per layer):
     the same pairs, the same largest block, so the same peak and hops."""
-    ring = object.__new__(ringlib._Ring)
+    ring = object.__new__(ringlib.Ring)
     ring.cp, ring.rank, ring.balanced, ring.kernels = 4, 1, True, Kernels()
     elements = 4 * 64 * 10  # blocks of 10 queries over a chunk of 64 keys
     every = {src: list(ring.pairs(src, 128, heads=4, elements=elements)) for src in range(4)}

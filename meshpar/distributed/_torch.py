@@ -217,6 +217,24 @@ def attention_ops() -> tuple[Any, ...]:
             torch.ops.higher_order.flex_attention)
 
 
+def flex_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             block_mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """flex_attention's output and log-sum-exp (natural log) by its eager reference implementation,
+    both differentiable on any device. The public function refuses inputs that need a gradient on
+    CPU (its compiled CPU kernel has no backward); the operator it calls has a reference backward,
+    so CPU runs meshpar's flex paths in float64 through this (ring_flex.py). Public alternative:
+    ``flex_attention(..., return_aux=AuxRequest(lse=True))`` on CUDA only."""
+    import math
+
+    from torch._higher_order_ops.flex_attention import flex_attention as operator
+    from torch.nn.attention import flex_attention as flex
+
+    options = flex._apply_kernel_options(q, k, v, True, None, None)
+    out, lse, _ = operator(q, k, v, flex._identity, block_mask.as_tuple(), q.shape[-1] ** -0.5, options)
+    # the operator's statistics are in base 2 off its flash backend (the public function rescales them)
+    return out, (lse if options["BACKEND"] == "FLASH" else lse * math.log(2))
+
+
 # --- the profiler --------------------------------------------------------------------------------------
 
 def profiler_enabled() -> bool:
@@ -417,6 +435,10 @@ REQUIRED: dict[str, str] = {
     "torch.ops.aten._scaled_dot_product_efficient_attention.default": "selective activation checkpointing",
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default": "selective activation checkpointing",
     "torch.ops.aten._scaled_dot_product_cudnn_attention.default": "selective activation checkpointing",
+    "torch._higher_order_ops.flex_attention.flex_attention":
+        "ring attention on flex_attention, differentiated off CUDA (flex_attention_reference)",
+    "torch.nn.attention.flex_attention._apply_kernel_options": "flex_attention_reference",
+    "torch.nn.attention.flex_attention._identity": "flex_attention_reference",
     "torch._C._autograd._profiler_enabled": "trace labels (profiling/labels.py)",
     "torch.ops.profiler._record_function_enter_new": "tensor-parallel backward labels (profiling/labels.py)",
     "torch.ops.profiler._record_function_exit._RecordFunction": "tensor-parallel backward labels",

@@ -17,9 +17,12 @@ attention work under it) runs, forward and backward:
   ``causal_lower_right`` on CUDA; a built mask elsewhere);
 - ``gather-repeat``: the same with K and V first repeated to the query heads (a GQA kernel's
   alternative: more bytes read, perhaps a faster kernel);
-- ``gather-flex`` (``--flex``, CUDA only: flex_attention has no backward on the CPU): the gather on
+- ``gather-flex`` (``--flex`` on CUDA: flex_attention's call has no backward on the CPU): the gather on
   flex as training runs it with ``Kernels(flex=True)`` (meshpar/parallel/context_parallel/flex.py):
   both chunks in one compiled ``flex_attention`` call under the block mask of the rank's positions;
+- ``ring-flex`` (``--flex``): the ring on flex ([Note: the ring on flex], ring_flex.py), one
+  compiled flex call per ring step (flex's eager reference on the CPU) and each step's forward
+  again in backward, its hops replaced as the ring's below;
 - ``ring@E``: ``ring_attention``'s forward and backward with blocks of at most E scores (one
   block of queries against one key chunk; ``ring_attention.score_elements``), its hops replaced by
   local copies of the K/V chunk the ring would receive (so the forward and dQ are exact; the dK/dV
@@ -59,6 +62,7 @@ from meshpar.models.attention import Kernels
 from meshpar.parallel.context_parallel import apply as cplib
 from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.parallel.context_parallel import ring as ringlib
+from meshpar.parallel.context_parallel import ring_flex
 from meshpar.planner.cost import default_efficiency
 from tests.benchmarks.probes import median_seconds
 from tests.helpers import CpRank
@@ -180,11 +184,27 @@ def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int
             got["gather-flex"] = (out.detach(), ql.grad)
         return run
 
-    def ring(elements: int):
-        ring_ = ringlib._Ring.__new__(ringlib._Ring)
+    def rank_zero(kernels: Kernels) -> ringlib.Ring:
+        ring_ = ringlib.Ring.__new__(ringlib.Ring)
         ring_.group, ring_.cp, ring_.rank, ring_.balanced = None, cp, 0, True
         ring_.next, ring_.prev = 1 % cp, (cp - 1) % cp
-        ring_.kernels = Kernels(ring_scores=elements)
+        ring_.kernels = kernels
+        return ring_
+
+    def ring_flex_run():
+        ring_ = rank_zero(Kernels(flex=True))
+        masks = ring_flex.step_masks(ring_, torch.stack(idx), None)
+
+        def run():
+            ql.grad = kl.grad = vl.grad = None
+            with mock.patch.object(ringlib.comm, "send_recv", _Hops([x.unflatten(1, (b, hkv)) for x in kv_of_rank], 0)):
+                out = ring_flex.flex_ring_attention(ql, kl, vl, ring_, masks)
+                out.backward(grad)
+            got["ring-flex"] = (out.detach(), ql.grad)
+        return run
+
+    def ring(elements: int):
+        ring_ = rank_zero(Kernels(ring_scores=elements))
 
         def run():
             ql.grad = kl.grad = vl.grad = None
@@ -195,8 +215,10 @@ def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int
         return run
 
     runs = {"whole": whole, "gather": gather, "gather-repeat": gather_repeat}
-    if flex:
+    if flex and device == "cuda":  # the gather's flex call has no CPU backward
         runs["gather-flex"] = gather_flex()
+    if flex:  # on CPU, flex's eager reference ([Note: the ring on flex])
+        runs["ring-flex"] = ring_flex_run()
     runs |= {f"ring@{e}": ring(e) for e in score_elements}
     rows = []
     for name, fn in runs.items():
@@ -226,12 +248,14 @@ def main() -> None:
     ap.add_argument("--score-elements", default=f"{ringlib.SCORE_ELEMENTS},{ringlib.SCORE_ELEMENTS_CUDA}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hardware", default="auto", help="profile for the peak (auto: this device's)")
-    ap.add_argument("--flex", action="store_true", help="also the gather's chunks on flex_attention (CUDA only)")
+    ap.add_argument("--flex", action="store_true", help="also the ring on flex_attention, and on CUDA the gather")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--smoke", action="store_true", help="recipes/llama_debug_cp.toml on the CPU in float64")
+    ap.add_argument("--smoke", action="store_true",
+                    help="recipes/llama_debug_cp.toml on the CPU in float64, with --flex")
     a = ap.parse_args()
     if a.smoke:
         a.cases, a.device, a.dtype, a.repeats, a.score_elements = "llama_debug_cp", "cpu", "float64", 1, "65536"
+        a.flex = True  # the ring on flex, by its eager reference
     dtype = getattr(torch, a.dtype)
     elements = [int(e) for e in a.score_elements.split(",")]
     print(f"one cp rank's attention, forward + backward, {a.dtype} on {a.device}")
@@ -239,8 +263,6 @@ def main() -> None:
           f"{'planned ms':>10} {'meas/plan':>9} {'peak MiB':>9} {'out diff':>9} {'dQ diff':>9}")
     rows = []
     for case in a.cases.split(","):
-        if a.flex and a.device != "cuda":
-            ap.error("--flex needs --device cuda: flex_attention has no backward on the CPU")
         for r in measure(case, a.device, dtype, elements, a.repeats, a.hardware, a.flex):
             rows.append(r)
             shape = f"{r['b']} {r['h']}/{r['hkv']} {r['t']} {r['cp'] if r['attention'] != 'whole' else 1}"

@@ -41,7 +41,8 @@ from meshpar.models.attention import (
     masked_attention,
 )
 from meshpar.parallel.context_parallel import flex as flexlib
-from meshpar.parallel.context_parallel.ring import ring_attention
+from meshpar.parallel.context_parallel.ring import Ring, ring_attention
+from meshpar.parallel.context_parallel.ring_flex import flex_ring_attention, step_masks
 from meshpar.parallel.context_parallel.ulysses import ulysses_attention
 
 # [Note: balanced sequence split]
@@ -142,8 +143,8 @@ class _Layout:
 
     def __init__(self, mesh: DeviceMesh, balanced: bool) -> None:
         self.mesh, self.balanced = mesh, balanced
-        self._built: dict[tuple, _Indices | BlockMask] = {}
-        self._doc_mask: tuple[Tensor, BlockMask] | None = None
+        self._built: dict[tuple, object] = {}  # _Indices, block masks
+        self._doc_masks: dict[tuple, tuple[Tensor, object]] = {}  # the masks of the last forward's documents
 
     def indices(self, local_len: int, device: torch.device) -> _Indices:
         key = ("indices", local_len, torch.device(device))
@@ -158,19 +159,28 @@ class _Layout:
         return built
 
     def flex_mask(self, local_len: int, doc: Tensor | None, device: torch.device) -> BlockMask:
-        """The all-gather's block mask on flex (flex.py): kept per (length, device) when causal; with
-        documents, for the doc tensor of the forward (every layer of a forward is handed the same one)."""
-        key = ("flex", local_len, torch.device(device))
+        """The all-gather's block mask on flex (flex.py)."""
+        return self._masks("flex", local_len, doc, device, lambda idx: flexlib.block_mask(
+            idx.positions, local_len * self.mesh.size(), doc))
+
+    def ring_masks(self, ring: Ring, local_len: int, doc: Tensor | None, device: torch.device) -> list:
+        """The ring's block masks on flex, one per source rank (ring_flex.py); ``doc[B, cp, T/cp]``."""
+        return self._masks("ring_flex", local_len, doc, device, lambda idx: step_masks(ring, idx.every_rank, doc))
+
+    def _masks(self, kind: str, local_len: int, doc: Tensor | None, device: torch.device, build):
+        """``build(indices)``, kept per (kind, length, device) when causal; with documents, for the doc
+        tensor of the forward (every layer of a forward is handed the same one)."""
+        key = (kind, local_len, torch.device(device))
         if doc is None and key in self._built:
             return self._built[key]
-        if doc is not None and self._doc_mask is not None and self._doc_mask[0] is doc:
-            return self._doc_mask[1]
-        mask = flexlib.block_mask(self.indices(local_len, device).positions, local_len * self.mesh.size(), doc)
+        if doc is not None and key in self._doc_masks and self._doc_masks[key][0] is doc:
+            return self._doc_masks[key][1]
+        masks = build(self.indices(local_len, device))
         if doc is not None:
-            self._doc_mask = (doc, mask)
-        elif type(mask.kv_indices) is Tensor:  # [Note: index tensors built once]
-            self._built[key] = mask
-        return mask
+            self._doc_masks[key] = (doc, masks)
+        elif all(type(m.kv_indices) is Tensor for m in (masks if isinstance(masks, list) else [masks]) if m):
+            self._built[key] = masks  # [Note: index tensors built once]
+        return masks
 
     def query_chunks(self, local_len: int) -> list[tuple[int, int, int]]:
         """(first local query, queries, keys it may see: the sequence up to its chunk's end) per
@@ -333,6 +343,9 @@ def _attend_ring(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor 
     doc = _documents(mask)
     if doc is not None:  # each rank's tokens' documents, [B, cp, T/cp]
         doc = doc[:, layout.indices(q.shape[2], doc.device).every_rank]
+    if kernels.flex and not kernels.fake and flexlib.takes(q.shape[2], q.shape[2]):  # [Note: the ring on flex]
+        ring = Ring(layout.mesh, layout.balanced, kernels)
+        return flex_ring_attention(q, k, v, ring, layout.ring_masks(ring, q.shape[2], doc, q.device))
     return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced, documents=doc, kernels=kernels)
 
 

@@ -26,7 +26,9 @@ import functools
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+from meshpar.distributed import _torch
 
 BLOCK = 128  # query and key tile of the block mask (flex's default)
 
@@ -40,28 +42,36 @@ def block_mask(positions: Tensor, seq_len: int, doc: Tensor | None = None) -> Bl
     """[Note: cp attention on flex_attention]: the mask of queries at global ``positions[n]``
     (increasing) over keys 0 .. ``seq_len`` - 1, causal, and within documents when ``doc[B, T]`` (the
     whole sequence's ids, nondecreasing) is given."""
-    n = positions.numel()
-    if not takes(n, seq_len):
-        raise ValueError(f"flex cp attention takes lengths in whole tiles of {BLOCK}: {n} queries, {seq_len} keys")
-    q_tiles = positions.view(n // BLOCK, BLOCK)
-    p_lo, p_hi = q_tiles[:, 0], q_tiles[:, -1]  # [nq]
-    k_lo = torch.arange(0, seq_len, BLOCK, device=positions.device)  # [nk]
-    k_hi = k_lo + BLOCK - 1
-    seen = (k_lo.unsqueeze(0) <= p_hi.unsqueeze(1)).unsqueeze(0)  # [1, nq, nk]: some pair attends
-    full = (k_hi.unsqueeze(0) <= p_lo.unsqueeze(1)).unsqueeze(0)  # [1, nq, nk]: every pair does
-    if doc is None:
-        mask_mod = functools.partial(_causal, positions)
+    keys = torch.arange(seq_len, device=positions.device)
+    return pair_mask(positions, keys, *(() if doc is None else (doc[:, positions], doc)))
+
+
+def pair_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None = None, k_doc: Tensor | None = None) -> BlockMask:
+    """The block mask of queries at global positions ``q_pos[n]`` over keys at ``k_pos[m]`` (each
+    increasing): query i sees key j when ``q_pos[i] >= k_pos[j]`` and, given the documents of both
+    (``q_doc[B, n]``, ``k_doc[B, m]``, nondecreasing), they are in one document. The all-gather's
+    keys are the whole sequence; a ring step's are one rank's chunks (ring_flex.py)."""
+    n, m = q_pos.numel(), k_pos.numel()
+    if not (n % BLOCK == 0 and m % BLOCK == 0):
+        raise ValueError(f"flex cp attention takes lengths in whole tiles of {BLOCK}: {n} queries, {m} keys")
+    q_tiles, k_tiles = q_pos.view(n // BLOCK, BLOCK), k_pos.view(m // BLOCK, BLOCK)
+    p_lo, p_hi = q_tiles[:, 0].unsqueeze(1), q_tiles[:, -1].unsqueeze(1)  # [nq, 1]
+    k_lo, k_hi = k_tiles[:, 0].unsqueeze(0), k_tiles[:, -1].unsqueeze(0)  # [1, nk]
+    seen = (k_lo <= p_hi).unsqueeze(0)  # [1, nq, nk]: some pair attends
+    full = (k_hi <= p_lo).unsqueeze(0)  # [1, nq, nk]: every pair does
+    if q_doc is None:
+        mask_mod = functools.partial(_causal, q_pos, k_pos)
     else:
-        q_doc = doc[:, positions].view(doc.shape[0], n // BLOCK, BLOCK)  # [B, nq, BLOCK]
-        k_doc = doc.view(doc.shape[0], seq_len // BLOCK, BLOCK)  # [B, nk, BLOCK]
-        qd_lo, qd_hi = q_doc[..., 0].unsqueeze(2), q_doc[..., -1].unsqueeze(2)  # [B, nq, 1]
-        kd_lo, kd_hi = k_doc[..., 0].unsqueeze(1), k_doc[..., -1].unsqueeze(1)  # [B, 1, nk]
+        b = q_doc.shape[0]
+        q_doc_tiles, k_doc_tiles = q_doc.view(b, n // BLOCK, BLOCK), k_doc.view(b, m // BLOCK, BLOCK)
+        qd_lo, qd_hi = q_doc_tiles[..., 0].unsqueeze(2), q_doc_tiles[..., -1].unsqueeze(2)  # [B, nq, 1]
+        kd_lo, kd_hi = k_doc_tiles[..., 0].unsqueeze(1), k_doc_tiles[..., -1].unsqueeze(1)  # [B, 1, nk]
         seen = seen & (kd_hi >= qd_lo) & (kd_lo <= qd_hi)
         full = full & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)
-        mask_mod = functools.partial(_in_document, positions, doc)
+        mask_mod = functools.partial(_in_document, q_pos, k_pos, q_doc, k_doc)
     partial = seen & ~full
     return BlockMask.from_kv_blocks(*_listed(partial), *_listed(full), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(n, seq_len))
+                                    seq_lengths=(n, m))
 
 
 def _listed(tiles: Tensor) -> tuple[Tensor, Tensor]:
@@ -71,18 +81,30 @@ def _listed(tiles: Tensor) -> tuple[Tensor, Tensor]:
     return count.unsqueeze(1), order.unsqueeze(1)
 
 
-def _causal(positions: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    return positions[q_idx] >= kv_idx
+def _causal(q_pos: Tensor, k_pos: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return q_pos[q_idx] >= k_pos[kv_idx]
 
 
-def _in_document(positions: Tensor, doc: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    q = positions[q_idx]
-    return (q >= kv_idx) & (doc[b, q] == doc[b, kv_idx])
+def _in_document(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor, k_doc: Tensor, b: Tensor, h: Tensor, q_idx: Tensor,
+                 kv_idx: Tensor) -> Tensor:
+    return (q_pos[q_idx] >= k_pos[kv_idx]) & (q_doc[b, q_idx] == k_doc[b, kv_idx])
 
 
 @functools.cache
 def _compiled():
     return torch.compile(flex_attention, dynamic=False)
+
+
+def attend_lse(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask) -> tuple[Tensor, Tensor]:
+    """q[B, H, n, Dh] over k, v[B, Hkv, m, Dh] under ``mask``: the output and its log-sum-exp [B, H, n]
+    (natural log; -inf for a query that sees no key), both differentiable: compiled flex on CUDA,
+    elsewhere the eager reference through flex's operator (the public function will not
+    differentiate on CPU: ``_torch.flex_attention_reference``)."""
+    if q.is_cuda:
+        out, aux = _compiled()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1],
+                               return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return _torch.flex_attention_reference(q, k, v, mask)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask) -> Tensor:

@@ -14,6 +14,8 @@ Notes: [Note: ring attention], [Note: the ring on a GPU].
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -44,8 +46,8 @@ SCORE_ELEMENTS_CUDA = 2**26  # 256 MiB in fp32: [Note: the ring on a GPU]
 # ``SCORE_ELEMENTS_CUDA`` scores (transient: freed when the block is done). The ring still runs far
 # below the gather's fused kernels, and the planner charges its attention FLOPs
 # ``RING_ATTENTION_SLOWDOWN`` times on CUDA (meshpar/planner/cost.py). Measurements:
-# docs/performance.md#context-parallel-attention-on-a-gpu. A ring as fast as the gather needs a
-# fused kernel that returns each pair's log-sum-exp (``flex_attention`` with ``return_lse``); not built.
+# docs/performance.md#context-parallel-attention-on-a-gpu. ring_flex.py runs each ring step as one
+# fused flex_attention call instead ([Note: the ring on flex]; with ``Kernels.flex``).
 
 
 def score_elements(device: torch.device) -> int:
@@ -65,16 +67,54 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, *, balance
     ``documents`` (doc[B, cp, T/cp]: row r the documents of the tokens cp rank r holds) a query sees
     only its own document's keys ([Note: documents under context parallelism] in
     meshpar/parallel/context_parallel/apply.py)."""
-    return _RingAttention.apply(q, k, v, documents, _Ring(mesh, balanced, kernels))
+    return _RingAttention.apply(q, k, v, documents, Ring(mesh, balanced, kernels))
 
 
-class _Ring:
+class Ring:
     """This rank's place in the cp ring and the chunks every rank holds."""
 
     def __init__(self, mesh: DeviceMesh, balanced: bool, kernels: Kernels = BY_DEVICE) -> None:
         self.group, self.cp, self.rank, self.balanced = mesh.get_group(), mesh.size(), mesh.get_local_rank(), balanced
         self.kernels = kernels
         self.next, self.prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+
+    def forward(self, kv: Tensor, attend: Callable[[int, Tensor], None]) -> None:
+        """Pass the K/V chunk ``kv`` around the ring, calling ``attend(src, chunk)`` on the chunk of each
+        rank ``src`` in turn, this rank's first; each next chunk's hop runs beside the call."""
+        for step in range(self.cp):
+            if step < self.cp - 1:  # the next chunk arrives while this one is attended
+                arriving = torch.empty_like(kv)
+                hop = comm.send_recv(kv, arriving, self.group, to=self.next, frm=self.prev, dim="cp")
+            attend((self.rank - step) % self.cp, kv)
+            if step < self.cp - 1:
+                hop.wait()
+                kv = arriving
+
+    def backward(self, kv: Tensor, grads: Callable[[int, Tensor], Tensor]) -> Tensor:
+        """Pass ``kv`` around again, ``grads(src, chunk)`` giving its dK/dV (in the accumulation
+        dtype) from this rank's queries; a dK/dV accumulator follows one step behind and returns to
+        each chunk's owner after cp - 1 hops. This rank's own chunk's dK/dV from every rank."""
+        arriving = hop = carried = returning = None  # the next K/V and its hop; the dK/dV accumulator, its hop
+        for step in range(self.cp):
+            if step > 0:
+                hop.wait()
+                kv = arriving
+            if step < self.cp - 1:
+                arriving = torch.empty_like(kv)
+                hop = comm.send_recv(kv, arriving, self.group, to=self.next, frm=self.prev, dim="cp")
+            dkv = grads((self.rank - step) % self.cp, kv)
+            if step == 0:
+                own = dkv  # the owner adds its own step's share when the accumulator returns
+                continue
+            if returning is not None:
+                returning.wait()
+                dkv += carried
+            sent, carried = dkv.to(kv.dtype), torch.empty_like(kv)
+            returning = comm.send_recv(sent, carried, self.group, to=self.next, frm=self.prev, dim="cp", tag=1)
+        if returning is not None:  # after cp - 1 hops, this rank's own chunk's dK/dV from every other rank
+            returning.wait()
+            own += carried
+        return own
 
     def block_scores(self, device: torch.device) -> int:
         return self.kernels.ring_scores or score_elements(device)
@@ -156,18 +196,14 @@ class _RingAttention(torch.autograd.Function):
     [B Hkv, G, T/cp], the K/V chunk in hand [2, B Hkv, T/cp, Dh]."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None, ring: _Ring) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None, ring: Ring) -> Tensor:
         acc = torch.promote_types(q.dtype, torch.float32)
         b, h, tl, dh = q.shape
         qg = q.reshape(b * k.shape[1], -1, tl, dh)
         out = torch.zeros(qg.shape, dtype=acc, device=q.device)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v]).flatten(1, 2)
-        for step in range(ring.cp):
-            if step < ring.cp - 1:  # the next chunk arrives while this one is attended
-                arriving = torch.empty_like(kv)
-                hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
-            src = (ring.rank - step) % ring.cp
+
+        def attend(src: int, kv: Tensor) -> None:
             docs = _Documents(doc, ring.rank, src)
             for qs, ks, diagonal in ring.pairs(src, tl, b * h, ring.block_scores(q.device)):
                 s = _scores(_block(qg, qs), kv[0, :, ks], diagonal, acc, docs(qs, ks))  # [B Hkv, G rows, keys]
@@ -176,9 +212,8 @@ class _RingAttention(torch.autograd.Function):
                 part = _mm(s.sub_(shift.unsqueeze(-1)).exp_().to(q.dtype), kv[1, :, ks])  # softmax(s) @ v
                 rows = (*qg.shape[:2], -1)
                 _merge(out[:, :, qs], lse[:, :, qs], part.view(*rows, dh), part_lse.view(rows))
-            if step < ring.cp - 1:
-                hop.wait()
-                kv = arriving
+
+        ring.forward(torch.stack([k, v]).flatten(1, 2), attend)
         out = out.to(q.dtype).view(q.shape)
         ctx.ring, ctx.doc = ring, doc
         ctx.save_for_backward(q, k, v, out, lse)
@@ -192,17 +227,9 @@ class _RingAttention(torch.autograd.Function):
         qg, dog = q.reshape(lse.shape + (dh,)), grad.reshape(lse.shape + (dh,))
         delta = (dog.to(acc) * out.view(dog.shape).to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
         dq = torch.zeros(qg.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v]).flatten(1, 2)
-        arriving = hop = carried = returning = None  # the next K/V and its hop; the dK/dV accumulator, its hop
-        for step in range(ring.cp):
-            if step > 0:
-                hop.wait()
-                kv = arriving
-            if step < ring.cp - 1:
-                arriving = torch.empty_like(kv)
-                hop = comm.send_recv(kv, arriving, ring.group, to=ring.next, frm=ring.prev, dim="cp")
+
+        def grads(src: int, kv: Tensor) -> Tensor:
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # dK, dV of the chunk in hand
-            src = (ring.rank - step) % ring.cp
             docs = _Documents(ctx.doc, ring.rank, src)
             for qs, ks, diagonal in ring.pairs(src, tl, b * h, ring.block_scores(q.device)):
                 kb, vb, qb, dout = kv[0, :, ks], kv[1, :, ks], _block(qg, qs), _block(dog, qs)
@@ -215,17 +242,9 @@ class _RingAttention(torch.autograd.Function):
                 del p
                 dq[:, :, qs] += _mm(ds, kb).view(*qg.shape[:2], -1, dh)
                 dkv[0, :, ks] += _mm(ds.transpose(-1, -2), qb)
-            if step == 0:
-                own = dkv  # the owner adds its own step's share when the accumulator returns
-                continue
-            if returning is not None:
-                returning.wait()
-                dkv += carried
-            sent, carried = dkv.to(q.dtype), torch.empty(kv.shape, dtype=q.dtype, device=q.device)
-            returning = comm.send_recv(sent, carried, ring.group, to=ring.next, frm=ring.prev, dim="cp", tag=1)
-        if returning is not None:  # after cp - 1 hops, this rank's own chunk's dK/dV from every other rank
-            returning.wait()
-            own += carried
+            return dkv
+
+        own = ring.backward(torch.stack([k, v]).flatten(1, 2), grads)
         dk, dv = own.to(q.dtype).view(2, *k.shape)
         return dq.to(q.dtype).view(q.shape), dk, dv, None, None
 
