@@ -72,15 +72,13 @@ def reference_model(seed: int = 0, documents: bool = False, n_kv_heads: int = 4,
     return ref, tokens, logits
 
 
-def run_cp(ref, inputs, targets, mesh, balanced: bool, attention: str = "allgather", kernels: Kernels | None = None):
-    """A copy of ``ref`` over cp on this rank's tokens (attention's kernel paths ``kernels``, if given):
+def run_cp(ref, inputs, targets, mesh, balanced: bool, attention: str = "allgather", flex: bool = False):
+    """A copy of ``ref`` over cp on this rank's tokens (its attention on flex_attention with ``flex``):
     its logits, every parameter's gradient averaged over the cp ranks (as FSDP over dp_shard x cp
     does), the collectives it issued."""
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)
-    apply_context_parallel(model, mesh, balanced=balanced, attention=attention)
-    for block in model.layers.values() if kernels else ():
-        block.attention.inner_attention.kernels = kernels
+    apply_context_parallel(model, mesh, balanced=balanced, attention=attention, flex=flex)
     with comm_record.count() as counted:
         local = model(shard_sequence(inputs, mesh, balanced=balanced))
         F.cross_entropy(local.flatten(0, 1), shard_sequence(targets, mesh, balanced=balanced).flatten()).backward()

@@ -147,7 +147,7 @@ def _flex_ring_alone(mesh, balanced: bool, documents: bool) -> dict:
 
 
 def _case_flex(mesh) -> dict:
-    """The ring on flex alone, and in the debug Llama (``attention="ring"``, ``Kernels(flex=True)``) at
+    """The ring on flex alone, and in the debug Llama (``attention="ring"``, ``flex=True``) at
     a sequence of one tile per chunk: logits and every gradient against one process's."""
     alone = {(balanced, documents): _flex_ring_alone(mesh, balanced, documents)
              for balanced in (True, False) for documents in (False, True)}
@@ -160,8 +160,7 @@ def _case_flex(mesh) -> dict:
         flex_calls = []
         flexlib.attend_lse = lambda *a, n=flex_calls: n.append(1) or attend(*a)  # counts the flex calls
         try:
-            local, grads, calls = run_cp(ref, inputs, targets, mesh, balanced, attention="ring",
-                                         kernels=Kernels(flex=True))
+            local, grads, calls = run_cp(ref, inputs, targets, mesh, balanced, attention="ring", flex=True)
         finally:
             flexlib.attend_lse = attend
         diff = {"logits": _rel(local, logits[:, idx])}
@@ -220,33 +219,56 @@ def test_cp_attention_is_checked():
         apply_context_parallel(torch.nn.Module(), None, attention="rings")
 
 
-def test_plan_prices_the_ring():
+@pytest.mark.parametrize("flex", [False, True], ids=["explicit", "flex"])
+def test_plan_prices_the_ring(flex):
     """``meshpar plan`` of recipes/llama_debug_cp.toml (cp 2, H100 links) with selective checkpointing,
     the ring against the all-gather ([Note: the ring's overlap] in meshpar/planner/cost.py): K/V on cp
     in four passes of cp - 1 hops (forward, its recomputation, backward's K/V and dK/dV) where the
     gather makes three, all hidden but each block's last dK/dV hop per microbatch, and one more
-    attention forward per block computed (selective checkpointing keeps nothing of the ring's)."""
+    attention forward per block computed (selective checkpointing keeps nothing of the ring's). Its
+    attention at the measured slowdown, or on flex (``parallel.cp_flex``) at the predicted 9 / 7."""
     recipe = str(RECIPES / "llama_debug_cp.toml")
-    argv = ["--hardware=h100_sxm", '--parallel.activation_checkpoint="selective"', "--model.n_layers=2"]
+    argv = ["--hardware=h100_sxm", '--parallel.activation_checkpoint="selective"', "--model.n_layers=2",
+            f"--parallel.cp_flex={str(flex).lower()}"]
     gather, ring = (_run(recipe, *argv, f'--parallel.cp_attention="{a}"')[3] for a in ("allgather", "ring"))
     cp_gather, cp_ring = (next(c for c in p.time.comm if c.dim == "cp") for p in (gather, ring))
     assert cp_ring.bytes_per_step == pytest.approx(4 / 3 * cp_gather.bytes_per_step, rel=1e-12)
     a, t, layout = ring.args, ring.recipe.train, ring.layout
     hop = 2 * t.micro_batch * a.n_kv_heads * t.seq_len // layout.cp * a.resolved_head_dim * 4  # fp32
     last = a.n_layers * ring.accum * hop / (cp_ring.gbps * 1e9)  # each block's last dK/dV hop, per microbatch
-    assert cp_gather.hidden_s == 0 and cp_ring.seconds - cp_ring.hidden_s == pytest.approx(last, rel=1e-9)
+    assert cp_gather.hidden_s == 0 and cp_ring.seconds - cp_ring.hidden_s == pytest.approx(last, rel=1e-9, abs=1e-12)
     tokens = t.global_batch * t.seq_len / (layout.dp * layout.cp)
     attention = a.n_layers * 12 * a.n_heads * a.resolved_head_dim * t.seq_len * tokens  # forward + backward
     recomputed = attention / 3
     flops = planlib.load_hardware("h100_sxm")[0].peak_flops(torch.float32) * ring.time.efficiency
-    # on a GPU every attention FLOP of the ring, the recomputed forward's too, counts RING_ATTENTION_SLOWDOWN times
-    # ([Note: the ring on a GPU])
-    slowdown = costlib.RING_ATTENTION_SLOWDOWN["cuda"]
+    # on a GPU every attention FLOP of the ring, the recomputed forward's too, counts the slowdown's times
+    # ([Note: the ring on a GPU]; on flex [Note: the ring on flex])
+    slowdown = 9 / 7 if flex else costlib.RING_ATTENTION_SLOWDOWN["cuda"]
     extra = recomputed + (slowdown - 1) * (attention + recomputed)
     assert ring.time.compute_s - gather.time.compute_s == pytest.approx(extra / flops, rel=1e-9)
     # and the plan says so, where the gather's says nothing of it
     ring_text, gather_text = (_run(recipe, *argv, f'--parallel.cp_attention="{a}"')[1] for a in ("ring", "allgather"))
-    assert "ring attention at 8x the all-gather's time" in ring_text and "ring attention" not in gather_text
+    said = "ring attention on flex at 1.29x" if flex else "ring attention at 8x the all-gather's time"
+    assert said in ring_text and "ring attention" not in gather_text
+
+
+def test_the_start_line_says_what_cp_flex_does():
+    """``parallel.cp_flex``: on CUDA the gather and the ring on flex, not Ulysses, and not where a rank's
+    tokens are not whole tiles; on the CPU nothing (its kernels kept: the gather's flex has no CPU
+    backward). A device object is all it reads: no GPU needed."""
+    from meshpar.config.recipe import load
+    from meshpar.distributed.mesh import resolve
+    from meshpar.training.build import cp_flex_line
+
+    def line(device: str, *argv: str) -> str:
+        recipe = load(RECIPES / "llama_debug_cp.toml", ["--parallel.cp_flex=true", *argv])
+        return cp_flex_line(recipe, resolve(recipe.parallel, 4), torch.device(device))
+
+    assert "ring) on compiled flex_attention" in line("cuda", '--parallel.cp_attention="ring"')
+    assert "allgather) on compiled flex_attention" in line("cuda")
+    assert "Ulysses has no flex path" in line("cuda", '--parallel.cp_attention="ulysses"')
+    assert "960 tokens per cp rank are not whole tiles of 128" in line("cuda", "--train.seq_len=1920")
+    assert "is for CUDA: this cpu run keeps" in line("cpu")
 
 
 def test_the_planner_runs_one_score_block_per_chunk_pair():

@@ -104,6 +104,11 @@ class ParallelConfig:
                                             "the query heads per tp rank must divide by cp; "
                                             "meshpar/parallel/context_parallel/ulysses.py).",
                                             choices=("allgather", "ring", "ulysses"))
+    cp_flex: bool = option(False, "With cp > 1 on CUDA: the gather's and the ring's attention on compiled "
+                                  "flex_attention (block masks, no [n, keys] mask; the ring one flex call per "
+                                  "step: meshpar/parallel/context_parallel/flex.py, ring_flex.py), where each "
+                                  "rank's tokens are whole tiles of 128. Off by default until a GPU run has "
+                                  "checked it (scripts/gpu_checks.sh cp); CPU runs keep their kernels.")
     tp: int = option(1, "Tensor-parallel degree (innermost mesh dim, fastest links).", ge=1)
     ep: int = option(1, "Expert-parallel degree for mixture-of-experts models: experts split over ep ranks "
                         "borrowed from dp_shard (which it must divide); FSDP shards the experts over the "

@@ -120,20 +120,21 @@ def check_mixed_precision(cfg: ParallelConfig, layout) -> None:
 
 
 def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, tp_plan: TPPlan, *,
-                            float8: str = "none") -> nn.Module:
+                            float8: str = "none", cp_flex: bool = False) -> nn.Module:
     """Tensor parallel -> activation checkpointing -> compile -> FSDP on one stage (or the whole
     model) built on meta. ``tp_plan`` is the family's plan table (``family.plan(args)``). FSDP shards
     over ``dp_shard x cp`` (``Mesh.fsdp``: the cp ranks hold the same parameters); with both 1 no
     FSDP unit is made and the training step averages gradients over ``dp_replicate``
     (meshpar.parallel.data_parallel), except on one rank with mixed precision (``one_device_fsdp``).
-    ``float8``: ``model.float8`` the stage was converted with; tensorwise takes torchao's float8 TP styles."""
+    ``float8``: ``model.float8`` the stage was converted with; tensorwise takes torchao's float8 TP styles.
+    ``cp_flex``: cp attention on flex_attention (``parallel.cp_flex``, on a CUDA device only)."""
     layout = mesh.layout
     check_fsdp_over_tp(tp_plan, layout.tp, layout.dp_shard)  # a plan that cannot be sharded yet
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], tp_plan.with_loss_parallel(cfg.loss_parallel),
                  restyle=float8_tp_style if float8 == "tensorwise" else None)
     if layout.cp > 1:
-        apply_context_parallel(model, mesh["cp"], attention=cfg.cp_attention, tp=layout.tp)
+        apply_context_parallel(model, mesh["cp"], attention=cfg.cp_attention, tp=layout.tp, flex=cp_flex)
     if hasattr(model, "moe_layers") and (layout.tp > 1 or layout.cp > 1):
         route_over_sequence(model, mesh["tp"] if layout.tp > 1 else None, mesh["cp"] if layout.cp > 1 else None)
     if layout.ep > 1:
@@ -174,7 +175,8 @@ def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: Pa
         if float8 != "none":  # before any parallel dim wraps the linears
             apply_float8(stage, float8, emulate=float8_emulate, fsdp_all_gather=float8_all_gather(float8, layout))
         # still on meta: shards only from here on
-        stage = parallelize_transformer(stage, mesh, cfg, tp_plan, float8=float8)
+        cp_flex = cfg.cp_flex and torch.device(device).type == "cuda"  # CPU flex has no backward for the gather
+        stage = parallelize_transformer(stage, mesh, cfg, tp_plan, float8=float8, cp_flex=cp_flex)
         stage.to_empty(device=device)
         torch.manual_seed(seed)
         stage.init_weights()

@@ -159,8 +159,11 @@ def compare_cp(result: Plan, world: int, profile: HardwareProfile, args: argpars
         t, gb = other.time, 0 if cp is None else cp.bytes_per_step / 1e9
         print(f" {mark}{attention:<10} step {t.step_s:8.3f} s | {t.tokens_per_s:>12,.0f} tokens/s"
               f" | cp {gb:7.2f} GB per step | peak {peak:6.2f} GiB", flush=True)
-    print("  (every attention's FLOPs at the same rate but the ring's, [Note: the ring on a GPU]; the rate of\n"
-          "  Ulysses' whole-sequence kernel call is not priced apart yet)")
+    flex = result.recipe.parallel.cp_flex and result.profile.device == "cuda"
+    ring = ("on flex at 9/7 of the gather's, predicted: [Note: the ring on flex]" if flex
+            else "[Note: the ring on a GPU]; parallel.cp_flex puts it on flex_attention")
+    print(f"  (every attention's FLOPs at the same rate but the ring's ({ring}); the rate of\n"
+          f"  Ulysses' whole-sequence kernel call is not priced apart yet)")
 
 
 def run_search(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -25,6 +25,7 @@ import torch
 from meshpar.config.hardware import HardwareProfile
 from meshpar.config.recipe import Recipe
 from meshpar.distributed.mesh import DIMS, Layout
+from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.training.loss import layout_chunks
 
 # [Note: the time model]
@@ -60,6 +61,22 @@ OPTIMIZER_BYTES_PER_PARAM = 40  # fp32 AdamW: param, grad, 2 moments read, 3 wri
 # meshpar/parallel/context_parallel/ring.py; docs/performance.md#context-parallel-attention-on-a-gpu).
 # On the CPU the two are close, and the model leaves the difference out.
 RING_ATTENTION_SLOWDOWN = {"cuda": 8.0}
+# The ring on flex_attention (``parallel.cp_flex`` on CUDA: [Note: the ring on flex] in
+# meshpar/parallel/context_parallel/ring_flex.py) runs each ring step's forward again in backward: 9
+# matmul passes per (query, key) pair against the gather's 7 at the same kernel's rate. Predicted from
+# that count, not measured: no GPU has run it.
+RING_FLEX_SLOWDOWN = 9 / 7
+
+
+def ring_slowdown(recipe: Recipe, cp: int, device: str) -> float:
+    """How many times the gather's time cp's attention takes: 1 but for the ring (on flex or not)."""
+    p = recipe.parallel
+    if p.cp_attention != "ring" or cp <= 1:
+        return 1.0
+    local = recipe.train.seq_len // cp
+    if p.cp_flex and device == "cuda" and flexlib.takes(local, local):
+        return RING_FLEX_SLOWDOWN
+    return RING_ATTENTION_SLOWDOWN.get(device, 1.0)
 
 # [Note: float8 in the time model]
 # ``model.float8`` converts the blocks' linear layers (not the output projection, not the experts of a
@@ -192,7 +209,7 @@ def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: i
     """(model FLOPs, executed FLOPs, of those in float8) per token of one pipeline stage: [Note: the time
     model]. ``ring``: cp's attention is the ring, whose forward selective checkpointing recomputes
     ([Note: the ring's overlap]), and whose every attention FLOP costs ``ring_slowdown`` of the gather's
-    (as executed FLOPs at the common rate: ``RING_ATTENTION_SLOWDOWN``). ``float8``: ``model.float8``
+    (as executed FLOPs at the common rate: ``ring_slowdown``). ``float8``: ``model.float8``
     ([Note: float8 in the time model]). ``head_recomputed``: the loss runs in chunks, recomputing the output
     projection's forward in backward ([Note: chunked cross-entropy] in meshpar/training/loss.py)."""
     vocab_matmul = args.vocab_size * args.dim
@@ -300,7 +317,7 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
     peak = profile.peak_flops(getattr(torch, p.param_dtype)) / share
     tokens = t.global_batch * t.seq_len / (layout.dp * layout.cp)  # tokens per step on one rank (all its tp ranks)
     ring = p.cp_attention == "ring" and layout.cp > 1
-    slowdown = RING_ATTENTION_SLOWDOWN.get(profile.device, 1.0) if ring else 1.0
+    slowdown = ring_slowdown(recipe, layout.cp, profile.device)
     stages = []  # (compute s, critical comm s, DimComms) per stage; the step is set by the largest sum
     float8 = recipe.model.float8
     peak8 = float8_rate(profile, float8) / share if float8 != "none" else peak

@@ -7,7 +7,7 @@ the part of the peak the change shrinks most.
 from __future__ import annotations
 
 from meshpar.models import get_family
-from meshpar.planner.cost import RING_ATTENTION_SLOWDOWN, float8_rate, host_share
+from meshpar.planner.cost import RING_FLEX_SLOWDOWN, float8_rate, host_share, ring_slowdown
 from meshpar.planner.dry_run import Plan, RankPlan
 
 GIB = 2**30
@@ -109,8 +109,11 @@ def time_table(plan: Plan) -> str:
              f"{plan.recipe.parallel.param_dtype}{each} (recomputation included)",
              f"  {'optimizer':<{w}} {t.optimizer_s:8.3f} s   clipping + AdamW, memory-bound at "
              f"{plan.profile.memory_bandwidth_gbps:g} GB/s{each}"]
-    slowdown = RING_ATTENTION_SLOWDOWN.get(plan.profile.device, 1.0)
-    if plan.recipe.parallel.cp_attention == "ring" and plan.layout.cp > 1 and slowdown > 1:
+    slowdown = ring_slowdown(plan.recipe, plan.layout.cp, plan.profile.device)
+    if slowdown == RING_FLEX_SLOWDOWN:
+        lines.insert(2, f"  {'':<{w}} of which cp's ring attention on flex at {slowdown:.2f}x the all-gather's "
+                        f"time (predicted: each ring step's forward runs again in backward; [Note: the ring on flex])")
+    elif slowdown > 1:
         lines.insert(2, f"  {'':<{w}} of which cp's ring attention at {slowdown:g}x the all-gather's time on "
                         f"this device (measured: [Note: the ring on a GPU]); parallel.cp_attention = \"allgather\" "
                         f"is faster")

@@ -21,6 +21,7 @@ from meshpar.config.recipe import Recipe
 from meshpar.data import BatchLoader
 from meshpar.distributed import mesh as meshlib
 from meshpar.parallel import float8 as float8lib
+from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.parallel.parallelize import build
 from meshpar.parallel.pipeline import build_schedule
 from meshpar.runtime import replicas
@@ -89,6 +90,20 @@ def float8_line(recipe: Recipe, model: Model, mesh: meshlib.Mesh) -> str:
     experts = " | mixture-of-experts experts stay in high precision" if hasattr(model.stages[0], "moe_layers") else ""
     return (f"meshpar: float8 {m.float8}{' (emulated)' if m.float8_emulate else ''}, {gather} | left in high "
             f"precision: {', '.join(left) or 'none'}{experts}")
+
+
+def cp_flex_line(recipe: Recipe, layout: meshlib.Layout, device: torch.device) -> str:
+    """What ``parallel.cp_flex`` does in this run, for the start of the log."""
+    p, local = recipe.parallel, recipe.train.seq_len // layout.cp
+    if device.type != "cuda":
+        return f"meshpar: parallel.cp_flex is for CUDA: this {device.type} run keeps its cp attention's kernels"
+    if p.cp_attention == "ulysses":
+        return "meshpar: parallel.cp_flex: Ulysses has no flex path (its attention is one whole-sequence call)"
+    if not flexlib.takes(local, local):
+        return (f"meshpar: parallel.cp_flex: {local} tokens per cp rank are not whole tiles of {flexlib.BLOCK}; "
+                f"the cp attention keeps its kernels")
+    return (f"meshpar: cp attention ({p.cp_attention}) on compiled flex_attention (parallel.cp_flex; not yet "
+            f"checked on a GPU: scripts/gpu_checks.sh cp)")
 
 
 def train_loader(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh) -> BatchLoader:

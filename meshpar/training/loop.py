@@ -187,6 +187,8 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
             if not recipe.parallel.compile:
                 print("meshpar: warning: float8 without parallel.compile casts in separate kernels and is slower "
                       "than bf16; set parallel.compile = true", flush=True)
+        if recipe.parallel.cp_flex and mesh.layout.cp > 1:
+            print(build.cp_flex_line(recipe, mesh.layout, device), flush=True)
 
     progress_on = {"on": True, "off": False, "auto": sys.stderr.isatty()}[recipe.metrics.progress]
     progress = Progress(t.steps, enabled=progress_on and info.is_rank0, initial=start_step)

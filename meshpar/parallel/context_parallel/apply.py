@@ -209,7 +209,7 @@ def _in_sequence_order(x: Tensor, cp: int, balanced: bool) -> Tensor:
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool = True,
-                           attention: str = "allgather", tp: int = 1) -> None:
+                           attention: str = "allgather", tp: int = 1, flex: bool = False) -> None:
     """Make ``model`` (a Llama-family transformer or stage, on meta or with values) run on this cp
     rank's slice of each sequence, by filling its slots: ``model.positions`` gives RoPE at global
     positions (and the whole sequence's documents when the model's ``document_eos`` is set: [Note:
@@ -217,8 +217,9 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool
     ``mesh`` (1-D, ``cp``) with K and V gathered (``attention="allgather"``), passed around a ring
     (``"ring"``, meshpar/parallel/context_parallel/ring.py), or with the heads split over cp for one
     whole-sequence attention (``"ulysses"``, meshpar/parallel/context_parallel/ulysses.py); an MLA
-    gathers its latent instead of K and V when ``tp`` is 1 ([Note: MLA's latent gathered over cp]). The
-    inputs must be sliced alike (``shard_sequence``)."""
+    gathers its latent instead of K and V when ``tp`` is 1 ([Note: MLA's latent gathered over cp]).
+    ``flex``: the gather's and the ring's attention on flex_attention where the shapes allow
+    (``Kernels.flex``; ``parallel.cp_flex``). The inputs must be sliced alike (``shard_sequence``)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"cp attention {attention!r} is none of {ATTENTIONS} (parallel.cp_attention)")
     layout = _Layout(mesh, balanced)
@@ -229,6 +230,8 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool
         if latent:
             block.attention.sequence_keys = ContextParallelKeys(layout)
         block.attention.inner_attention = ContextParallelAttention(layout, attention, keys_gathered=latent)
+        if flex:
+            block.attention.inner_attention.kernels = Kernels(flex=True)
 
 
 def attends_over_cp(block: nn.Module) -> bool:
