@@ -117,3 +117,55 @@ def test_a_recompute_leaves_no_aux_loss_holding_its_activations(mode):
     # recompute's aux_loss let go, peak activations are about 0.14 of no checkpointing's; held to
     # the step's end, about 0.52.
     assert act < 0.3 * base_act, (act, base_act)
+
+
+class _MatmulInAFunction(torch.autograd.Function):
+    """x @ w computed in an autograd Function's forward, where grad is disabled, as cp's rings
+    compute their attention (meshpar/parallel/context_parallel/ring.py, ring_flex.py)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w.T, x.T @ grad
+
+
+class _FunctionBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w, self.v = (torch.nn.Parameter(torch.randn(8, 8, generator=g)) for _ in range(2))
+
+    def forward(self, x):
+        return torch.relu(_MatmulInAFunction.apply(x, self.w)) @ self.v
+
+
+class _FunctionModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({"0": _FunctionBlock()})
+
+    def forward(self, x):
+        return self.layers["0"](x)
+
+
+def test_selective_recomputes_what_a_function_computes_inside_its_forward():
+    """[Note: what selective checkpointing keeps]: a matmul of the block's graph is kept, but one inside
+    an autograd Function's forward (grad disabled: the Function saves what its backward needs) is
+    recomputed, so a ring keeps none of its steps' partial outputs: selective recomputation adds
+    exactly that one matmul to backward; the gradients are unchanged."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for mode in ("none", "selective"):
+        model = apply_activation_checkpointing(_FunctionModel(), mode)
+        loss = model(x.clone().requires_grad_()).square().sum()
+        with _OpCounter() as counter:
+            loss.backward()
+        runs[mode] = (counter.ops["mm"], [p.grad for p in model.parameters()])
+    assert runs["selective"][0] - runs["none"][0] == 1
+    for got, want in zip(runs["selective"][1], runs["none"][1], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from meshpar.data.prepared import builtin_text
 from meshpar.distributed import comm_record
 from meshpar.models.attention import Kernels
+from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshpar.parallel.context_parallel import apply as applylib
 from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.parallel.context_parallel.apply import ATTENTIONS, apply_context_parallel, sequence_indices, shard_sequence
@@ -72,13 +73,15 @@ def reference_model(seed: int = 0, documents: bool = False, n_kv_heads: int = 4,
     return ref, tokens, logits
 
 
-def run_cp(ref, inputs, targets, mesh, balanced: bool, attention: str = "allgather", flex: bool = False):
-    """A copy of ``ref`` over cp on this rank's tokens (its attention on flex_attention with ``flex``):
-    its logits, every parameter's gradient averaged over the cp ranks (as FSDP over dp_shard x cp
-    does), the collectives it issued."""
+def run_cp(ref, inputs, targets, mesh, balanced: bool, attention: str = "allgather", flex: bool = False,
+           checkpoint: str = "none"):
+    """A copy of ``ref`` over cp on this rank's tokens (its attention on flex_attention with ``flex``, its
+    blocks under ``checkpoint``'s activation checkpointing): its logits, every parameter's gradient
+    averaged over the cp ranks (as FSDP over dp_shard x cp does), the collectives it issued."""
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)
     apply_context_parallel(model, mesh, balanced=balanced, attention=attention, flex=flex)
+    apply_activation_checkpointing(model, checkpoint)
     with comm_record.count() as counted:
         local = model(shard_sequence(inputs, mesh, balanced=balanced))
         F.cross_entropy(local.flatten(0, 1), shard_sequence(targets, mesh, balanced=balanced).flatten()).backward()

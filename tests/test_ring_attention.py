@@ -147,25 +147,27 @@ def _flex_ring_alone(mesh, balanced: bool, documents: bool) -> dict:
 
 
 def _case_flex(mesh) -> dict:
-    """The ring on flex alone, and in the debug Llama (``attention="ring"``, ``flex=True``) at
-    a sequence of one tile per chunk: logits and every gradient against one process's."""
+    """The ring on flex alone, and in the debug Llama (``attention="ring"``, ``flex=True``; balanced,
+    contiguous, balanced under selective checkpointing) at a sequence of one tile per chunk: logits
+    and every gradient against one process's."""
     alone = {(balanced, documents): _flex_ring_alone(mesh, balanced, documents)
              for balanced in (True, False) for documents in (False, True)}
     t = flexlib.BLOCK * 2 * mesh.size()
     ref, tokens, logits = reference_model(seq_len=t)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     model, attend = {}, flexlib.attend_lse
-    for balanced in (True, False):
+    for balanced, checkpoint in ((True, "none"), (False, "none"), (True, "selective")):
         idx = sequence_indices(t, mesh.size(), mesh.get_local_rank(), balanced=balanced)
         flex_calls = []
         flexlib.attend_lse = lambda *a, n=flex_calls: n.append(1) or attend(*a)  # counts the flex calls
         try:
-            local, grads, calls = run_cp(ref, inputs, targets, mesh, balanced, attention="ring", flex=True)
+            local, grads, calls = run_cp(ref, inputs, targets, mesh, balanced, attention="ring", flex=True,
+                                         checkpoint=checkpoint)
         finally:
             flexlib.attend_lse = attend
         diff = {"logits": _rel(local, logits[:, idx])}
         diff.update({name: _rel(grads[name], p.grad) for name, p in ref.named_parameters()})
-        model[balanced] = {"diff": diff, "calls": calls, "flex_calls": len(flex_calls)}
+        model[balanced, checkpoint] = {"diff": diff, "calls": calls, "flex_calls": len(flex_calls)}
     return {"alone": alone, "model": model}
 
 
@@ -200,18 +202,20 @@ def test_ring_on_flex_matches_one_process(world):
     """[Note: the ring on flex], flex run by its eager reference (float64): every rank's output and q,
     k, v gradients equal one process's, balanced and contiguous (whose later ranks' steps are skipped),
     causal and by document; the debug Llama's logits and every gradient too, with the ring's hops and
-    nothing else; giving the steps' log-sum-exp no gradient breaks dQ and dK."""
+    nothing else, and under selective checkpointing, which recomputes the ring's forward; giving the
+    steps' log-sum-exp no gradient breaks dQ and dK."""
     for rank, r in enumerate(JOBS.check("flex", world)):
         for (balanced, documents), case in r["alone"].items():
             _within(case["diff"], ("flex ring alone", balanced, documents, rank))
             must_fail(lambda case=case: _within(case["bug"], "no lse gradient"), "the steps' lse left without gradient")
             assert case["skipped"] == (0 if balanced else world - 1 - rank), (balanced, rank, case["skipped"])
-        for balanced, case in r["model"].items():
-            _within(case["diff"], ("debug Llama, ring on flex", balanced, rank))
-            # per layer, a flex call for each step that sees keys, forward and again in backward
-            steps = world if balanced else rank + 1
-            assert case["flex_calls"] == 2 * 2 * steps, (balanced, rank, case["flex_calls"])
-            assert case["calls"] == {("send_recv", "cp"): 2 * 3 * (world - 1)}, case["calls"]
+        for (balanced, checkpoint), case in r["model"].items():
+            _within(case["diff"], ("debug Llama, ring on flex", balanced, checkpoint, rank))
+            # per layer, a flex call for each step that sees keys, forward and again in backward; selective
+            # checkpointing keeps none of the steps' outputs and runs the ring's forward once more, hops too
+            steps, again = world if balanced else rank + 1, checkpoint == "selective"
+            assert case["flex_calls"] == 2 * (2 + again) * steps, (balanced, checkpoint, rank, case["flex_calls"])
+            assert case["calls"] == {("send_recv", "cp"): 2 * (3 + again) * (world - 1)}, case["calls"]
 
 
 def test_cp_attention_is_checked():

@@ -48,8 +48,13 @@ _SAVE = {
 }
 
 
+# An op run with grad disabled is inside an autograd Function's forward (the rings of
+# meshpar/parallel/context_parallel/: ring.py's score blocks, ring_flex.py's flex call per step):
+# its output is no activation of the block's graph (the Function saves what its backward needs),
+# so keeping it would hold every ring step's partial output; it is recomputed with the Function.
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in _SAVE and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():
