@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpar.models.llama import LLAMA_SIZES, Transformer
-from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing
+from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing, not_kept
 from meshpar.profiling.memory import AllocationTracker, Category
 from tests.helpers import build_model
 
@@ -120,13 +120,14 @@ def test_a_recompute_leaves_no_aux_loss_holding_its_activations(mode):
 
 
 class _MatmulInAFunction(torch.autograd.Function):
-    """x @ w computed in an autograd Function's forward, where grad is disabled, as cp's rings
-    compute their attention (meshpar/parallel/context_parallel/ring.py, ring_flex.py)."""
+    """x @ w computed in an autograd Function's forward under ``not_kept``, as the ring on flex
+    computes its steps (meshpar/parallel/context_parallel/ring_flex.py)."""
 
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        return x @ w
+        with not_kept():
+            return x @ w
 
     @staticmethod
     def backward(ctx, grad):
@@ -153,11 +154,10 @@ class _FunctionModel(torch.nn.Module):
         return self.layers["0"](x)
 
 
-def test_selective_recomputes_what_a_function_computes_inside_its_forward():
-    """[Note: what selective checkpointing keeps]: a matmul of the block's graph is kept, but one inside
-    an autograd Function's forward (grad disabled: the Function saves what its backward needs) is
-    recomputed, so a ring keeps none of its steps' partial outputs: selective recomputation adds
-    exactly that one matmul to backward; the gradients are unchanged."""
+def test_selective_recomputes_what_runs_under_not_kept():
+    """[Note: what selective checkpointing recomputes anyway]: a matmul of the block is kept, one run
+    under ``not_kept`` (in an autograd Function, as a ring's steps) is recomputed: selective
+    recomputation adds exactly that one matmul to backward; the gradients are unchanged."""
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     runs = {}
     for mode in ("none", "selective"):

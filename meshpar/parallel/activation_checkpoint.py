@@ -19,8 +19,10 @@ a block's forward collectives (tensor-parallel all-gathers) in backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -48,12 +50,27 @@ _SAVE = {
 }
 
 
-# An op run with grad disabled is inside an autograd Function's forward (the rings of
-# meshpar/parallel/context_parallel/: ring.py's score blocks, ring_flex.py's flex call per step):
-# its output is no activation of the block's graph (the Function saves what its backward needs),
-# so keeping it would hold every ring step's partial output; it is recomputed with the Function.
+# [Note: what selective checkpointing recomputes anyway]
+# A ring's attention (meshpar/parallel/context_parallel/ring_flex.py) runs inside an autograd
+# Function, a call per ring step; keeping those calls' outputs would hold cp partial outputs per
+# layer (the Function saves the merged one itself), so its forward runs under ``not_kept()`` and
+# selective checkpointing recomputes it whole, as it recomputes ring.py's score blocks (not on the
+# list) and as the planner prices it. Thread-local: a recompute runs where backward runs.
+_inside = threading.local()
+
+
+@contextlib.contextmanager
+def not_kept() -> Iterator[None]:
+    """Selective checkpointing keeps no op run inside: [Note: what selective checkpointing recomputes anyway]."""
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _inside.depth -= 1
+
+
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    keep = op in _SAVE and torch.is_grad_enabled()
+    keep = op in _SAVE and not getattr(_inside, "depth", 0)
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -147,9 +147,8 @@ class Ring:
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
     """a[N, n, k] @ b[N, k, m], as a baddbmm with beta 0: selective checkpointing keeps the output of
-    every aten.bmm run with grad enabled ([Note: what selective checkpointing keeps] in
-    meshpar/parallel/activation_checkpoint.py), which would keep every score block; the ring runs in
-    an autograd Function (grad disabled) and is recomputed whole, and this op is not on the list either."""
+    every aten.bmm ([Note: what selective checkpointing keeps] in meshpar/parallel/activation_checkpoint.py),
+    which here would keep every score block; the ring's forward is recomputed whole instead."""
     return torch.baddbmm(a.new_zeros(()), a, b, beta=0)
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from meshpar.parallel.activation_checkpoint import not_kept
 from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.parallel.context_parallel.ring import Ring
@@ -73,7 +74,8 @@ class _FlexRing(torch.autograd.Function):
                 part, part_lse = flexlib.attend_lse(query, kv[0], kv[1], masks[src])
                 ringlib._merge(out, lse, part.to(acc), part_lse.to(acc))
 
-        ring.forward(torch.stack([k, v]).detach(), attend)
+        with not_kept():  # [Note: what selective checkpointing recomputes anyway]
+            ring.forward(torch.stack([k, v]).detach(), attend)
         out = out.to(q.dtype)
         ctx.ring, ctx.masks = ring, masks
         ctx.save_for_backward(q, k, v, out, lse)
