@@ -26,7 +26,7 @@ from meshpar.planner import cost as costlib
 from tests.distributed import CaseSet
 from tests.parity import TOL, must_fail
 from tests.test_context_parallel import T, reference_model, run_cp
-from tests.test_plan import RECIPES, _run, planlib
+from tests.test_plan import RECIPES, _plan_cli, _run, planlib
 
 H, HKV, DH, SEQ = 8, 2, 16, 48  # the ring alone: 48 tokens cut into 2cp chunks of 12 (cp 2) or 6 (cp 4)
 
@@ -254,6 +254,23 @@ def test_plan_prices_the_ring(flex):
     ring_text, gather_text = (_run(recipe, *argv, f'--parallel.cp_attention="{a}"')[1] for a in ("ring", "allgather"))
     said = "ring attention on flex at 1.29x" if flex else "ring attention at 8x the all-gather's time"
     assert said in ring_text and "ring attention" not in gather_text
+
+
+@pytest.mark.parametrize("attention", ["allgather", "ring"])
+def test_the_plan_simulates_flex_under_cp_flex(attention, monkeypatch):
+    """With ``parallel.cp_flex`` on a GPU's profile the planner's fake-tensor step runs the cp attention
+    on flex_attention (its operator through the allocation tracker): flex calls made, none without."""
+    calls = []
+    for name in ("attend", "attend_lse"):
+        real = getattr(flexlib, name)
+        monkeypatch.setattr(flexlib, name, lambda *a, real=real: calls.append(1) or real(*a))
+    recipe = str(RECIPES / "llama_debug_cp.toml")
+    argv = ["--hardware=h100_sxm", "--model.n_layers=2", f'--parallel.cp_attention="{attention}"', "--no-compare-cp"]
+    for flex in (False, True):
+        calls.clear()
+        code, _, err, plan, _ = _plan_cli(recipe, *argv, f"--parallel.cp_flex={str(flex).lower()}")
+        assert code == 0, err
+        assert bool(calls) == flex, (flex, len(calls))
 
 
 def test_the_start_line_says_what_cp_flex_does():

@@ -153,7 +153,10 @@ class _Tracker(AllocationTracker):
     """``AllocationTracker`` keeping only global and per-phase peaks (MemTracker also updates
     every module's peak after every op, which is O(modules) per op:
     docs/performance.md#the-simulations-own-costs), and counting DTensor's collectives (tensor
-    parallelism) by mesh dim."""
+    parallelism) by mesh dim. Higher-order operators pass through it as ops (flex_attention under
+    ``parallel.cp_flex``: what it returns is what it allocates)."""
+
+    supports_higher_order_operators = True
 
     def __init__(self, *tracked: Any, groups: dict[str, tuple[str, int]]) -> None:
         super().__init__(*tracked)
@@ -241,10 +244,11 @@ class _Tracker(AllocationTracker):
 # FLOPs are planned as causal attention's.
 
 
-def _kernels(nccl: bool) -> Kernels:
-    """The attention paths of a GPU step, on fake tensors: [Note: context parallel attention on fake tensors]."""
+def _kernels(nccl: bool, flex: bool = False) -> Kernels:
+    """The attention paths of a GPU step, on fake tensors: [Note: context parallel attention on fake tensors];
+    ``flex``: cp attention on flex_attention (``parallel.cp_flex`` on CUDA)."""
     return Kernels(fused_causal=True, expands_kv=True, ring_scores=ringlib.SCORE_ELEMENTS_CUDA if nccl else None,
-                   fake=True)
+                   fake=True, flex=flex)
 
 
 @contextlib.contextmanager
@@ -334,7 +338,7 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
     with FakeTensorMode(allow_non_fake_inputs=True), _step_context(nccl):
         for _, stage in stages:
             stage.to_empty(device=device)  # values are never read: no init_weights
-            use_kernels(stage, _kernels(nccl))
+            use_kernels(stage, _kernels(nccl, flex=p.cp_flex and nccl))
             balance_routing(stage)
             _steady_prefetch(stage)
         (index, stage), = stages  # one stage per rank (checked by the planner)

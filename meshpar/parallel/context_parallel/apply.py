@@ -346,7 +346,7 @@ def _attend_ring(layout: _Layout, q: Tensor, k: Tensor, v: Tensor, mask: Tensor 
     doc = _documents(mask)
     if doc is not None:  # each rank's tokens' documents, [B, cp, T/cp]
         doc = doc[:, layout.indices(q.shape[2], doc.device).every_rank]
-    if kernels.flex and not kernels.fake and flexlib.takes(q.shape[2], q.shape[2]):  # [Note: the ring on flex]
+    if kernels.flex and flexlib.takes(q.shape[2], q.shape[2]):  # [Note: the ring on flex]
         ring = Ring(layout.mesh, layout.balanced, kernels)
         return flex_ring_attention(q, k, v, ring, layout.ring_masks(ring, q.shape[2], doc, q.device))
     return ring_attention(q, k, v, layout.mesh, balanced=layout.balanced, documents=doc, kernels=kernels)
