@@ -109,7 +109,9 @@ def attend_lse(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask) -> tuple[Tensor
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask) -> Tensor:
     """q[B, H, n, Dh] over the gathered k, v[B, Hkv, T, Dh] under ``block_mask``'s mask: compiled flex
-    on CUDA, the eager reference elsewhere (forward only: [Note: cp attention on flex_attention])."""
-    if not q.is_cuda:  # the reference through flex's operator: differentiable on fake CPU tensors (the planner's)
+    on CUDA; elsewhere the eager reference through flex's operator, which differentiates (the
+    planner's fake CPU tensors need that) but is slow: CPU training keeps its kernels
+    ([Note: cp attention on flex_attention])."""
+    if not q.is_cuda:
         return _torch.flex_attention_reference(q, k, v, mask)[0]
     return _compiled()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
