@@ -67,15 +67,14 @@ class _FlexRing(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        query = q.detach()  # flex's eager path refuses, on CPU, inputs that need a gradient
 
-        def attend(src: int, kv: Tensor) -> None:
+        def attend(src: int, kv: Tensor) -> None:  # grad is off in a Function's forward: nothing recorded
             if masks[src] is not None:
-                part, part_lse = flexlib.attend_lse(query, kv[0], kv[1], masks[src])
+                part, part_lse = flexlib.attend_lse(q, kv[0], kv[1], masks[src])
                 ringlib._merge(out, lse, part.to(acc), part_lse.to(acc))
 
         with not_kept():  # [Note: what selective checkpointing recomputes anyway]
-            ring.forward(torch.stack([k, v]).detach(), attend)
+            ring.forward(torch.stack([k, v]), attend)
         out = out.to(q.dtype)
         ctx.ring, ctx.masks = ring, masks
         ctx.save_for_backward(q, k, v, out, lse)
