@@ -3,7 +3,7 @@ recipes/llama_debug_cp.toml's attention shape (B 2, 8 / 4 heads of 32, T 2048, c
 float64, cp rank 0's gather, gather-repeat, ring and ring on flex (its eager reference) each equal
 to the same rows of one attention over the whole sequence (output and dQ, to float64's rounding
 over 2048 keys), with the kernel each ran; a ring whose hops deliver the wrong rank's K/V is far
-off, so the comparison can fail. About 25 s here."""
+off, so the comparison can fail. Its time: docs/performance.md#test-suite-and-set-up."""
 
 from __future__ import annotations
 
