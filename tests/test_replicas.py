@@ -72,6 +72,11 @@ def test_recipe_errors_name_the_key_and_the_fix(tmp_path):
         load(*GROUPS, "--fault.lighthouse=localhost:1", "--model.aux_free_bias=true")
     with pytest.raises(RecipeError, match=r"fault.replica_id is read only by fault.replicas"):
         load("--fault.replica_id=1")
+    for timeout in ("0", "10"):  # unset (a backend's default), or not under half the quorum wait
+        with pytest.raises(RecipeError, match=r"fault.quorum_timeout = 20 must exceed 2 x fault.timeout, set expl"):
+            load(*GROUPS, "--fault.lighthouse=localhost:1", "--fault.quorum_timeout=20", f"--fault.timeout={timeout}")
+    assert load(*GROUPS, "--fault.lighthouse=localhost:1", "--fault.quorum_timeout=20",
+                "--fault.timeout=9").fault.quorum_timeout == 20
     env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(os, "environ", env)
@@ -201,7 +206,8 @@ def test_a_killed_group_heals_while_the_other_trains(tmp_path, data_cache):
 @pytest.mark.timeout(420)
 def test_a_lost_lighthouse_stops_each_group_with_a_checkpoint_and_the_same_commands_resume(tmp_path, data_cache):
     out, steps = tmp_path / "run", 12
-    common = (*GROUPS, f"--train.steps={steps}", f"--checkpoint.every={steps}", "--fault.timeout=5")
+    common = (*GROUPS, f"--train.steps={steps}", f"--checkpoint.every={steps}", "--fault.timeout=5",
+              "--fault.quorum_timeout=20")
 
     def both(address: str) -> list:
         return [start_run(out, *common, f"--fault.lighthouse={address}", f"--fault.replica_id={g}") for g in (0, 1)]
@@ -214,7 +220,7 @@ def test_a_lost_lighthouse_stops_each_group_with_a_checkpoint_and_the_same_comma
             for p in runs:
                 finish_run(p, timeout=1)
             raise
-    ends = [finish_run(p, timeout=240) for p in runs]  # each quorum waits 2 x fault.timeout + 60 s first
+    ends = [finish_run(p, timeout=240) for p in runs]  # each waits out its quorum (fault.quorum_timeout) first
     stopped = []
     for g, (code, output) in enumerate(ends):
         assert code == 75, output[-3000:]

@@ -327,6 +327,10 @@ class FaultConfig:
     replica_wait: float = option(300.0, "With replicas = torchft: seconds a group, at its start, waits for every "
                                         "replica group to join its first quorum before it trains with those there "
                                         "(groups then start together instead of one healing from another).", ge=0)
+    quorum_timeout: float = option(0.0, "With replicas = torchft: seconds a group waits for a step's quorum (the "
+                                        "lighthouse's answer) before it saves its last committed step and exits 75; "
+                                        "more than 2 x fault.timeout (a rank whose peer died sits in its all-reduce "
+                                        "that long while the others vote). 0 means 2 x fault.timeout + 60.", ge=0)
 
 
 @dataclass(frozen=True)

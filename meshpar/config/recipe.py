@@ -298,7 +298,7 @@ def _check_replicas(recipe: Recipe) -> None:
     """``fault.replicas = "torchft"`` and the keys that go with it."""
     f, groups = recipe.fault, recipe.parallel.dp_replicate
     if f.replicas != "torchft":
-        for key in ("replica_id", "lighthouse", "min_replicas", "replica_wait"):
+        for key in ("replica_id", "lighthouse", "min_replicas", "replica_wait", "quorum_timeout"):
             if getattr(f, key) != getattr(FaultConfig, key):
                 raise RecipeError(f"fault.{key} is read only by fault.replicas = \"torchft\": set it, or remove "
                                   f"{key}", f"fault.{key}")
@@ -315,6 +315,13 @@ def _check_replicas(recipe: Recipe) -> None:
         raise RecipeError("model.aux_free_bias with fault.replicas = \"torchft\" is not built: each replica group "
                           "would move its expert biases by its own loads and the groups would drift apart; use "
                           "model.aux_loss_coef for balancing, or fault.replicas = \"none\"", "model.aux_free_bias")
+    if f.quorum_timeout and not f.quorum_timeout > 2 * f.timeout > 0:
+        raise RecipeError(f"fault.quorum_timeout = {f.quorum_timeout:g} must exceed 2 x fault.timeout, set explicitly "
+                          f"(it is {f.timeout:g}; 0 stands for a default that depends on the backend): a rank whose "
+                          f"peer died sits in its all-reduce for fault.timeout while the others vote, and a shorter "
+                          f"quorum wait would give up on a live lighthouse; set e.g. --fault.timeout="
+                          f"{max(1.0, f.quorum_timeout / 3):g}, or leave fault.quorum_timeout 0",
+                          "fault.quorum_timeout")
     if f.replica_id >= groups:
         raise RecipeError(f"fault.replica_id = {f.replica_id}: the job has parallel.dp_replicate = {groups} replica "
                           f"groups, numbered 0 to {groups - 1}; start each group with its own id", "fault.replica_id")

@@ -163,7 +163,9 @@ class ReplicaGroups:
         # group's own vote and quorum wait longer: a rank whose peer died still sits in that
         # all-reduce while the others of its group already vote, and a group with a hung rank
         # stays in the lighthouse's view (heartbeating) until its own collectives time out.
-        waits = 2 * timeout + datetime.timedelta(seconds=60)
+        # (fault.quorum_timeout, when set, is checked to exceed 2 x fault.timeout: config/recipe.py)
+        waits = (datetime.timedelta(seconds=fault.quorum_timeout) if fault.quorum_timeout
+                 else 2 * timeout + datetime.timedelta(seconds=60))
         address = lighthouse_address(fault)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         seat: ReplicaGroups | None = None
