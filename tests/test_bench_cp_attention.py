@@ -29,6 +29,7 @@ def test_every_attention_equals_the_whole_sequence_rows(tmp_path):
         assert row["out_diff"] < 1e-12 and row["dq_diff"] < 1e-12, (name, row)
         assert row["ms"] > 0 and row["planned_ms"] > 0 and row["peak_mib"] is None
     assert rows["gather"]["kernels"] == "cpu-flash" and rows["ring@65536"]["kernels"] == "-"
+    assert rows["ring-flex"]["kernels"] == "flex-reference"
     # the rank's work is half the whole sequence's, both priced by the planner alike
     assert rows["whole"]["planned_ms"] == 2 * rows["gather"]["planned_ms"]
 
@@ -43,6 +44,6 @@ def test_a_ring_fed_the_wrong_chunk_is_far_off(monkeypatch):
         return work
 
     monkeypatch.setattr(bench._Hops, "__call__", own_chunk)
-    ring = next(r for r in bench.measure("llama_debug_cp", "cpu", torch.float64, [65536], 1, "auto")
+    ring = next(r for r in bench.measure("llama_debug_cp", "cpu", torch.float64, [65536], 1, "auto", warmup=False)
                 if r["attention"] == "ring@65536")
     assert ring["out_diff"] > 1e-3 and ring["dq_diff"] > 1e-3

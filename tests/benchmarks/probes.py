@@ -283,10 +283,12 @@ def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return {name: sum(d.values()) for name, d in parts.items()}
 
 
-def median_seconds(fn: Any, repeats: int, device: str) -> float:
-    """The median wall time of ``repeats`` calls of ``fn`` after one untimed call, each call ended by
-    a CUDA synchronize on ``device`` "cuda" (so the GPU's work is counted, not only its launch)."""
-    fn()
+def median_seconds(fn: Any, repeats: int, device: str, warmup: bool = True) -> float:
+    """The median wall time of ``repeats`` calls of ``fn`` after one untimed call (unless not
+    ``warmup``), each call ended by a CUDA synchronize on ``device`` "cuda" (so the GPU's work is
+    counted, not only its launch)."""
+    if warmup:
+        fn()
     times = []
     for _ in range(repeats):
         if device == "cuda":
