@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshpar.distributed import comm
 from meshpar.distributed._torch import StridedShard, foreach_mul_, foreach_norm, local_tensor
+from meshpar.distributed.tracing import mark
 
 
 @torch.no_grad()
@@ -43,17 +44,19 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0,
         if local.numel():
             group.append(local.detach())
     partial: dict[tuple, torch.Tensor] = {}
-    for key, locals_ in groups.items():
+    # [Note: clipping's groups in a fixed order] by the names of their dims, whatever parameter a
+    # stage holds first, each marked, and its temporaries freed before the next: the planner's
+    # simulated step labels the memory of each group's stretch by that mark, and a stretch must
+    # hold the same work in every pipeline stage (meshpar/planner/extrapolate.py)
+    for key in sorted(groups, key=_dim_names):
+        mark(f"clip {','.join(_dim_names(key))}")
         value = torch.zeros((), dtype=acc_dtype)
-        for same in _by_device_and_dtype(locals_):
-            # one multi-tensor kernel per device and dtype, each gradient read once and accumulated in
-            # acc_dtype (abs, pow and sum per gradient read a 1B model's fp32 gradients three times and
-            # wrote two temporaries of their size; a loop of per-gradient norms launched 147 kernels)
-            norms = torch.stack(foreach_norm(same, norm_type, acc_dtype))
-            contribution = norms.max() if is_inf else norms.pow(norm_type).sum()
+        for same in _by_device_and_dtype(groups[key]):
+            contribution = _contribution(same, norm_type, acc_dtype)
             value = value.to(contribution.device)
             value = torch.maximum(value, contribution) if is_inf else value + contribution
         partial[key] = value
+    mark("clip total")
     total = torch.zeros((), dtype=acc_dtype)
     for key, value in partial.items():
         for mesh, dim in key:
@@ -84,6 +87,20 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     for same in _by_device_and_dtype([local_tensor(g) if isinstance(g, DTensor) else g for g in grads]):
         foreach_mul_(same, coef.to(same[0].device, same[0].dtype))
     return norm
+
+
+def _contribution(tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype) -> torch.Tensor:
+    """``sum |g|^p`` (the max for the inf-norm) over ``tensors`` (one device and dtype), in ``dtype``:
+    one multi-tensor kernel, each gradient read once (abs, pow and sum per gradient read a 1B model's
+    fp32 gradients three times and wrote two temporaries of their size; a loop of per-gradient norms
+    launched 147 kernels)."""
+    norms = torch.stack(foreach_norm(tensors, norm_type, dtype))
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+
+
+def _dim_names(key: tuple) -> tuple[str, ...]:
+    """The mesh dims a clipping group's contributions are summed over, by name."""
+    return tuple((mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)])[dim] for mesh, dim in key)
 
 
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -1,7 +1,8 @@
-"""Profiler ranges that cost one check when no profiler records.
+"""Profiler ranges that cost one check when no profiler records, and marks for a listener.
 
     with trace_range("meshpar::fsdp.copy_in"):   # a range in torch.profiler traces, else nothing
         ...
+    mark("clip dp_shard,tp")                     # tells the listeners (the planner's tracker), if any
 
 ``torch.autograd.profiler.record_function`` enters and exits through two dispatcher ops whether or
 not a profiler is on: about 20 us a range on the CPU dev machine, and FSDP opens several per unit
@@ -12,6 +13,7 @@ records; a profile started inside a range sees the ranges opened after it starte
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 
 from torch.autograd.profiler import record_function
 
@@ -23,3 +25,23 @@ _NOTHING = contextlib.nullcontext()  # reusable and reentrant
 def trace_range(name: str) -> contextlib.AbstractContextManager:
     """``record_function(name)`` while a profiler records, else a no-op context."""
     return record_function(name) if profiler_enabled() else _NOTHING
+
+
+_LISTENERS: list[Callable[[str], None]] = []
+
+
+def mark(name: str) -> None:
+    """Tell the listeners that the work named ``name`` starts: the planner's memory tracker labels
+    its stretches by these (meshpar/planner/simulate.py). One list check without listeners."""
+    for listener in _LISTENERS:
+        listener(name)
+
+
+@contextlib.contextmanager
+def listen(listener: Callable[[str], None]) -> Iterator[None]:
+    """``listener(name)`` on every ``mark(name)`` in this context."""
+    _LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(listener)

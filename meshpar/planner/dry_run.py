@@ -169,10 +169,11 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
     p = recipe.parallel
     layers = stage_layers(args.n_layers, layout.pp, p.pp_boundaries)
     nccl = profile.device == "cuda"
-    ranks: list[RankPlan] = []
+    ranks: dict[int, RankPlan] = {}
     simulated: dict[tuple, Measured] = {}
     shorts: dict[tuple, Measured] = {}  # the short stages simulated, shared by stages whose own differ
-    for s in range(layout.pp):
+    lent: dict[tuple, extrapolate.Slopes] = {}  # middle stages' slopes, by repeating block, for the first
+    for s in sorted(range(layout.pp), key=lambda s: s == 0):  # the first stage last: it borrows slopes
         rank = s * (world_size // layout.pp)
         # stages alike in blocks, ends and which blocks are checkpointed (ac_every counts global indices)
         checkpointed = tuple(i % p.ac_every == 0 for i in layers[s]) if p.activation_checkpoint != "none" else ()
@@ -182,9 +183,10 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
             stages = _build(family, args, mesh, recipe)
             rank_plan = _describe(rank, mesh, stages, recipe, layers[s], accum)
             if role not in simulated:
-                simulated[role] = _simulate(family, args, mesh, recipe, stages, accum, nccl, shorts, role[1:3])
+                simulated[role] = _simulate(family, args, mesh, recipe, stages, accum, nccl, shorts, role[1:3], lent)
             rank_plan.measured = simulated[role]
-        ranks.append(rank_plan)
+        ranks[s] = rank_plan
+    ranks = [ranks[s] for s in range(layout.pp)]
     n_params = sum(r.n_params for r in ranks)
     time = step_time(recipe, layout, args, profile, ranks, accum, gpus_per_node=gpus_per_node,
                      efficiency=efficiency, links=links or LinkDefaults())
@@ -192,12 +194,15 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
 
 
 def _simulate(family, args, mesh: meshlib.Mesh, recipe: Recipe, stages: list[tuple[int, torch.nn.Module]],
-              accum: int, nccl: bool, shorts: dict[tuple, Measured], ends: tuple[bool, bool]) -> Measured:
+              accum: int, nccl: bool, shorts: dict[tuple, Measured], ends: tuple[bool, bool],
+              lent: dict[tuple, extrapolate.Slopes] | None = None) -> Measured:
     """The simulated step of ``stages`` (built, not yet run); a stage of many blocks that repeat
     (after a head of others, as DeepSeek-V3's dense first layers) through two short ones
     (``extrapolate.py``), which give the same figures in a fraction of the time. ``shorts``: short
     stages simulated before, by (blocks, ``ends``: first and last stage, each kept block's
-    ``_alike``), which stages of other lengths share."""
+    ``_alike``), which stages of other lengths share. ``lent``: a middle stage (period 1) leaves
+    its slopes there, by its repeating block, and a first stage of that block takes them instead
+    of its second short stage ([Note: the first stage borrows a middle stage's slopes])."""
     (_, stage), = stages
     blocks = [_alike(block) for block in stage.layers.values()]
     n = len(blocks)
@@ -205,15 +210,25 @@ def _simulate(family, args, mesh: meshlib.Mesh, recipe: Recipe, stages: list[tup
     counts = extrapolate.short_counts(n, period, head)
     if counts is None:
         return simulate(stages, mesh, recipe, accum, nccl=nccl)
-    short = []
-    for c in counts:
+
+    def short(c: int) -> Measured:
         kept = extrapolate.kept(n, c, head)
         key = (c, ends, tuple(blocks[j] for j in kept))
         if key not in shorts:
             shorts[key] = simulate(_build(family, args, mesh, recipe, keep=kept), mesh, recipe, accum, nccl=nccl)
-        short.append(shorts[key])
-    return extrapolate.extrapolate(short[0], counts[0], short[1], counts[1], n=n, period=period, accum=accum,
-                                   head=head)
+        return shorts[key]
+
+    repeating = (period, blocks[-1])
+    if lent is not None and period == 1 and ends == (True, False) and repeating in lent:
+        borrowed = extrapolate.borrow(short(counts[0]), counts[0], lent[repeating], n=n, head=head, accum=accum)
+        if borrowed is not None:
+            return borrowed
+    m1, m2 = short(counts[0]), short(counts[1])
+    if lent is not None and period == 1 and ends == (False, False) and repeating not in lent:
+        slopes = extrapolate.slopes(m1, counts[0], m2, counts[1], head)
+        if slopes is not None:
+            lent[repeating] = slopes
+    return extrapolate.extrapolate(m1, counts[0], m2, counts[1], n=n, period=period, accum=accum, head=head)
 
 
 def _alike(block: torch.nn.Module) -> tuple:

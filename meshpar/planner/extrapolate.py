@@ -3,6 +3,8 @@
     head, period = pattern(blocks)                  # (0, 1): all 80 blocks alike; (3, 1): 3 dense, then MoE
     n1, n2 = short_counts(n=80, period=1)           # (3, 4): the blocks each short stage keeps
     m = extrapolate(simulate(<3 blocks>), n1, simulate(<4 blocks>), n2, n=80, period=1, accum=2)
+    lent = slopes(<a middle stage's 3 blocks>, 3, <its 4 blocks>, 4, head=0)   # what a block adds
+    m = borrow(simulate(<the first stage's 3 blocks>), 3, lent, n=80, head=0, accum=2)
 
 ``period`` is how often the stage's blocks repeat after its first ``head``: 1 when all are alike,
 ``ac_every`` when only every so many are checkpointed; ``head`` counts the blocks before the
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 from meshpar.planner.simulate import Measured, Phase, measured
 
@@ -110,7 +113,7 @@ def _windowed(segments: dict[Hashable, tuple], n: int, first: int, last: int) ->
     distance from it (a stretch in both windows, in both)."""
     out = {}
     for label, value in segments.items():
-        if label == "start":
+        if label == "start" or label[0] == "mark":  # the phase's own work, outside every block
             out[label] = value
             continue
         kind, j = label
@@ -119,3 +122,115 @@ def _windowed(segments: dict[Hashable, tuple], n: int, first: int, last: int) ->
         if j >= n - last:
             out[(kind, "last", n - 1 - j)] = value
     return out
+
+
+# [Note: the first stage borrows a middle stage's slopes]
+# What one more middle block adds to a stretch is the blocks' own doing (their parameters and
+# gradients, the activations they save), the same in every stage that runs them: the first stage's
+# own work (the embedding) comes before its first block's stretch in forward and after its
+# backward, at a fixed distance from the stretches of the first window. So a pipeline's first
+# stage is simulated once, as its shorter short stage, and extrapolated with the slopes of a middle
+# stage's pair of the same repeating block: one simulation instead of two. A stretch takes the
+# slope of the middle stage's stretch at the same place: the first window's counted from the
+# repeating run's start (a head block's, as DeepSeek-V3's dense first layers, that of the run's
+# first block, which like it has every block of the run after it), the last window's from the end.
+# Only with period 1; where a stretch has no counterpart, or unlike stretches tie for a phase's
+# peak, the first stage simulates its own pair. The last stage does not borrow: its loss holds
+# other tensors beside its last block's output than a middle stage's send does (DeepSeek-V3's grow
+# by 72 bytes a block less). tests/test_plan_extrapolate.py compares the result with simulating
+# every block; the shipped recipes' headers are unchanged.
+
+
+@dataclass(frozen=True)
+class Slopes:
+    """What one more block adds to each figure of a middle stage (period 1), per phase: each
+    stretch's (total, per category), the first window's labelled by distance from the repeating
+    run's start; the phase's start, end, saved, comm and calls."""
+
+    stretches: dict[str, dict[Hashable, tuple[int, dict[str, int]]]]
+    figures: dict[str, tuple[int, int, int, Counter, Counter]]
+
+
+def slopes(m1: Measured, n1: int, m2: Measured, n2: int, head: int) -> Slopes | None:
+    """The slopes of a middle stage of period 1 from its short stages of ``n1`` and ``n2 = n1 + 1``
+    blocks (``head`` blocks before the repeating run)."""
+    if n2 - n1 != 1 or m1.phases.keys() != m2.phases.keys():
+        return None
+    stretches, figures = {}, {}
+    for name, p1 in m1.phases.items():
+        p2 = m2.phases[name]
+        s1 = _windowed(p1.segments, n1, head + EDGE + 1, EDGE + 1)
+        s2 = _windowed(p2.segments, n2, head + EDGE + 1, EDGE + 1)
+        if s1.keys() != s2.keys():
+            return None
+        stretches[name] = {}
+        for k, (b, cats) in s2.items():
+            a, before = s1[k]
+            if _in_head(k, head):
+                continue
+            stretches[name][_from_run(k, head)] = (b - a, {c: v - before[c] for c, v in cats.items()})
+        comm = Counter({k: p2.comm.get(k, 0) - p1.comm.get(k, 0) for k in (*p2.comm, *p1.comm)})
+        calls = Counter({k: p2.calls.get(k, 0) - p1.calls.get(k, 0) for k in (*p2.calls, *p1.calls)})
+        figures[name] = (p2.start - p1.start, p2.end - p1.end, p2.saved - p1.saved, comm, calls)
+    return Slopes(stretches, figures)
+
+
+def borrow(m1: Measured, n1: int, lent: Slopes, *, n: int, head: int, accum: int) -> Measured | None:
+    """The figures of a first stage of ``n`` blocks (period 1) from its short stage of ``n1`` and a
+    middle stage's ``lent`` slopes ([Note: the first stage borrows a middle stage's slopes]); None
+    where a stretch has no slope to borrow or unlike stretches tie for a phase's peak."""
+    if m1.phases.keys() != lent.figures.keys():
+        return None
+    steps = n - n1
+    phases = {}
+    for name, p1 in m1.phases.items():
+        windowed = _in_long_order(_windowed(p1.segments, n1, head + EDGE + 1, EDGE + 1), n)
+        if windowed is None:
+            return None
+        segments = {}
+        for k, (value, cats) in windowed.items():
+            place = (k[0], "first", 0) if _in_head(k, head) else _from_run(k, head)
+            slope = lent.stretches[name].get(place)
+            if slope is None or slope[1].keys() != cats.keys():
+                return None
+            segments[k] = (value + steps * slope[0], {c: v + steps * slope[1][c] for c, v in cats.items()})
+        peak, at_peak = max(segments.values(), key=lambda seg: seg[0])  # the first of equals, as the tracker
+        start, end, saved, comm, calls = lent.figures[name]
+        comm = Counter({k: p1.comm.get(k, 0) + steps * comm.get(k, 0) for k in (*p1.comm, *comm)})
+        calls = Counter({k: p1.calls.get(k, 0) + steps * calls.get(k, 0) for k in (*p1.calls, *calls)})
+        phases[name] = Phase(p1.start + steps * start, p1.end + steps * end, peak, p1.saved + steps * saved,
+                             at_peak, comm, segments, calls)
+    return measured(phases, m1.n_run, accum)
+
+
+def _in_long_order(windowed: dict[Hashable, tuple], n: int) -> dict[Hashable, tuple] | None:
+    """A short stage's windowed stretches in the order the stage of ``n`` blocks runs them (its
+    windows do not overlap there): by block, forward ("in", "out") from the first, backward
+    ("grad") from the last; None for a phase that mixes them or marks with blocks."""
+    blocks = [k for k in windowed if isinstance(k, tuple) and len(k) == 3]
+    kinds = {k[0] for k in blocks}
+    marked = any(isinstance(k, tuple) and k[0] == "mark" for k in windowed)
+    if not blocks:
+        return windowed
+    if marked or not (kinds <= {"in", "out"} or kinds == {"grad"}):
+        return None
+    backward = kinds == {"grad"}
+
+    def when(k: Hashable) -> int:
+        if k == "start":
+            return -1
+        at = k[2] if k[1] == "first" else n - 1 - k[2]
+        return n - 1 - at if backward else at
+
+    return {k: windowed[k] for k in sorted(windowed, key=when)}  # stable: "in" before "out"
+
+
+def _in_head(label: Hashable, head: int) -> bool:
+    return isinstance(label, tuple) and len(label) == 3 and label[1] == "first" and label[2] < head
+
+
+def _from_run(label: Hashable, head: int) -> Hashable:
+    """A windowed label with the first window's blocks counted from the repeating run's start."""
+    if isinstance(label, tuple) and len(label) == 3 and label[1] == "first":
+        return (label[0], "first", label[2] - head)
+    return label

@@ -39,6 +39,7 @@ from meshpar.config.recipe import Recipe
 from meshpar.distributed import comm_record
 from meshpar.distributed._torch import FakeTensor, FakeTensorMode, active_fake_mode, dtensor_shapes_in_own_fake_mode
 from meshpar.distributed.mesh import DIMS, Mesh
+from meshpar.distributed.tracing import listen
 from meshpar.fsdp import FSDPModule
 from meshpar.models.attention import Kernels, use_kernels
 from meshpar.parallel.context_parallel import ring as ringlib
@@ -84,7 +85,7 @@ class Phase:
     comm: Counter = field(default_factory=Counter)  # (op, mesh dim) -> bytes on the wire from this rank
     # the peak (total, bytes per category) of each stretch of the phase, by label in order of first
     # appearance: "start" (the phase's first value), then ("in" | "out" | "grad", block position)
-    # from _label_blocks (what planner/extrapolate.py reads)
+    # and ("mark", name) from _label_blocks (what planner/extrapolate.py reads)
     segments: dict[Hashable, tuple[int, dict[str, int]]] = field(default_factory=dict)
     calls: Counter = field(default_factory=Counter)  # (op, mesh dim) -> collectives issued
 
@@ -388,7 +389,8 @@ def _label_blocks(stage: torch.nn.Module, tracker: _Tracker) -> Iterator[None]:
     """Label the tracker's stretches by block position ``j`` in ``stage.layers``: ("in", j) from
     the block's forward call, ("out", j) after it, ("grad", j) once the gradient of its output
     is computed (its backward, recomputation included, comes next). Module and tensor hooks only:
-    a checkpointed block's recomputation calls the inner forward and fires none."""
+    a checkpointed block's recomputation calls the inner forward and fires none. Work outside the
+    blocks that marks itself (``tracing.mark``: clipping's groups) is labelled ("mark", name)."""
     def label(name: Hashable) -> Callable[..., None]:
         def set_label(*_: Any) -> None:
             tracker.segment = name
@@ -402,11 +404,15 @@ def _label_blocks(stage: torch.nn.Module, tracker: _Tracker) -> Iterator[None]:
                     t.register_hook(label(("grad", j)))
         return hook
 
+    def marked(name: str) -> None:
+        tracker.segment = ("mark", name)
+
     handles = []
     for j, block in enumerate(stage.layers.values()):
         handles += [block.register_forward_pre_hook(label(("in", j))), block.register_forward_hook(after(j))]
     try:
-        yield
+        with listen(marked):
+            yield
     finally:
         for h in handles:
             h.remove()
