@@ -358,7 +358,7 @@ def dtensor_shapes_in_own_fake_mode() -> Iterator[None]:
 # - FakeTensorMode: the planner's memory simulation runs a step on fake tensors of the real sizes.
 #   Public alternative: none (torch.export uses it internally).
 # - FakeTensor, active_fake_mode: the simulation answers fake tensors' device queries itself
-#   ([Note: device queries skip the tracker] in planner/simulate.py), with MemTracker's test for
+#   ([Note: device queries skip the tracker] in planner/tracker.py), with MemTracker's test for
 #   which fake mode is running. Public alternative: none.
 # - FakeStore: ``meshpar plan``'s dry run joins a "fake" process group, whose collectives return at
 #   once. Public alternative: none outside torch.testing.

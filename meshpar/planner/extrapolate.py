@@ -19,7 +19,7 @@ Blocks alike in kind, parameters and wrappers run the same ops; at any op of blo
 modulo ``period``), plus what lies outside the block, which grows by a fixed amount per block
 before ``j`` (saved activations, in forward) or after it (gradients, in backward), and per block
 of the stage (sharded parameters, accumulated gradients): ``a + b*j + c*n``. So each stretch of
-a phase that ``simulate._label_blocks`` labels peaks at ``a + b*j + c*n``, except within ``EDGE``
+a phase that ``tracker.label_blocks`` labels peaks at ``a + b*j + c*n``, except within ``EDGE``
 blocks of either end of the repeating run, whose neighbours differ (prefetch, the stage's own
 layers, a head block), and which are still affine in ``n`` at a fixed distance from their end; so
 are the head's blocks, at a fixed distance from the start. Over the middle blocks of a class, an affine

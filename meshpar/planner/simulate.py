@@ -9,9 +9,9 @@ The stages come from meshpar's own parallelize path, built on meta in a fake pro
 the real sizes, no memory, no arithmetic) and run through ``meshpar.training.step.train_step``,
 the step ``meshpar train`` runs: FSDP units all-gather, prefetch, reshard and reduce-scatter as
 on a GPU, gradients are reduced per step or per microbatch (``parallel.grad_reduce``) and
-clipped. Under pipelining ``_OneAtATime`` stands in for the schedule. A tracker (meshpar's
-``AllocationTracker``) follows every storage created, freed or resized, phase by phase
-(``train_step``'s ``phase`` hook) and block by block (``_label_blocks``: what ``extrapolate.py``
+clipped. Under pipelining ``_OneAtATime`` stands in for the schedule. A tracker (``tracker.py``,
+meshpar's ``AllocationTracker``) follows every storage created, freed or resized, phase by phase
+(``train_step``'s ``phase`` hook) and stretch by stretch (``label_blocks``: what ``extrapolate.py``
 needs to simulate a long stage as two short ones).
 
 Limits: the optimizer step, microbatches beyond three, pipeline microbatches in flight and
@@ -28,24 +28,21 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from meshpar.config.recipe import Recipe
 from meshpar.distributed import comm_record
-from meshpar.distributed._torch import FakeTensor, FakeTensorMode, active_fake_mode, dtensor_shapes_in_own_fake_mode
-from meshpar.distributed.mesh import DIMS, Mesh
-from meshpar.distributed.tracing import listen
+from meshpar.distributed._torch import FakeTensorMode, dtensor_shapes_in_own_fake_mode
+from meshpar.distributed.mesh import Mesh
 from meshpar.fsdp import FSDPModule
 from meshpar.models.attention import Kernels, use_kernels
 from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.parallel.pipeline import Stage
 from meshpar.planner.moe import balance_routing
-from meshpar.profiling.memory import AllocationTracker
+from meshpar.planner.tracker import Phase, StepTracker, groups_by_name, label_blocks, priced
 from meshpar.training.loss import TokenLoss, last_head, layout_chunks
 from meshpar.training.step import GradSync, Microbatch, Model, train_step
 
@@ -71,23 +68,6 @@ from meshpar.training.step import GradSync, Microbatch, Model, train_step
 # fragmentation, cuBLAS and NCCL workspaces (left to the margin of [Note: usable device
 # memory]), and kernels that save other tensors than the CPU's (fake tensors on "cpu" take the
 # CPU's attention kernel, which saves the output and the log-sum-exp, as CUDA's flash does).
-
-
-@dataclass
-class Phase:
-    """Live bytes across one phase of the step (a microbatch's forward or backward, the sync)."""
-
-    start: int = 0
-    end: int = 0
-    peak: int = 0
-    saved: int = 0  # activation and temporary bytes the phase left alive
-    at_peak: dict[str, int] = field(default_factory=dict)  # bytes per category at the phase's peak
-    comm: Counter = field(default_factory=Counter)  # (op, mesh dim) -> bytes on the wire from this rank
-    # the peak (total, bytes per category) of each stretch of the phase, by label in order of first
-    # appearance: "start" (the phase's first value), then ("in" | "out" | "grad", block position)
-    # and ("mark", name) from _label_blocks (what planner/extrapolate.py reads)
-    segments: dict[Hashable, tuple[int, dict[str, int]]] = field(default_factory=dict)
-    calls: Counter = field(default_factory=Counter)  # (op, mesh dim) -> collectives issued
 
 
 @dataclass
@@ -141,90 +121,6 @@ def schedule_actions(schedule: str | None, n: int, pp: int, stage: int, n_run: i
     return actions
 
 
-# [Note: device queries skip the tracker]
-# Half the ops a simulated step dispatches are ``prim.device``: C++ asking a fake tensor its device
-# (each DTensor wrap, the autograd engine). They allocate nothing, but through MemTracker and then
-# FakeTensorMode each costs a full dispatch. The tracker answers them as FakeTensor itself does
-# (its ``device`` property) and keeps what MemTracker does after any op of the step's fake mode,
-# the peak update, so every figure is unchanged (tests/test_plan.py's headers, exactly).
-_DEVICE = torch.ops.prim.device.default
-
-
-class _Tracker(AllocationTracker):
-    """``AllocationTracker`` keeping only global and per-phase peaks (MemTracker also updates
-    every module's peak after every op, which is O(modules) per op:
-    docs/performance.md#the-simulations-own-costs), and counting DTensor's collectives (tensor
-    parallelism) by mesh dim. Higher-order operators pass through it as ops (flex_attention under
-    ``parallel.cp_flex``: what it returns is what it allocates)."""
-
-    supports_higher_order_operators = True
-
-    def __init__(self, *tracked: Any, groups: dict[str, tuple[str, int]]) -> None:
-        super().__init__(*tracked)
-        self._groups = groups  # process group name -> (mesh dim, size)
-        self.current_phase: Phase | None = None
-        self.segment: Hashable = "start"  # the label of the stretch running now (_label_blocks)
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        ph = self.current_phase
-        if ph is None:
-            return
-        total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
-        seg = ph.segments.get(self.segment)
-        if seg is None or total > seg[0]:
-            now = self.current()
-            ph.segments[self.segment] = (total, now)
-            if total > ph.peak:
-                ph.peak, ph.at_peak = total, now
-
-    def __enter__(self) -> _Tracker:
-        super().__enter__()
-        self._step_mode = active_fake_mode()  # the step's fake mode, not DTensor's shape propagation's
-        return self
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE and isinstance(args[0], FakeTensor):  # [Note: device queries skip the tracker]
-            if active_fake_mode() is self._step_mode:
-                self._update_peak_stats(None)
-            return args[0].device
-        if func.namespace == "_c10d_functional" and not any(t is DTensor for t in types):
-            self._count(func._schema.name.split("::")[-1], args)
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-    def _count(self, op: str, args: tuple) -> None:
-        if self.current_phase is None or op == "wait_tensor":
-            return
-        group = next((a for a in args if isinstance(a, str) and a in self._groups), None)
-        dim, n = self._groups.get(group, ("other", 1))
-        x = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-        nbytes = x.numel() * x.element_size()
-        # ring volumes per rank, as meshpar.distributed.comm counts them ([Note: bytes counted])
-        wire = {"all_gather_into_tensor": nbytes * (n - 1), "reduce_scatter_tensor": nbytes * (n - 1) / n,
-                "all_reduce": 2 * nbytes * (n - 1) / n, "all_to_all_single": nbytes * (n - 1) / n}.get(op, nbytes)
-        key = (op.removesuffix("_into_tensor").removesuffix("_tensor"), dim)
-        self.current_phase.comm[key] += wire
-        self.current_phase.calls[key] += 1
-
-    @contextlib.contextmanager
-    def phase(self, ph: Phase) -> Iterator[Phase]:
-        before = self.current()
-        ph.start = ph.peak = before["Total"]
-        ph.at_peak = before
-        self.segment = "start"
-        ph.segments["start"] = (ph.start, before)
-        self.current_phase = ph
-        with comm_record.count() as counted:
-            yield ph
-        self.current_phase = None
-        after = self.current()
-        ph.end = after["Total"]
-        ph.saved = sum(after[c] - before[c] for c in ("Activation", "Temp"))
-        for (op, dim), nbytes in counted.bytes.items():  # meshpar.distributed.comm's; "extra": clipping's pp groups
-            ph.comm[(op, "pp" if dim == "extra" else dim)] += nbytes
-        for (op, dim), calls in counted.calls.items():
-            ph.calls[(op, "pp" if dim == "extra" else dim)] += calls
-
-
 # [Note: DTensor's shape propagation is not memory]
 # DTensor finds its output shapes by running each op on fake tensors of the *global* shapes, in
 # the fake mode it detects, which here is the simulation's own: the tracker would count a
@@ -274,15 +170,6 @@ def _steady_prefetch(stage: torch.nn.Module) -> None:
         unit.set_modules_to_forward_prefetch([nxt])
 
 
-def _groups(mesh: Mesh) -> dict[str, tuple[str, int]]:
-    out = {}
-    for dim in (*DIMS, "dp"):
-        if mesh[dim].size() > 1:
-            g = mesh[dim].get_group()
-            out[g.group_name] = (dim, g.size())
-    return out
-
-
 class _OneAtATime:
     """``Pipeline.step_microbatches`` on this rank's stage, one microbatch at a time: a forward,
     then its backward as the schedule runs it ([Note: one reduce-scatter per step under
@@ -316,16 +203,6 @@ class _OneAtATime:
             del out, loss
 
 
-def _priced(tracker: _Tracker, phases: dict[str, Phase]) -> Callable[..., contextlib.AbstractContextManager]:
-    """``train_step``'s ``phase`` hook: live bytes and collectives per phase as the planner prices
-    them, "F<i>" and "B<i>" per microbatch and "sync" (gradient reductions, clipping)."""
-    def phase(name: str, microbatch: int | None = None) -> contextlib.AbstractContextManager:
-        key = {"forward": f"F{microbatch}", "backward": f"B{microbatch}", "optimizer": "sync"}.get(name)
-        return contextlib.nullcontext() if key is None else tracker.phase(phases.setdefault(key, Phase()))
-
-    return phase
-
-
 def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Recipe, accum: int, *,
              nccl: bool) -> Measured:
     """Run one optimizer step's forward/backward passes and gradient work of ``stages`` (this
@@ -357,8 +234,8 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
         if layout.pp > 1:
             pipe = Stage(stage, index, layout.pp, device, mesh["pp"].get_group(), p.grad_reduce == "microbatch")
         phases: dict[str, Phase] = {}
-        with _Tracker(stage, groups=_groups(mesh)) as tracker, _label_blocks(stage, tracker):
-            phase = _priced(tracker, phases)
+        with StepTracker(stage, groups=groups_by_name(mesh)) as tracker, label_blocks(stage, tracker):
+            phase = priced(tracker, phases)
             if pipe is not None:
                 model.pipeline = _OneAtATime(pipe, accum, received, grads, phase, loss)
             train_step(model, lambda: microbatches, accum, sync, device, phase=phase)
@@ -382,40 +259,6 @@ def measured(phases: dict[str, Phase], n_run: int, accum: int) -> Measured:
             for k, v in phases[name].calls.items():
                 step_calls[k] += v * (accum - n_run)
     return Measured(phases, n_run, activation, step_comm, step_calls)
-
-
-@contextlib.contextmanager
-def _label_blocks(stage: torch.nn.Module, tracker: _Tracker) -> Iterator[None]:
-    """Label the tracker's stretches by block position ``j`` in ``stage.layers``: ("in", j) from
-    the block's forward call, ("out", j) after it, ("grad", j) once the gradient of its output
-    is computed (its backward, recomputation included, comes next). Module and tensor hooks only:
-    a checkpointed block's recomputation calls the inner forward and fires none. Work outside the
-    blocks that marks itself (``tracing.mark``: clipping's groups) is labelled ("mark", name)."""
-    def label(name: Hashable) -> Callable[..., None]:
-        def set_label(*_: Any) -> None:
-            tracker.segment = name
-        return set_label
-
-    def after(j: int) -> Callable[..., None]:
-        def hook(_module: torch.nn.Module, _args: Any, out: Any) -> None:
-            tracker.segment = ("out", j)
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(label(("grad", j)))
-        return hook
-
-    def marked(name: str) -> None:
-        tracker.segment = ("mark", name)
-
-    handles = []
-    for j, block in enumerate(stage.layers.values()):
-        handles += [block.register_forward_pre_hook(label(("in", j))), block.register_forward_hook(after(j))]
-    try:
-        with listen(marked):
-            yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _hidden_dim(stage: torch.nn.Module) -> int:
