@@ -172,8 +172,8 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
     ranks: dict[int, RankPlan] = {}
     simulated: dict[tuple, Measured] = {}
     shorts: dict[tuple, Measured] = {}  # the short stages simulated, shared by stages whose own differ
-    lent: dict[tuple, extrapolate.Slopes] = {}  # middle stages' slopes, by repeating block, for the first
-    for s in sorted(range(layout.pp), key=lambda s: s == 0):  # the first stage last: it borrows slopes
+    lent: dict[tuple, extrapolate.Slopes] = {}  # middle stages' slopes, by repeating block, for the ends
+    for s in sorted(range(layout.pp), key=lambda s: s in (0, layout.pp - 1)):  # the ends last: they borrow
         rank = s * (world_size // layout.pp)
         # stages alike in blocks, ends and which blocks are checkpointed (ac_every counts global indices)
         checkpointed = tuple(i % p.ac_every == 0 for i in layers[s]) if p.activation_checkpoint != "none" else ()
@@ -201,8 +201,8 @@ def _simulate(family, args, mesh: meshlib.Mesh, recipe: Recipe, stages: list[tup
     (``extrapolate.py``), which give the same figures in a fraction of the time. ``shorts``: short
     stages simulated before, by (blocks, ``ends``: first and last stage, each kept block's
     ``_alike``), which stages of other lengths share. ``lent``: a middle stage (period 1) leaves
-    its slopes there, by its repeating block, and a first stage of that block takes them instead
-    of its second short stage ([Note: the first stage borrows a middle stage's slopes])."""
+    its slopes there, by its repeating block, and a first or last stage of that block takes them
+    instead of its second short stage ([Note: the end stages borrow a middle stage's slopes])."""
     (_, stage), = stages
     blocks = [_alike(block) for block in stage.layers.values()]
     n = len(blocks)
@@ -219,7 +219,7 @@ def _simulate(family, args, mesh: meshlib.Mesh, recipe: Recipe, stages: list[tup
         return shorts[key]
 
     repeating = (period, blocks[-1])
-    if lent is not None and period == 1 and ends == (True, False) and repeating in lent:
+    if lent is not None and period == 1 and ends in ((True, False), (False, True)) and repeating in lent:
         borrowed = extrapolate.borrow(short(counts[0]), counts[0], lent[repeating], n=n, head=head, accum=accum)
         if borrowed is not None:
             return borrowed

@@ -124,21 +124,24 @@ def _windowed(segments: dict[Hashable, tuple], n: int, first: int, last: int) ->
     return out
 
 
-# [Note: the first stage borrows a middle stage's slopes]
+# [Note: the end stages borrow a middle stage's slopes]
 # What one more middle block adds to a stretch is the blocks' own doing (their parameters and
-# gradients, the activations they save), the same in every stage that runs them: the first stage's
-# own work (the embedding) comes before its first block's stretch in forward and after its
-# backward, at a fixed distance from the stretches of the first window. So a pipeline's first
-# stage is simulated once, as its shorter short stage, and extrapolated with the slopes of a middle
-# stage's pair of the same repeating block: one simulation instead of two. A stretch takes the
-# slope of the middle stage's stretch at the same place: the first window's counted from the
-# repeating run's start (a head block's, as DeepSeek-V3's dense first layers, that of the run's
-# first block, which like it has every block of the run after it), the last window's from the end.
-# Only with period 1; where a stretch has no counterpart, or unlike stretches tie for a phase's
-# peak, the first stage simulates its own pair. The last stage does not borrow: its loss holds
-# other tensors beside its last block's output than a middle stage's send does (DeepSeek-V3's grow
-# by 72 bytes a block less). tests/test_plan_extrapolate.py compares the result with simulating
-# every block; the shipped recipes' headers are unchanged.
+# gradients, the activations they save), the same in every stage that runs them. The first
+# stage's own work (the embedding) comes before its first block's stretch in forward and after it
+# in backward; the last stage's (final norm, output, loss) is a stretch of its own, ("mark",
+# "head"), after its last block in forward, and its backward opens the backward's "start". So the
+# first and last stages of a pipeline are each simulated once, as their shorter short stage, and
+# extrapolated with the slopes of a middle stage's pair of the same repeating block: one
+# simulation instead of two. A stretch takes the slope of the middle stage's stretch at the same
+# place: the first window's counted from the repeating run's start (a head block's, as
+# DeepSeek-V3's dense first layers, that of the run's first block, which like it has every block of
+# the run after it), the last window's from the end; the head's that of the same microbatch's
+# backward "start" (every block's forward done, nothing of theirs freed before backward). Only with
+# period 1; where a stretch has no counterpart the stage simulates its own pair. Unmarked, the
+# debug DeepSeek-V3's head would grow 72 bytes a block less than the stretch it shares with its
+# last block (its loss frees per-block tensors a middle stage's send keeps). tests/
+# test_plan_extrapolate.py compares the result with simulating every block; the shipped recipes'
+# headers are unchanged.
 
 
 @dataclass(frozen=True)
@@ -176,9 +179,9 @@ def slopes(m1: Measured, n1: int, m2: Measured, n2: int, head: int) -> Slopes | 
 
 
 def borrow(m1: Measured, n1: int, lent: Slopes, *, n: int, head: int, accum: int) -> Measured | None:
-    """The figures of a first stage of ``n`` blocks (period 1) from its short stage of ``n1`` and a
-    middle stage's ``lent`` slopes ([Note: the first stage borrows a middle stage's slopes]); None
-    where a stretch has no slope to borrow or unlike stretches tie for a phase's peak."""
+    """The figures of a first or last stage of ``n`` blocks (period 1) from its short stage of ``n1``
+    and a middle stage's ``lent`` slopes ([Note: the end stages borrow a middle stage's slopes]);
+    None where a stretch has no slope to borrow or the stretches' order is not the long stage's."""
     if m1.phases.keys() != lent.figures.keys():
         return None
     steps = n - n1
@@ -191,6 +194,8 @@ def borrow(m1: Measured, n1: int, lent: Slopes, *, n: int, head: int, accum: int
         for k, (value, cats) in windowed.items():
             place = (k[0], "first", 0) if _in_head(k, head) else _from_run(k, head)
             slope = lent.stretches[name].get(place)
+            if k == ("mark", "head") and name.startswith("F"):  # as the backward's start of its microbatch
+                slope = lent.stretches.get(f"B{name[1:]}", {}).get("start")
             if slope is None or slope[1].keys() != cats.keys():
                 return None
             segments[k] = (value + steps * slope[0], {c: v + steps * slope[1][c] for c, v in cats.items()})
@@ -209,16 +214,20 @@ def _in_long_order(windowed: dict[Hashable, tuple], n: int) -> dict[Hashable, tu
     ("grad") from the last; None for a phase that mixes them or marks with blocks."""
     blocks = [k for k in windowed if isinstance(k, tuple) and len(k) == 3]
     kinds = {k[0] for k in blocks}
-    marked = any(isinstance(k, tuple) and k[0] == "mark" for k in windowed)
+    marks = [k for k in windowed if isinstance(k, tuple) and k[0] == "mark"]
     if not blocks:
         return windowed
-    if marked or not (kinds <= {"in", "out"} or kinds == {"grad"}):
-        return None
+    order = list(windowed)
+    after = marks and min(order.index(k) for k in marks) > max(order.index(k) for k in blocks)
+    if (marks and not after) or not (kinds <= {"in", "out"} or kinds == {"grad"}):
+        return None  # marks among the blocks (the head's comes after them), or both directions
     backward = kinds == {"grad"}
 
     def when(k: Hashable) -> int:
         if k == "start":
             return -1
+        if k in marks:
+            return n + marks.index(k)
         at = k[2] if k[1] == "first" else n - 1 - k[2]
         return n - 1 - at if backward else at
 

@@ -154,7 +154,8 @@ def label_blocks(stage: torch.nn.Module, tracker: StepTracker) -> Iterator[None]
     the block's forward call, ("out", j) after it, ("grad", j) once the gradient of its output
     is computed (its backward, recomputation included, comes next). Module and tensor hooks only:
     a checkpointed block's recomputation calls the inner forward and fires none. Work outside the
-    blocks that marks itself (``tracing.mark``: clipping's groups) is labelled ("mark", name)."""
+    blocks that marks itself (``tracing.mark``: clipping's groups) is labelled ("mark", name), and
+    the last stage's head, from its final norm on, ("mark", "head")."""
     def label(name: Hashable) -> Callable[..., None]:
         def set_label(*_: Any) -> None:
             tracker.segment = name
@@ -174,9 +175,22 @@ def label_blocks(stage: torch.nn.Module, tracker: StepTracker) -> Iterator[None]
     handles = []
     for j, block in enumerate(stage.layers.values()):
         handles += [block.register_forward_pre_hook(label(("in", j))), block.register_forward_hook(after(j))]
+    head = _after_blocks(stage)
+    if head is not None:  # the last stage's final norm, output and loss: a stretch of their own
+        handles.append(head.register_forward_pre_hook(label(("mark", "head"))))
     try:
         with listen(marked):
             yield
     finally:
         for h in handles:
             h.remove()
+
+
+def _after_blocks(stage: torch.nn.Module) -> torch.nn.Module | None:
+    """The first module a stage runs after its blocks (the final norm: ``norm``, ``ln_f``), None on
+    a stage without one (a pipeline stage before the last)."""
+    children = iter(stage.named_children())
+    for name, _ in children:
+        if name == "layers":
+            return next((m for _, m in children if m is not None), None)
+    return None
