@@ -32,7 +32,7 @@ _LISTENERS: list[Callable[[str], None]] = []
 
 def mark(name: str) -> None:
     """Tell the listeners that the work named ``name`` starts: the planner's memory tracker labels
-    its stretches by these (meshpar/planner/simulate.py). One list check without listeners."""
+    its stretches by these (meshpar/planner/tracker.py). One list check without listeners."""
     for listener in _LISTENERS:
         listener(name)
 

@@ -138,10 +138,9 @@ def _windowed(segments: dict[Hashable, tuple], n: int, first: int, last: int) ->
 # the run after it), the last window's from the end; the head's that of the same microbatch's
 # backward "start" (every block's forward done, nothing of theirs freed before backward). Only with
 # period 1; where a stretch has no counterpart the stage simulates its own pair. Unmarked, the
-# debug DeepSeek-V3's head would grow 72 bytes a block less than the stretch it shares with its
-# last block (its loss frees per-block tensors a middle stage's send keeps). tests/
-# test_plan_extrapolate.py compares the result with simulating every block; the shipped recipes'
-# headers are unchanged.
+# head would share its last block's stretch and grow unlike it (DeepSeek-V3's loss frees
+# per-block tensors a middle stage's send keeps: docs/performance.md#the-simulations-own-costs).
+# tests/test_plan_extrapolate.py compares the result with simulating every block.
 
 
 @dataclass(frozen=True)
