@@ -102,7 +102,7 @@ def _std_fds(out, err) -> tuple[int, int]:
 
 def _rank_main(rank: int, world_size: int, port: int, init_pg: bool, fn: Callable, args: tuple,
                results: mp.Queue, environ: dict[str, str] | None = None,
-               std_fds: tuple[int, int] | None = None) -> None:
+               std_fds: tuple[int, int] | None = None, fault_path: str | None = None) -> None:
     # the parent's environment and output, at the call: [Note: ranks forked from a server that imported torch]
     if environ is not None:
         os.environ.clear()
@@ -113,9 +113,14 @@ def _rank_main(rank: int, world_size: int, port: int, init_pg: bool, fn: Callabl
         for fd, target in zip(std_fds, (1, 2), strict=True):
             os.dup2(fd, target)
             os.close(fd)
-    # A rank that dies in C++ (SIGABRT from a gloo enforce or glibc's heap checks, SIGSEGV) prints every
-    # thread's Python stack to the test's captured stderr; the server does not inherit pytest's faulthandler.
-    faulthandler.enable(all_threads=True)
+    # A rank that dies in C++ (SIGABRT from a gloo enforce or glibc's heap checks, SIGSEGV) writes every
+    # thread's Python stack to its fault file, which the parent puts first in the test's error: the
+    # cause, where the survivors' tracebacks show only its effect (a connection closed by the peer).
+    # The server does not inherit pytest's faulthandler; the file stays open until the process ends.
+    if fault_path is not None:
+        faulthandler.enable(open(fault_path, "w"), all_threads=True)  # noqa: SIM115
+    else:
+        faulthandler.enable(all_threads=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
@@ -152,6 +157,18 @@ def _exit(code: int | None) -> str:
     return str(code)
 
 
+def _crash_reports(faults: Path, procs: list) -> list[str]:
+    """What faulthandler wrote for each rank that died of a signal it catches (SIGSEGV, SIGABRT,
+    SIGFPE, SIGBUS, SIGILL): the crashing thread's Python stack and every other thread's."""
+    reports = []
+    for r, p in enumerate(procs):
+        path = faults / f"rank{r}.txt"
+        text = path.read_text(errors="replace").strip() if path.exists() else ""
+        if text:
+            reports.append(f"--- rank {r} crashed (exit code {_exit(p.exitcode)}); faulthandler:\n{text}")
+    return reports
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
                     init_process_group: bool = True) -> list[Any]:
     from tests import tiers
@@ -163,8 +180,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     environ = dict(os.environ)
     # not daemonic, as torchrun's ranks are not: a rank may start processes of its own (checkpoint.async =
     # "process"); the finally below ends every rank however the job goes
+    faults = Path(tempfile.mkdtemp(prefix="meshpar-faults-"))
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, init_process_group, fn, args, results,
-                                                  environ, _StdFds()), daemon=False) for r in range(world_size)]
+                                                  environ, _StdFds(), str(faults / f"rank{r}.txt")), daemon=False)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
@@ -191,13 +210,15 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 p.kill()
                 p.join()
 
+    crashes = _crash_reports(faults, procs)
+    shutil.rmtree(faults, ignore_errors=True)
     errors = [f"--- rank {r} raised:\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
     missing = [r for r in range(world_size) if r not in outcomes]
     if errors or missing:
         lines = [f"{len(errors)} of {world_size} ranks failed" + (
             f"; ranks {missing} never reported (exit codes {[_exit(procs[r].exitcode) for r in missing]}: "
             f"killed here = hung past {timeout:.0f}s, or blocked on a failed peer)" if missing else "")]
-        raise AssertionError("\n".join(lines + errors))
+        raise AssertionError("\n".join(lines + crashes + errors))
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 

@@ -50,11 +50,17 @@ def test_hang_is_killed_at_the_deadline():
 
 
 def test_dead_rank_fails_fast_not_at_the_deadline():
+    """... and the error names where it died: the crashed rank's faulthandler stack (rank 0, killed
+    here, wrote none)."""
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"ranks \[0, 1\] never reported \(exit codes \['-9 \(SIGKILL\)', "
-                                             r"'-6 \(SIGABRT\)'\]"):  # 0 killed here, 5 s after 1 died
+                                             r"'-6 \(SIGABRT\)'\]") as err:  # 0 killed here, 5 s after 1 died
         run_distributed(_rank1_aborts, 2, timeout=120)
     assert time.monotonic() - start < 60  # seconds after the abort, not the 120 s deadline
+    report = str(err.value)
+    assert "--- rank 1 crashed (exit code -6 (SIGABRT)); faulthandler:" in report
+    assert "Fatal Python error: Aborted" in report and "in _rank1_aborts" in report
+    assert "rank 0 crashed" not in report
 
 
 # --- CaseSet ----------------------------------------------------------------------------------------
