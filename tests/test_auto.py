@@ -15,7 +15,7 @@ from meshpar.config import recipe as recipelib
 from meshpar.config.hardware import load_profile
 from meshpar.parallel.context_parallel.apply import ATTENTIONS
 from meshpar.planner.auto import pinned
-from meshpar.planner.search import candidates
+from meshpar.planner.candidates import candidates
 from tests.helpers import ROOT, SMALL
 
 DEBUG = ROOT / "recipes" / "llama_debug.toml"

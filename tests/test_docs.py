@@ -170,7 +170,7 @@ def _auto(path: str, overrides: list[str], gpus: int | None) -> None:
     """``meshpar train RECIPE --auto --gpus N``: the search has candidates on N CPU ranks."""
     from meshpar.config.hardware import load_profile
     from meshpar.planner.auto import pinned
-    from meshpar.planner.search import candidates
+    from meshpar.planner.candidates import candidates
 
     if not gpus:
         raise ParseError("meshpar train --auto in the docs names its ranks (--gpus N)")

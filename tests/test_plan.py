@@ -19,7 +19,7 @@ from meshpar.config import recipe as recipelib
 from meshpar.models import get_family
 from meshpar.models.llama import LLAMA_SIZES
 from meshpar.planner import cli as planlib
-from meshpar.planner.search import candidates
+from meshpar.planner.candidates import candidates
 from meshpar.planner.simulate import schedule_actions
 from meshpar.training.optim import build_optimizer
 from tests.benchmarks import calibrate_plan

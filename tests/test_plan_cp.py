@@ -13,8 +13,8 @@ import pytest
 from meshpar.config import recipe as recipelib
 from meshpar.distributed.mesh import Layout
 from meshpar.parallel.context_parallel.apply import ATTENTIONS
+from meshpar.planner.candidates import MIN_CP_TOKENS, candidates
 from meshpar.planner.cost import _degree, _link
-from meshpar.planner.search import MIN_CP_TOKENS, candidates
 from tests.test_plan import RECIPES, _check_recipe, _run, planlib
 
 CP_RECIPES = ("llama3_8b_128k", "llama3_70b_128k")
@@ -159,19 +159,19 @@ def test_plan_counts_document_masks_once_without_cp_and_never_whole_with_it():
 
 @pytest.mark.parametrize("attention", ["allgather", "ring", "ulysses"])
 def test_search_bound_is_above_the_planned_speed(attention):
-    """The search prunes by ``_bound``, the tokens/s no dry run of a layout can exceed: so it must
+    """The search prunes by ``upper_bound``, the tokens/s no dry run of a layout can exceed: so it must
     be at least what the plan gives, for each cp attention. The ring's hops are hidden behind its
     attention but each block's last ([Note: the ring's overlap]), so the bound must count only that hop
     of cp traffic: pricing all of it, as the gather's, puts the bound below the plan of the debug Llama
     at cp 2 on H100 links without checkpointing, the case below."""
-    from meshpar.planner import search
+    from meshpar.planner.candidates import upper_bound
 
     argv = ["--hardware=h100_sxm", f'--parallel.cp_attention="{attention}"', '--parallel.activation_checkpoint="none"',
             "--train.seq_len=2048"]
     code, _, err, plan, _ = _run(str(RECIPES / "llama_debug_cp.toml"), *argv)
     assert code == 0, err
     lay = plan.layout
-    bound = search._bound(plan.args, plan.recipe, lay.pp, lay.tp, lay.cp, lay.dp, plan.accum, plan.profile, 8, None)
+    bound = upper_bound(plan.args, plan.recipe, lay.pp, lay.tp, lay.cp, lay.dp, plan.accum, plan.profile, 8, None)
     assert bound >= plan.time.tokens_per_s
 
 

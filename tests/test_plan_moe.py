@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from meshpar.models.moe import MIXTRAL_SIZES, QWEN3_MOE_SIZES
-from meshpar.planner.search import candidates
+from meshpar.planner.candidates import candidates
 from tests.test_plan import RECIPES, _check_recipe, _run, planlib
 
 MOE_RECIPES = ("qwen3_30b_a3b", "qwen3_235b_a22b", "mixtral_8x7b")

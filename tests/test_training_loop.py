@@ -1,6 +1,6 @@
 """The training loop's small pieces, in one process: when a step logs, evaluates, saves and asks
 for a stop signal (meshpar/training/loop.py); its metric reductions, the ops and dims they run
-on; and the planner search's flat generator of parallel configs (meshpar/planner/search.py),
+on; and the planner search's flat generator of parallel configs (meshpar/planner/candidates.py),
 which yields exactly what its nested loop did."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from meshpar.config import recipe as recipelib
 from meshpar.distributed import comm
 from meshpar.models import get_family
-from meshpar.planner.search import AC_MODES, MICRO_BATCHES, MIN_CP_TOKENS, configs, layouts
+from meshpar.planner.candidates import AC_MODES, MICRO_BATCHES, MIN_CP_TOKENS, configs, layouts
 from meshpar.training import loop
 from meshpar.training.loop import (
     Throughput,

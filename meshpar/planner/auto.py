@@ -24,7 +24,7 @@ from meshpar.config.recipe import RecipeError
 from meshpar.planner.search import HEAD, Result, best_recipe, search
 
 # Keys the search sets: the mesh degrees, the cp attention, checkpointing, resharding, when
-# gradients reduce, and the micro batch (Choice.overrides in search.py)
+# gradients reduce, and the micro batch (Choice.overrides in candidates.py)
 SEARCHED = ("parallel.tp", "parallel.pp", "parallel.dp_replicate", "parallel.dp_shard", "parallel.ep", "parallel.cp",
             "parallel.cp_attention", "parallel.activation_checkpoint", "parallel.reshard_after_forward",
             "parallel.grad_reduce", "train.micro_batch")

@@ -14,8 +14,8 @@ attention too (``--no-compare-cp`` skips those dry runs). Exit codes: 0 when eve
 memory, 1 when one does not (the message names what to change), 2 for a recipe error.
 
 With ``--model`` instead of a recipe it searches the layouts of that model on ``--gpus`` GPUs
-(meshpar/planner/search.py), dry-runs them best first, prints the fastest that fit and writes
-the best as a recipe.
+(meshpar/planner/candidates.py, search.py), dry-runs them best first, prints the fastest that
+fit and writes the best as a recipe.
 """
 
 from __future__ import annotations
