@@ -75,7 +75,7 @@ def build_model(family: str, size: str = "debug", seed: int = 0, **overrides) ->
 
 
 class CpRank:
-    """The two methods ``context_parallel._Layout`` asks of a cp mesh, for rank ``rank`` of ``size``:
+    """The two methods ``context_parallel.layout.SequenceLayout`` asks of a cp mesh, for rank ``rank`` of ``size``:
     a cp rank's layout computed in one process."""
 
     def __init__(self, size: int, rank: int) -> None:

@@ -25,9 +25,10 @@ from meshpar.data.prepared import builtin_text
 from meshpar.distributed import comm_record
 from meshpar.models.attention import Kernels
 from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing
-from meshpar.parallel.context_parallel import apply as applylib
 from meshpar.parallel.context_parallel import flex as flexlib
-from meshpar.parallel.context_parallel.apply import ATTENTIONS, apply_context_parallel, sequence_indices, shard_sequence
+from meshpar.parallel.context_parallel import layout as layoutlib
+from meshpar.parallel.context_parallel.apply import ATTENTIONS, apply_context_parallel
+from meshpar.parallel.context_parallel.layout import sequence_indices, shard_sequence
 from meshpar.parallel.context_parallel.ulysses import check_heads, kv_repeats
 from meshpar.train import train
 from meshpar.training.preflight import preflight
@@ -136,11 +137,11 @@ def _case_ulysses(mesh) -> dict:
                          for name, q in ref.named_parameters()})
             out[kv, balanced] = {"diff": diff, "calls": calls}
     ref, tokens, logits = reference_model()
-    order, applylib._sequence_order = applylib._sequence_order, lambda held: torch.arange(len(held))
+    order, layoutlib._sequence_order = layoutlib._sequence_order, lambda held: torch.arange(len(held))
     try:
         local = run_cp(ref, tokens[:, :-1], tokens[:, 1:], mesh, True, "ulysses")[0]
     finally:
-        applylib._sequence_order = order
+        layoutlib._sequence_order = order
     out["unordered"] = (local - logits[:, sequence_indices(T, mesh.size(), mesh.get_local_rank())]).abs().max().item()
     return out
 

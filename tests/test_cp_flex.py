@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from meshpar.models.attention import document_ids
 from meshpar.parallel.context_parallel import flex
-from meshpar.parallel.context_parallel.apply import sequence_indices
+from meshpar.parallel.context_parallel.layout import sequence_indices
 
 B, H, HKV, T, D = 2, 4, 2, 1024, 16
 TOL = 1e-12

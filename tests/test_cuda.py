@@ -397,7 +397,8 @@ def test_context_parallel_chunks_on_the_fused_kernel_equal_causal_attention(cp, 
     without building the mask (the only cp code that differs on a GPU; the CPU suite checks the
     collectives). Every virtual rank's rows, forward and backward, against one causal attention in
     float64 on the CPU. Tolerance: the kernels' dtype rounding over 512 keys (fp32 ~1e-5, bf16 2^-8)."""
-    from meshpar.parallel.context_parallel import apply as cplib
+    from meshpar.parallel.context_parallel import gather as gatherlib
+    from meshpar.parallel.context_parallel import layout as cplib
 
     b, h, hkv, t, d = 2, 8, 4, 512, 64
     gen = torch.Generator().manual_seed(0)
@@ -410,11 +411,11 @@ def test_context_parallel_chunks_on_the_fused_kernel_equal_causal_attention(cp, 
     assert BY_DEVICE.fuses_causal(q.cuda())
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(cp):
-        layout = cplib._Layout(CpRank(cp, rank), balanced=True)
+        layout = cplib.SequenceLayout(CpRank(cp, rank), balanced=True)
         idx = cplib.sequence_indices(t, cp, rank)
         ql = q[:, :, idx].to("cuda", dtype).requires_grad_()
         kc, vc = (x.to("cuda", dtype).requires_grad_() for x in (k, v))
-        outs = [cplib._chunk_attention(ql[:, :, first:first + n], kc[:, :, :keys], vc[:, :, :keys])
+        outs = [gatherlib.chunk_attention(ql[:, :, first:first + n], kc[:, :, :keys], vc[:, :, :keys])
                 for first, n, keys in layout.query_chunks(t // cp)]
         out = torch.cat(outs, dim=2)
         out.backward(grad[:, :, idx].to("cuda", dtype))
@@ -438,7 +439,8 @@ def test_document_chunks_on_cuda_equal_document_attention_and_avoid_the_math_ker
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from meshpar.models.attention import document_ids, document_mask
-    from meshpar.parallel.context_parallel import apply as cplib
+    from meshpar.parallel.context_parallel import gather as gatherlib
+    from meshpar.parallel.context_parallel import layout as cplib
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -464,13 +466,13 @@ def test_document_chunks_on_cuda_equal_document_attention_and_avoid_the_math_ker
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     doc = doc.cuda()
     for rank in range(cp):
-        layout = cplib._Layout(CpRank(cp, rank), balanced=True)
+        layout = cplib.SequenceLayout(CpRank(cp, rank), balanced=True)
         idx = cplib.sequence_indices(t, cp, rank)
         ql = q[:, :, idx].to("cuda", dtype).requires_grad_()
         kc, vc = (x.to("cuda", dtype).requires_grad_() for x in (k, v))
         positions = idx.cuda()
         with Ops() as ops:
-            outs = [cplib._chunk_attention(ql[:, :, first:first + n], kc[:, :, :keys], vc[:, :, :keys],
+            outs = [gatherlib.chunk_attention(ql[:, :, first:first + n], kc[:, :, :keys], vc[:, :, :keys],
                                            doc[:, positions[first:first + n]], doc[:, :keys])
                     for first, n, keys in layout.query_chunks(t // cp)]
         assert any("efficient" in o or "cudnn" in o for o in ops.names), sorted(ops.names)
@@ -512,8 +514,8 @@ def test_gather_on_flex_equals_masked_attention(cp, documents, dtype):
     of the balanced split over the gathered K and V under ``flex.block_mask``, forward and backward,
     against one masked attention in float64 on the CPU; dK and dV summed over the ranks (the
     reduce-scatter) against the whole sequence's. Tolerance as in the chunk tests above."""
-    from meshpar.parallel.context_parallel import apply as cplib
     from meshpar.parallel.context_parallel import flex as flexlib
+    from meshpar.parallel.context_parallel import layout as cplib
 
     t, q, k, v, grad, doc, ref_in, ref = _flex_reference(documents)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
@@ -546,7 +548,7 @@ def test_ring_on_flex_equals_masked_attention(cp, balanced, documents, dtype):
     others' chunks kept), forward and backward, against one masked attention in float64 on the CPU;
     dK and dV summed over the ranks. Tolerance as in the gather's test above."""
     from meshpar.models.attention import Kernels
-    from meshpar.parallel.context_parallel import apply as cplib
+    from meshpar.parallel.context_parallel import layout as cplib
     from meshpar.parallel.context_parallel import ring as ringlib
     from meshpar.parallel.context_parallel import ring_flex
 

@@ -18,13 +18,9 @@ from meshpar.distributed import comm_record
 from meshpar.models.deepseek import DEEPSEEK_V3_SIZES, DeepSeekTransformer
 from meshpar.models.deepseek import convert as ds_convert
 from meshpar.models.deepseek.parallelize import DEEPSEEK_TP_PLAN, GatherSequenceSharedByHeads
-from meshpar.parallel.context_parallel.apply import (
-    ContextParallelKeys,
-    _GatherSequence,
-    apply_context_parallel,
-    sequence_indices,
-    shard_sequence,
-)
+from meshpar.parallel.context_parallel.apply import ContextParallelKeys, apply_context_parallel
+from meshpar.parallel.context_parallel.gather import GatherSequence
+from meshpar.parallel.context_parallel.layout import sequence_indices, shard_sequence
 from meshpar.train import train
 from tests.distributed import run_distributed
 from tests.helpers import ROOT, SMALL, merged_state, train_losses, train_on_rank
@@ -260,7 +256,7 @@ class _KeysOutOfOrder(ContextParallelKeys):
 
     def forward(self, latent, k_rope):
         both = torch.cat([latent.unsqueeze(1), k_rope], dim=-1)
-        both = _GatherSequence.apply(both, self.layout.mesh.get_group())
+        both = GatherSequence.apply(both, self.layout.mesh.get_group())
         return both[..., :latent.shape[-1]].squeeze(1), both[..., latent.shape[-1]:]
 
 

@@ -21,7 +21,8 @@ from meshpar.models.attention import Kernels, document_ids, document_mask
 from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.parallel.context_parallel import ring_flex
-from meshpar.parallel.context_parallel.apply import apply_context_parallel, sequence_indices
+from meshpar.parallel.context_parallel.apply import apply_context_parallel
+from meshpar.parallel.context_parallel.layout import sequence_indices
 from meshpar.planner import cost as costlib
 from tests.distributed import CaseSet
 from tests.parity import TOL, must_fail

@@ -130,7 +130,7 @@ def schedule_actions(schedule: str | None, n: int, pp: int, stage: int, n_run: i
 
 # [Note: context parallel attention on fake tensors]
 # Each chunk of a cp rank's queries attends with ``causal_lower_right(n, keys)`` ([Note: attention
-# per query chunk] in meshpar/parallel/context_parallel/apply.py), a tensor subclass fake tensors
+# per query chunk] in meshpar/parallel/context_parallel/gather.py), a tensor subclass fake tensors
 # cannot become. On a GPU it runs the flash kernel with its causal flag, no mask built, saving q,
 # k, v, the output and the log-sum-exp; off the GPU it would materialize a [n, keys] boolean mask.
 # So the simulated model takes ``_kernels``: the fused path, called unmasked (the CPU's flash kernel

@@ -16,7 +16,7 @@ from meshpar.config.recipe import Recipe
 from meshpar.data import BatchLoader
 from meshpar.data.packing import IGNORE, Conversations
 from meshpar.distributed import mesh as meshlib
-from meshpar.parallel.context_parallel.apply import shard_sequence
+from meshpar.parallel.context_parallel.layout import shard_sequence
 from meshpar.parallel.tensor_parallel.plan import loss_parallel_context
 from meshpar.runtime.process import RankInfo
 from meshpar.runtime.progress import Progress

@@ -44,7 +44,7 @@ from meshpar.distributed import comm
 from meshpar.distributed.clip import clip_grad_norm_
 from meshpar.distributed.mesh import Mesh
 from meshpar.fsdp import FSDPModule
-from meshpar.parallel.context_parallel.apply import shard_sequence
+from meshpar.parallel.context_parallel.layout import shard_sequence
 from meshpar.parallel.data_parallel import all_reduce_gradients
 from meshpar.parallel.tensor_parallel.plan import loss_parallel_context, reduce_partial_grads
 from meshpar.profiling.capture import label

@@ -30,7 +30,7 @@ The full run takes minutes (docs/performance.md#memory-and-balance-per-rank). Pe
   L x 2 x B x Hkv x T x Dh x 4 bytes x (cp - 1) / cp, in 2L calls; the gradient all-reduce over cp
   is 2 x params x 4 bytes x (cp - 1) / cp in one call. "=" means byte for byte, every rank and step;
 - attention work per rank: the causal (query, key) pairs each rank's query chunks attend
-  (``_Layout.query_chunks``: n queries over the ``keys`` up to their chunk's end, the last n
+  (``SequenceLayout.query_chunks``: n queries over the ``keys`` up to their chunk's end, the last n
   causally, n x (keys - n) + n (n + 1) / 2 pairs), max / min over ranks; and the measured time of one
   layer's attention calls per rank (forward + backward, the same calls ``_attend`` makes, each rank's
   in turn in this process on one thread, best of 2 after one untimed run), max / min over ranks.
@@ -80,8 +80,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from meshpar.distributed import comm_record
 from meshpar.models.llama import LLAMA_SIZES, Transformer
 from meshpar.models.llama.args import ModelArgs
-from meshpar.parallel.context_parallel import apply as cp_module
-from meshpar.parallel.context_parallel.apply import _Layout, apply_context_parallel, shard_sequence
+from meshpar.parallel.context_parallel import gather as cp_module
+from meshpar.parallel.context_parallel.apply import apply_context_parallel
+from meshpar.parallel.context_parallel.layout import SequenceLayout, shard_sequence
 from meshpar.parallel.context_parallel.ulysses import kv_repeats
 from meshpar.parallel.data_parallel import all_reduce_gradients
 from tests.benchmarks.probes import PeakMemory
@@ -212,7 +213,7 @@ def analytic_bytes(args: ModelArgs, seq_len: int, cp: int, params: int, attentio
 
 def query_chunks(seq_len: int, cp: int, rank: int, balanced: bool) -> list[tuple[int, int, int]]:
     """(first local query, queries, keys) per attention call rank ``rank`` makes: meshpar's layout."""
-    return _Layout(CpRank(cp, rank), balanced).query_chunks(seq_len // cp)
+    return SequenceLayout(CpRank(cp, rank), balanced).query_chunks(seq_len // cp)
 
 
 def causal_pairs(seq_len: int, cp: int, rank: int, balanced: bool) -> int:

@@ -13,7 +13,7 @@ device), cp rank 0 of the balanced split ([Note: balanced sequence split]; every
 attention work under it) runs, forward and backward:
 
 - ``gather``: what ``context_parallel._attend`` computes once K and V are gathered, its two query
-  chunks over the keys up to each chunk's end (``_chunk_attention``: the flash kernel with
+  chunks over the keys up to each chunk's end (``chunk_attention`` in gather.py: the flash kernel with
   ``causal_lower_right`` on CUDA; a built mask elsewhere);
 - ``gather-repeat``: the same with K and V first repeated to the query heads (a GQA kernel's
   alternative: more bytes read, perhaps a faster kernel);
@@ -59,8 +59,9 @@ from meshpar.config.hardware import load_profile
 from meshpar.config.recipe import load
 from meshpar.models import get_family
 from meshpar.models.attention import Kernels
-from meshpar.parallel.context_parallel import apply as cplib
 from meshpar.parallel.context_parallel import flex as flexlib
+from meshpar.parallel.context_parallel import gather as gatherlib
+from meshpar.parallel.context_parallel import layout as cplib
 from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.parallel.context_parallel import ring_flex
 from meshpar.planner.cost import default_efficiency
@@ -136,7 +137,7 @@ def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int
     q, k, v = (torch.randn(b, n, t, dh, generator=gen, dtype=torch.float64).to(device, dtype) for n in (h, hkv, hkv))
     grad = torch.randn(b, h, local, dh, generator=gen, dtype=torch.float64).to(device, dtype)
     idx = [cplib.sequence_indices(t, cp, r).to(device) for r in range(cp)]
-    layout = cplib._Layout(CpRank(cp, 0), balanced=True)
+    layout = cplib.SequenceLayout(CpRank(cp, 0), balanced=True)
     chunks = layout.query_chunks(local)
     pairs = sum(n * (keys - n) + n * (n + 1) // 2 for _, n, keys in chunks)
     model_flops = 3 * 4 * b * h * dh * pairs
@@ -161,7 +162,7 @@ def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int
 
     def gather():
         ql.grad = kg.grad = vg.grad = None
-        out = torch.cat([cplib._chunk_attention(ql[:, :, first:first + n], kg[:, :, :keys], vg[:, :, :keys])
+        out = torch.cat([gatherlib.chunk_attention(ql[:, :, first:first + n], kg[:, :, :keys], vg[:, :, :keys])
                          for first, n, keys in chunks], dim=2)
         out.backward(grad)
         got["gather"] = (out.detach(), ql.grad)
@@ -169,7 +170,7 @@ def measure(case: str, device: str, dtype: torch.dtype, score_elements: list[int
     def gather_repeat():
         ql.grad = kg.grad = vg.grad = None
         kr, vr = (x.repeat_interleave(h // hkv, dim=1) for x in (kg, vg))
-        out = torch.cat([cplib._chunk_attention(ql[:, :, first:first + n], kr[:, :, :keys], vr[:, :, :keys])
+        out = torch.cat([gatherlib.chunk_attention(ql[:, :, first:first + n], kr[:, :, :keys], vr[:, :, :keys])
                          for first, n, keys in chunks], dim=2)
         out.backward(grad)
         got["gather-repeat"] = (out.detach(), ql.grad)

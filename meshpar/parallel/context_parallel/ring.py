@@ -3,7 +3,7 @@
     out = ring_attention(q, k, v, cp_mesh, balanced=True)   # q[B, H, T/cp, Dh], k, v[B, Hkv, T/cp, Dh]
 
 The other of context parallelism's two attentions (``parallel.cp_attention = "ring"``; the
-default gathers K and V: [Note: all-gather of K and V] in meshpar/parallel/context_parallel/apply.py).
+default gathers K and V: [Note: all-gather of K and V] in meshpar/parallel/context_parallel/gather.py).
 A rank holds two K/V chunks at a time instead of the gathered sequence; it moves 1.5x the
 gather's bytes, and its attention is explicit matmuls, so on a GPU it is much slower than the
 gather's fused kernels. The pair counts, bytes and memory are derived in
