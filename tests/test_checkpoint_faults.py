@@ -22,6 +22,7 @@ import torch.distributed as dist
 from meshpar import checkpoint as ckpt
 from meshpar.checkpoint import CheckpointError
 from meshpar.checkpoint import checkpointer as checkpointer_module
+from meshpar.checkpoint import publish as publish_module
 from meshpar.convert import ConvertError
 from meshpar.train import train
 from tests.distributed import run_distributed
@@ -157,14 +158,14 @@ def test_failed_save_leaves_the_previous_checkpoint_latest(where, tmp_path, data
     mode = where.split(",")[0]
     extra = ["--train.steps=3", "--checkpoint.every=1"] + ([f"--checkpoint.async={mode}"] if mode != "sync" else [])
     if mode == "sync":
-        original_write = checkpointer_module.write_atomic
+        original_write = publish_module.write_atomic
 
         def write_atomic(path, data):
             if ".step_2." in str(path) and path.name == ckpt.MARKER:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return original_write(path, data)
 
-        monkeypatch.setattr(checkpointer_module, "write_atomic", write_atomic)
+        monkeypatch.setattr(publish_module, "write_atomic", write_atomic)
     else:
         monkeypatch.setattr(checkpointer_module, "_Writer", _FullDiskWriter)
     with pytest.raises(CheckpointError, match=rf"saving step 2 into {out / 'checkpoints'} failed \(rank 0: OSError: "

@@ -1,8 +1,8 @@
 """Checkpoints: sharded save / resume / reshard through DCP, and the file layer under it.
 
-Reading order: ``checkpointer.py`` (what a checkpoint holds, save, load;
-[Note: a checkpoint is complete or invisible]) -> ``folders.py`` (the ``step_<N>`` folders: which
-are complete, ``latest``, ``meshpar.json``) -> ``state.py`` (a run's tensors by global name:
+Reading order: ``checkpointer.py`` (what a checkpoint holds, save, load) -> ``publish.py`` (a
+save made visible at once: [Note: a checkpoint is complete or invisible]) -> ``folders.py`` (the
+``step_<N>`` folders: which are complete, ``latest``, ``meshpar.json``) -> ``state.py`` (a run's tensors by global name:
 parameters, optimizer state, generator state) -> ``format.py`` (the DCP file layer: per-chunk
 CRCs, fused projections stored as chunks). Every file goes through meshpar/runtime/atomic.py's
 crash-safe writes. Offline conversion between layouts and formats is meshpar/convert/.

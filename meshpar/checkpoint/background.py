@@ -27,7 +27,7 @@ from meshpar.runtime.forkserver import SHIELDED
 # DCP pickles the staged state dict (shared-memory tensors travel as handles, not bytes), the
 # storage writer and the planner to its background process, which runs ``dcp.save`` there on a
 # gloo group of its own (one such process per rank, a world of the same ranks). So all that the
-# commit needs crosses as data: ``_Writer.publish`` is a picklable ``_Publish`` (checkpointer.py),
+# commit needs crosses as data: ``_Writer.publish`` is a picklable ``Publish`` (publish.py),
 # and the coordinator's writer runs it inside DCP's last step, after every rank's data is written,
 # exactly as a synchronous save does; what needs the trainer's objects (the log, ``keep``) runs in
 # the trainer when the upload's future completes. A test's patch of a class in the trainer does

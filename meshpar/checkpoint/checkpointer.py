@@ -11,18 +11,17 @@ cover, so a checkpoint saved on any layout loads on any other (``model.*`` and `
 by global name and shape; the data position by global sample count, see meshpar/data/).
 The files themselves (per-chunk CRCs, fused projections as chunks): format.py; finding
 checkpoints on disk: folders.py; a run's tensors by global name: state.py; saving in the
-background (``checkpoint.async``: a thread or a writer process): background.py.
+background (``checkpoint.async``: a thread or a writer process): background.py; how a save
+becomes visible, and what ``checkpoint.keep`` then deletes: publish.py.
 
-Notes: [Note: a checkpoint is complete or invisible],
-[Note: the checkpoint folder is probed before the first step], [Note: what checkpoint.keep deletes].
+Notes: [Note: the checkpoint folder is probed before the first step]; in publish.py
+[Note: a checkpoint is complete or invisible], [Note: what checkpoint.keep deletes].
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import json
 import os
 import shutil
 import time
@@ -42,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from meshpar.checkpoint.background import Background
-from meshpar.checkpoint.folders import MARKER, is_complete, latest, list_checkpoints, read_info
+from meshpar.checkpoint.folders import is_complete, latest, read_info
 from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it here
     CheckpointError,
     SafeReader,
@@ -52,23 +51,9 @@ from meshpar.checkpoint.format import (  # noqa: F401 - _Writer: tests patch it 
     _StridedPieces,
     _Writer,
 )
+from meshpar.checkpoint.publish import Publish, prune
 from meshpar.checkpoint.state import _rng_state, optimizer_state, param_names
 from meshpar.config.recipe import CheckpointConfig, RecipeError
-from meshpar.runtime.atomic import fsync_dir, write_atomic
-
-# [Note: a checkpoint is complete or invisible]
-# Every rank writes into ``<dir>/.step_<N>.partial/``. DCP's last step runs on the coordinator
-# (rank 0) only after every rank has reported its writes; there it writes ``.metadata``, then
-# (``_Writer.publish``, a ``_Publish``: in rank 0's writer process under ``async = "process"``)
-# ``recipe.toml``, the tokenizer files and ``meshpar.json``, and renames the folder to
-# ``step_<N>`` (one ``os.replace``); DCP then tells every rank the outcome, so once ``save``
-# (``wait``, when async) returns on any rank, ``step_<N>`` exists. An error on any rank or in
-# any of these (a full disk, a folder gone read-only) fails the save on every rank with a
-# CheckpointError naming the step, and rank 0 removes the ``.partial`` folder; a crash or kill
-# leaves it, and no loader looks at it (the next run removes it). ``latest()`` (folders.py) takes the newest
-# folder that has both ``meshpar.json`` and ``.metadata``. Older checkpoints are removed only
-# after the rename ([Note: what checkpoint.keep deletes]), so the last good checkpoint is never
-# at risk.
 
 # [Note: the checkpoint folder is probed before the first step]
 # A run that saves would otherwise learn that ``checkpoint.dir`` is read-only, full or not a folder
@@ -79,55 +64,10 @@ from meshpar.runtime.atomic import fsync_dir, write_atomic
 # the mount or see it read-only. A failed probe fails that rank at once, and the launcher stops the
 # others. A disk that fills later still fails at save time, cleanly.
 
-# [Note: what checkpoint.keep deletes]
-# After publishing step N, rank 0 keeps the newest ``keep`` complete checkpoints with steps up
-# to N and deletes the older ones, except the checkpoint a restart of this run would resume
-# from (``resume_path()``: ``checkpoint.load_from``'s, else the newest in ``dir``): a run
-# resumed from ``load_from = <dir>/step_4`` resumes from it again when restarted, so it stays.
-# Checkpoints above N (an earlier, longer run's, in the same ``dir``) are neither deleted nor
-# counted: this run did not write them and has nothing newer to replace them with.
-#
-# The files themselves (per-chunk CRCs, fused projections as chunks): meshpar/checkpoint/format.py;
-# finding checkpoints on disk: meshpar/checkpoint/folders.py; a run's tensors by global name:
-# meshpar/checkpoint/state.py.
 
 
 FORMAT = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a tokenizer as Hugging Face folders hold it
-
-
-@dataclasses.dataclass(frozen=True)
-class _Publish:
-    """Rank 0, inside DCP's last step: make ``.step_<step>.partial`` the checkpoint ``step_<step>``
-    ([Note: a checkpoint is complete or invisible]). Plain data, so that it runs as well in DCP's
-    writer process ([Note: a save in another process] in background.py)."""
-
-    root: Path
-    step: int
-    recipe_toml: str
-    tokenizer_files: Mapping[str, bytes]
-    info: dict[str, Any]  # meshpar.json, but for the time it is written
-
-    def __call__(self) -> None:
-        partial, final = self.root / f".step_{self.step}.partial", self.root / f"step_{self.step}"
-        write_atomic(partial / "recipe.toml", self.recipe_toml)
-        for name, data in self.tokenizer_files.items():
-            write_atomic(partial / name, data)
-        info = dict(self.info, saved_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-        write_atomic(partial / MARKER, json.dumps(info, indent=1))
-        if final.exists():  # the same step saved again (a rerun): set the old one aside first
-            old = self.root / f".step_{self.step}.replaced"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            try:
-                os.replace(partial, final)
-            except OSError:
-                os.replace(old, final)  # the old one stays the checkpoint of this step
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial, final)
-        fsync_dir(self.root)
 
 
 # --- the checkpointer a training run uses ---------------------------------------------------------------
@@ -215,8 +155,8 @@ class Checkpointer:
         start = time.perf_counter()
         state = self.state_dict(run, step)
         info = dict(self.info, format=FORMAT, step=step, world_size=self.world_size)
-        writer = _Writer(partial, self.rank, publish=_Publish(self.root, step, self.recipe_toml, self.tokenizer_files,
-                                                              info))
+        writer = _Writer(partial, self.rank, publish=Publish(self.root, step, self.recipe_toml, self.tokenizer_files,
+                                                             info))
         if self._background is None or blocking:
             try:
                 dcp.save(state, storage_writer=writer, planner=_SavePlanner())
@@ -284,11 +224,7 @@ class Checkpointer:
         seconds = time.perf_counter() - start
         self.log(f"checkpoint: saved {final} ({size / 2**20:,.1f} MiB in {seconds:.2f} s, "
                  f"{size / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
-        resume = self._resume_target()
-        upto = [path for s, path, ok in list_checkpoints(self.root) if ok and s <= step]
-        for path in upto[:-self.cfg.keep]:  # [Note: what checkpoint.keep deletes]
-            if path.resolve() != resume:
-                shutil.rmtree(path, ignore_errors=True)
+        prune(self.root, step, self.cfg.keep, protect=self._resume_target())
 
     def _resume_target(self) -> Path | None:
         """The resolved folder a restart of this run would resume from, if any."""

@@ -3,8 +3,8 @@ are complete, the newest complete one, and what its ``meshpar.json`` records.
 
 A folder is complete when it has both ``meshpar.json`` (written last) and DCP's ``.metadata``;
 a save that did not finish leaves none, or only a ``.step_<N>.partial/`` folder, which nothing
-here looks at ([Note: a checkpoint is complete or invisible] in meshpar/checkpoint/checkpointer.py,
-which writes them).
+here looks at ([Note: a checkpoint is complete or invisible] in meshpar/checkpoint/publish.py,
+which makes them).
 """
 
 from __future__ import annotations
