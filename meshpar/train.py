@@ -20,6 +20,7 @@ The step is meshpar/training/step.py, the one the planner also runs, on fake ten
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,10 @@ def run(argv: list[str]) -> int:
                                      "torchrun, or run `meshpar train`, which starts local ranks itself).")
     parser.add_argument("recipe", type=Path)
     args, overrides = parser.parse_known_args(argv)
+    # A rank that dies of a signal (SIGSEGV, SIGABRT: a gloo or NCCL abort, SIGBUS, SIGFPE, SIGILL) first
+    # prints every thread's Python stack to stderr, and still dies of that signal: the launcher's report
+    # ("rank 1 (pid ...) failed: signal SIGSEGV") then comes with where it happened.
+    faulthandler.enable(all_threads=True)
     try:
         recipe = recipelib.load(args.recipe, overrides)
         result = train(recipe)

@@ -28,8 +28,13 @@ def train_command(out: Path, *extra: str) -> list[str]:
             f"--train.steps={STEPS}", f"--train.output_dir={out}", *extra]
 
 
-def start_run(out: Path, *extra: str) -> subprocess.Popen:
+def start_run(out: Path, *extra: str, faulthandler: bool = True) -> subprocess.Popen:
+    """``meshpar train`` of the debug recipe into ``out``; ``faulthandler``: every process of it prints
+    its stacks on a fatal signal (PYTHONFAULTHANDLER: ``finish_run``'s timeout dumps rely on it), else
+    only what meshpar itself sets up."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    if not faulthandler:
+        env.pop("PYTHONFAULTHANDLER")
     env.pop("WORLD_SIZE", None)
     return subprocess.Popen(train_command(out, *extra), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

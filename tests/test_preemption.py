@@ -5,7 +5,8 @@ resumed, and compared with an uninterrupted run.
   run: every rank finishes its step, one checkpoint is saved, the run exits with 75 and says where; the next launch
   resumes, and metrics.jsonl of the combined run equals the clean run's bit for bit.
 - ``--max-restarts``: a rank SIGKILLed mid-run is named by the launcher, every rank is
-  restarted from the newest checkpoint, and metrics.jsonl again equals the clean run's.
+  restarted from the newest checkpoint, and metrics.jsonl again equals the clean run's; one that
+  crashes (SIGSEGV) with none left is named with its signal after its Python stacks.
 
 Every value compared is computed by the same arithmetic in the same order (same layout,
 same world size, state restored exactly), so equality is exact; timings are left out.
@@ -16,11 +17,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.processes import STEPS, finish_run, metrics_records, rank_pid, start_run, wait_for_step
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/comm").exists(), reason="finds ranks through /proc")
@@ -91,11 +95,32 @@ def test_killed_rank_restarts_from_the_newest_checkpoint(clean, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_no_restarts_left_fails_naming_the_rank(tmp_path):
+    """A rank that crashes (SIGSEGV) with no restarts left: the launcher names it and its signal, and
+    the rank printed its threads' Python stacks first (faulthandler: the run starts without
+    PYTHONFAULTHANDLER; under ``meshpar train`` torch's elastic agent enables it in every rank it
+    starts), meshpar's frames among them."""
     out = tmp_path / "run"
-    proc = start_run(out)
+    proc = start_run(out, faulthandler=False)
     wait_for_step(proc, out, 3)
     victim = rank_pid(proc.pid, 1)
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, signal.SIGSEGV)
     code, output = finish_run(proc)
     assert code == 1, output[-3000:]
-    assert f"rank 1 (pid {victim}) failed: signal SIGKILL; no restarts left" in output, output[-3000:]
+    assert f"rank 1 (pid {victim}) failed: signal SIGSEGV; no restarts left" in output, output[-3000:]
+    dump = output[output.index("Fatal Python error: Segmentation fault"):]
+    assert 'File "' in dump and "meshpar/" in dump, dump[:3000]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_entry_point_enables_faulthandler():
+    """Under torchrun (SLURM, multi-node) each rank is ``python -m meshpar.train``, which no agent
+    prepares: its ``run`` enables faulthandler itself, so a crash there prints the Python stacks too.
+    Here a plain interpreter runs it (on a recipe that does not exist: it returns 2 at once), then
+    crashes."""
+    code = ("import os, signal, sys; from meshpar.train import run; "
+            "assert run(['no/such/recipe.toml']) == 2; os.kill(os.getpid(), signal.SIGSEGV)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == -signal.SIGSEGV, done.stderr[-3000:]
+    assert "Fatal Python error: Segmentation fault" in done.stderr and "<string>" in done.stderr, done.stderr[-3000:]
