@@ -148,7 +148,8 @@ def _compiled_under_cp(checkpointing: str) -> dict:
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshpar.parallel.context_parallel.apply import apply_context_parallel, shard_sequence
+    from meshpar.parallel.context_parallel.apply import apply_context_parallel
+    from meshpar.parallel.context_parallel.layout import shard_sequence
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     eager = build_model("llama", n_layers=2, vocab_size=64, max_seq_len=32)
