@@ -264,7 +264,7 @@ def engines() -> tuple[ModuleType, ModuleType]:
 class Ctx:
     rank: int
     world: int
-    mesh: DeviceMesh  # 1-D ("dp_shard",) at 2 ranks; 2x2 ("dp_replicate", "dp_shard") at 4
+    mesh: DeviceMesh  # 1-D ("dp_shard",) at 1 and 2 ranks; 2x2 ("dp_replicate", "dp_shard") at 4
     tmp: Path  # shared by the ranks of one job
 
 
@@ -307,10 +307,10 @@ def none_grads(model: nn.Module) -> list[str]:
 
 def setup(tmp: Path) -> Ctx:
     """The compat jobs' ``CaseSet`` setup: float64 (tests/parity.py [Note: parity in float64]) and the
-    mesh: 1-D ``dp_shard`` at 2 ranks, 2x2 ``(dp_replicate, dp_shard)`` at 4."""
+    mesh: 1-D ``dp_shard`` at 1 and 2 ranks, 2x2 ``(dp_replicate, dp_shard)`` at 4."""
     torch.set_default_dtype(torch.float64)
     world = dist.get_world_size()
-    shape, names = ((world,), ("dp_shard",)) if world == 2 else ((2, 2), ("dp_replicate", "dp_shard"))
+    shape, names = ((world,), ("dp_shard",)) if world <= 2 else ((2, 2), ("dp_replicate", "dp_shard"))
     return Ctx(dist.get_rank(), world, init_device_mesh("cpu", shape, mesh_dim_names=names), tmp)
 
 

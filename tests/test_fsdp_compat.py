@@ -455,6 +455,10 @@ def _share_comm_ctx(E: ModuleType, ctx: Ctx) -> Record:
 def _case_list_groups_and_methods(ctx: Ctx) -> None:
     kinds = ("generate", "reshard_after_forward", "unshard_in_backward", "unused params", "unused params, no flag",
              "divide factor", "max input buffers", "separate reduce-scatter group", "force sum")
+    if ctx.world == 1:  # PyTorch 2.13 at one rank divides a float64 or float16 reduction by the factor twice
+        # (pre- and post-divided, and divided again by its one-rank copy): meshpar's one-rank divide is
+        # checked against its own undivided gradients in tests/test_fsdp_one_rank.py instead
+        kinds = tuple(k for k in kinds if k != "divide factor")
     subcases({**{kind: functools.partial(both, _module_methods, ctx, kind) for kind in kinds},
                "share_comm_ctx": lambda: both(_share_comm_ctx, ctx)})
 
@@ -499,7 +503,7 @@ CASES = CaseSet({
     "mixed_precision": (scenario_case(_mixed_precision, *_MIXED_PRECISION, tol=0.0), 2),
     "fp16_mean": (scenario_case(_fp16_mean, tol=0.0), 2),
     "state_dict_roundtrip": (_case_state_dict_roundtrip, 2),
-    "list_groups_and_methods": (_case_list_groups_and_methods, 2),
+    "list_groups_and_methods": (_case_list_groups_and_methods, (1, 2)),  # 1: the one-rank path
 }, setup=setup, timeout=300)
 
 

@@ -83,3 +83,29 @@ def test_the_steady_cast_equals_the_full_path_bit_for_bit(mesh, threshold):
         assert served >= 8, served  # steady unshards in forward and backward of most steps
     else:  # units of both kinds take the full path (the biases and the gain are replicated, weights sharded)
         assert served == 0, served
+
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.float32], ids=["alias", "cast"])
+def test_one_rank_divides_by_the_factor_once(mesh, param_dtype):
+    """``set_gradient_divide_factor`` on one rank, through the one-rank hand-over (``_hand_over`` in
+    meshpar/fsdp/reduce.py): every unit's gradients are the undivided run's divided by the factor,
+    once (4, a power of two: exact in float64). PyTorch 2.13's engine divides a float64 reduction
+    by it twice at one rank, so tests/test_fsdp_compat.py compares this one at two ranks only."""
+    def grads(factor: float | None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = NET.build().double()
+        shard_units(model, fully_shard, mesh=mesh,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float64))
+        for unit in model.modules():
+            if factor is not None and hasattr(unit, "set_gradient_divide_factor"):
+                unit.set_gradient_divide_factor(factor)
+        batch = tuple(t.double() if t.is_floating_point() else t for t in NET.batch(0))
+        NET.loss(model, batch).backward()
+        return {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
+
+    plain, divided = grads(None), grads(4.0)
+    assert plain.keys() == divided.keys()
+    for name, want in plain.items():
+        assert want.abs().sum() > 0, name
+        assert torch.equal(divided[name], want / 4), name

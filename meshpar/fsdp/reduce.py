@@ -155,6 +155,9 @@ class GroupReduce:
         return before, factor / before
 
     def _start_reduce(self) -> None:
+        if self.single and not self.replicated:
+            self._hand_over()
+            return
         grads = {id(p): p.take_unsharded_grad() for p in self.all_params if p.requires_grad}
         if self.reduce_unused:  # PyTorch: zeros for trainable parameters that got no gradient
             for p in self.all_params:
@@ -166,17 +169,7 @@ class GroupReduce:
         # get one back
         trainable = [p for p in self.params if id(p) in grads]
         if self.single:  # [Note: one data-parallel rank]: the gradient is already the reduced one
-            factor, hooked = self._divide_factor(), self.all_reduce_hook is not None
-            for p in trainable:
-                grad = grads[id(p)]
-                if grad is not None:
-                    if grad.dtype != reduce_dtype:
-                        grad = grad.to(reduce_dtype)
-                    if factor != 1:
-                        grad = grad.div_(factor)
-                    if hooked:
-                        self._call_hook(grad)
-                    p.add_sharded_grad(grad)
+            self._hand_over([(p, grads[id(p)]) for p in trainable])
         elif trainable and (any(grads[id(p)] is not None for p in trainable) or self._partial is not None):
             group = self.reduce_group or self.mesh_info.shard_group
             with trace_range("meshpar::fsdp.reduce_copy_in"):
@@ -213,6 +206,30 @@ class GroupReduce:
             flat.div_(after)
             for (p, _), piece in zip(replicated, flat.split([g.numel() for _, g in replicated]), strict=True):
                 p.add_sharded_grad(piece.view(p.shape))
+
+    def _hand_over(self, grads: list[tuple[ShardedParam, torch.Tensor | None]] | None = None) -> None:
+        """[Note: one data-parallel rank]: each gradient is already the reduced one: cast to
+        ``reduce_dtype``, divided, the hook run, added to ``sharded.grad``. ``grads``: (parameter,
+        gradient) taken already; by default every trainable parameter's, taken here in one pass
+        (a zero gradient for one that got none when ``reduce_unused``)."""
+        if grads is None:
+            grads = []
+            for p in self.params:
+                if p.sharded.requires_grad:
+                    grad = p.take_unsharded_grad()
+                    if grad is None and self.reduce_unused:
+                        grad = torch.zeros(p.shape, dtype=self.reduce_dtype(), device=p.compute_device)
+                    grads.append((p, grad))
+        reduce_dtype, factor, hooked = self.reduce_dtype(), self._divide_factor(), self.all_reduce_hook is not None
+        for p, grad in grads:
+            if grad is not None:
+                if grad.dtype != reduce_dtype:
+                    grad = grad.to(reduce_dtype)
+                if factor != 1:
+                    grad = grad.div_(factor)
+                if hooked:
+                    self._call_hook(grad)
+                p.add_sharded_grad(grad)
 
     def _call_hook(self, output: torch.Tensor) -> None:
         """``FSDPModule.set_all_reduce_hook``: the user's hook on the reduced output, in place."""
