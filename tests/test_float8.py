@@ -109,19 +109,28 @@ def _case_float8_all_gather() -> dict:
 # --- tensor parallel -----------------------------------------------------------------------------------------
 # [Note: float8 tensor-parallel parity bound]
 # torchao's emulated float8 matmul multiplies in float32 (``a._data.float() / a._scale``), whatever
-# the model's dtype; tp gives BLAS other shapes, so its sums round differently, by ~1e-7 relative.
-# Where such a value sits that close to a float8 rounding boundary it rounds to the neighbouring
-# float8 value (a step of 2^-3, 2^-2 for the e5m2 gradients), and the models differ there. So tp and
-# one process are not bit-identical. On the first step (equal parameters) the loss differs by a small
-# fraction of what float8 itself moves it, the gradients by as much as float8 does (measured:
-# docs/performance.md#float8-tensor-parallel-parity): the loss is compared at 1e-6, the gradients
-# not at all, and the gathers are counted.
-LOSS_TOL = 1e-6
+# the model's dtype; tp gives BLAS other shapes (and its row-parallel layers sum two halves), so its
+# sums round differently, by ~1e-7 relative. Where such a value sits that close to a float8 rounding
+# boundary it rounds to the neighbouring float8 value (a step of 2^-3), and from there on every later
+# position of that sequence differs by as much as float8 itself moves it. Such a flip is rare and
+# which values sit that close depends on the machine's BLAS (none in 128 tokens on the AMD dev
+# machine; 1 for Llama and 3 for GPT-2 on an Intel one with MKL's AVX-512 kernels), so tp and one
+# process are compared sequence by sequence, over many short sequences: a sequence agrees when its
+# logits differ by at most SEQUENCE_TOL of the logits' largest magnitude (without a flip ~1e-6,
+# float32's rounding carried through two blocks; with one up to 2e-2; float8 against no float8 at
+# least 4.5e-2 in every sequence), and at least half the sequences must agree. A wrong float8 path
+# under tp (a layer left in high precision, another scale) moves every sequence, so it fails; the
+# unconverted model is checked to agree in none (the comparison can fail). Measured:
+# docs/performance.md#float8-tensor-parallel-parity.
+SEQUENCE_TOL = 1e-4
+SEQUENCES, POSITIONS = 32, 4
 
 
-def _tp_loss(family: str, mode: str, mesh=None) -> tuple[float, int]:
-    """The first step's loss of the family's 2-layer debug model, float8 ``mode`` ("none": unconverted),
-    one process (``mesh`` None) or tensor parallel on ``mesh``, and the float8 all-gathers tp ran."""
+def _tp_logits(family: str, mode: str, mesh=None) -> tuple[torch.Tensor, int]:
+    """The first step's logits ``[SEQUENCES, POSITIONS, vocab]`` of the family's 2-layer debug model
+    (after a backward, so the float8 gradients' all-gathers ran), float8 ``mode`` ("none":
+    unconverted), one process (``mesh`` None) or tensor parallel on ``mesh``, and the float8
+    all-gathers tp ran."""
     import dataclasses
 
     import torch.nn.functional as F
@@ -146,36 +155,45 @@ def _tp_loss(family: str, mode: str, mesh=None) -> tuple[float, int]:
         model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights()
-    tokens = torch.randint(0, args.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, args.vocab_size, (SEQUENCES, POSITIONS + 1), generator=torch.Generator().manual_seed(1))
     around = float8lib.around_step(mode, mesh)
     with loss_parallel_context(mesh is not None), around:
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-    value = (loss.to_local() if isinstance(loss, DTensor) else loss).item()
-    return value, getattr(around, "gathers", 0)
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    return logits.detach(), getattr(around, "gathers", 0)
+
+
+def _sequence_differences(got: torch.Tensor, want: torch.Tensor) -> list[float]:
+    """Each sequence's largest logit difference, relative to the largest logit magnitude."""
+    return ((got - want).abs().amax(dim=(1, 2)) / want.abs().amax()).tolist()
 
 
 def _case_float8_tp() -> dict:
-    """tp 2 with float8 against one process with float8 ([Note: float8 tensor-parallel parity bound]):
-    Llama in tensorwise (torchao's float8 styles, activations all-gathered in float8, as bytes over gloo)
-    and rowwise (PyTorch's styles), GPT-2 in tensorwise (its layers have biases: PyTorch's styles,
-    [Note: float8 TP styles and biases]); unconverted, the same model differs by more than the bound."""
+    """tp 2 with float8 against one process with float8, sequence by sequence ([Note: float8
+    tensor-parallel parity bound]): Llama in tensorwise (torchao's float8 styles, activations
+    all-gathered in float8, as bytes over gloo) and rowwise (PyTorch's styles), GPT-2 in tensorwise
+    (its layers have biases: PyTorch's styles, [Note: float8 TP styles and biases])."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_default_dtype(torch.float64)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"]
     out = {}
     for family, mode in (("llama", "tensorwise"), ("llama", "rowwise"), ("gpt2", "tensorwise")):
-        tp, gathers = _tp_loss(family, mode, mesh)
-        one, _ = _tp_loss(family, mode)
-        unconverted, _ = _tp_loss(family, "none")
-        assert abs(tp - one) <= LOSS_TOL * abs(one), (family, mode, tp, one)
-        assert abs(unconverted - one) > 10 * LOSS_TOL * abs(one), (family, mode, "float8 changed nothing")
+        tp, gathers = _tp_logits(family, mode, mesh)
+        one, _ = _tp_logits(family, mode)
+        unconverted, _ = _tp_logits(family, "none")
+        differences = _sequence_differences(tp, one)
+        agree = sum(d <= SEQUENCE_TOL for d in differences)
+        assert 2 * agree >= SEQUENCES, (family, mode, differences)
+        moved = _sequence_differences(unconverted, one)
+        assert all(d > 10 * SEQUENCE_TOL for d in moved), (family, mode, "float8 changed nothing", moved)
         if (family, mode) == ("llama", "tensorwise"):  # per block: attention and feed-forward inputs, wo and w2's
             assert gathers >= 4 * 2, gathers            # output gradients
         elif mode == "rowwise":
             assert gathers == 0, gathers  # rowwise gathers in high precision
-        out[f"{family} {mode}"] = {"relative difference": abs(tp - one) / abs(one), "float8 all-gathers": gathers}
+        out[f"{family} {mode}"] = {"sequences agreeing": agree, "differences": differences,
+                                   "float8 against none, smallest": min(moved), "float8 all-gathers": gathers}
     return out
 
 
