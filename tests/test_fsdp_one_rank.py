@@ -85,7 +85,6 @@ def test_the_steady_cast_equals_the_full_path_bit_for_bit(mesh, threshold):
         assert served == 0, served
 
 
-
 @pytest.mark.parametrize("param_dtype", [None, torch.float32], ids=["alias", "cast"])
 def test_one_rank_divides_by_the_factor_once(mesh, param_dtype):
     """``set_gradient_divide_factor`` on one rank, through the one-rank hand-over (``_hand_over`` in

@@ -155,22 +155,23 @@ class GroupReduce:
         return before, factor / before
 
     def _start_reduce(self) -> None:
-        if self.single and not self.replicated:
+        if self.single:  # [Note: one data-parallel rank]: the gradient is already the reduced one
             self._hand_over()
-            return
-        grads = {id(p): p.take_unsharded_grad() for p in self.all_params if p.requires_grad}
+            if not self.replicated:
+                return
+        # the single path handed its sharded parameters over; the replicated ones are all-reduced below
+        params = self.replicated if self.single else self.all_params
+        grads = {id(p): p.take_unsharded_grad() for p in params if p.requires_grad}
         if self.reduce_unused:  # PyTorch: zeros for trainable parameters that got no gradient
-            for p in self.all_params:
+            for p in params:
                 if id(p) in grads and grads[id(p)] is None:
                     grads[id(p)] = torch.zeros(p.shape, dtype=self.reduce_dtype(), device=p.compute_device)
         reduce_dtype = self.reduce_dtype()
         # the parameters reduce-scattered: trainable ones, a zero row for those without a gradient on this
         # rank (the collective's size must not depend on what one rank used); only those with a gradient
         # get one back
-        trainable = [p for p in self.params if id(p) in grads]
-        if self.single:  # [Note: one data-parallel rank]: the gradient is already the reduced one
-            self._hand_over([(p, grads[id(p)]) for p in trainable])
-        elif trainable and (any(grads[id(p)] is not None for p in trainable) or self._partial is not None):
+        trainable = [p for p in self.params if id(p) in grads]  # none on the single path
+        if trainable and (any(grads[id(p)] is not None for p in trainable) or self._partial is not None):
             group = self.reduce_group or self.mesh_info.shard_group
             with trace_range("meshpar::fsdp.reduce_copy_in"):
                 buffer = comm.ReduceScatterInput(sum(p.padded_numel for p in trainable), group, dtype=reduce_dtype,
@@ -207,21 +208,17 @@ class GroupReduce:
             for (p, _), piece in zip(replicated, flat.split([g.numel() for _, g in replicated]), strict=True):
                 p.add_sharded_grad(piece.view(p.shape))
 
-    def _hand_over(self, grads: list[tuple[ShardedParam, torch.Tensor | None]] | None = None) -> None:
-        """[Note: one data-parallel rank]: each gradient is already the reduced one: cast to
-        ``reduce_dtype``, divided, the hook run, added to ``sharded.grad``. ``grads``: (parameter,
-        gradient) taken already; by default every trainable parameter's, taken here in one pass
-        (a zero gradient for one that got none when ``reduce_unused``)."""
-        if grads is None:
-            grads = []
-            for p in self.params:
-                if p.sharded.requires_grad:
-                    grad = p.take_unsharded_grad()
-                    if grad is None and self.reduce_unused:
-                        grad = torch.zeros(p.shape, dtype=self.reduce_dtype(), device=p.compute_device)
-                    grads.append((p, grad))
+    def _hand_over(self) -> None:
+        """[Note: one data-parallel rank]: each trainable sharded parameter's gradient, taken in one
+        pass (zeros for one that got none when ``reduce_unused``), is already the reduced one: cast
+        to ``reduce_dtype``, divided, the hook run, added to ``sharded.grad``."""
         reduce_dtype, factor, hooked = self.reduce_dtype(), self._divide_factor(), self.all_reduce_hook is not None
-        for p, grad in grads:
+        for p in self.params:
+            if not p.sharded.requires_grad:
+                continue
+            grad = p.take_unsharded_grad()
+            if grad is None and self.reduce_unused:
+                grad = torch.zeros(p.shape, dtype=reduce_dtype, device=p.compute_device)
             if grad is not None:
                 if grad.dtype != reduce_dtype:
                     grad = grad.to(reduce_dtype)
