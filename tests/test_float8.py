@@ -112,16 +112,14 @@ def _case_float8_all_gather() -> dict:
 # the model's dtype; tp gives BLAS other shapes (and its row-parallel layers sum two halves), so its
 # sums round differently, by ~1e-7 relative. Where such a value sits that close to a float8 rounding
 # boundary it rounds to the neighbouring float8 value (a step of 2^-3), and from there on every later
-# position of that sequence differs by as much as float8 itself moves it. Such a flip is rare and
-# which values sit that close depends on the machine's BLAS (none in 128 tokens on the AMD dev
-# machine; 1 for Llama and 3 for GPT-2 on an Intel one with MKL's AVX-512 kernels), so tp and one
-# process are compared sequence by sequence, over many short sequences: a sequence agrees when its
-# logits differ by at most SEQUENCE_TOL of the logits' largest magnitude (without a flip ~1e-6,
-# float32's rounding carried through two blocks; with one up to 2e-2; float8 against no float8 at
-# least 4.5e-2 in every sequence), and at least half the sequences must agree. A wrong float8 path
-# under tp (a layer left in high precision, another scale) moves every sequence, so it fails; the
-# unconverted model is checked to agree in none (the comparison can fail). Measured:
-# docs/performance.md#float8-tensor-parallel-parity.
+# position of that sequence differs by as much as float8 itself moves it. Such a flip is rare, and
+# which values sit that close depends on the machine's BLAS, so tp and one process are compared
+# sequence by sequence, over many short sequences: a sequence agrees when its logits differ by at
+# most SEQUENCE_TOL of the logits' largest magnitude, which lies orders of magnitude above float32's
+# rounding carried through two blocks and below what one flip or float8 itself moves a sequence
+# (measured: docs/performance.md#float8-tensor-parallel-parity); at least half the sequences must
+# agree. A wrong float8 path under tp (a layer left in high precision, another scale) moves every
+# sequence, so it fails; the unconverted model is checked to agree in none (the comparison can fail).
 SEQUENCE_TOL = 1e-4
 SEQUENCES, POSITIONS = 32, 4
 
