@@ -45,13 +45,14 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 
 # --- pytrees --------------------------------------------------------------------------------------
 # The tensors in a module's nested inputs / outputs (the trace labels; FSDP walks them itself,
-# dataclasses included: meshpar/fsdp/tree.py). Public alternative: ``torch.utils.pytree`` is
+# dataclasses included: meshpar/fsdp/tree.py), and those of an op's result the planner's tracker
+# does not walk itself (planner/tracker.py). Public alternative: ``torch.utils.pytree`` is
 # announced but not in 2.13; ``optree`` would add a dependency.
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 # Bound at import; the names of _LAZY below (MemTracker, FakeTensorMode, FakeStore, ...) on first use.
 __all__ = [
-    "REQUIRED", "CUDA_ONLY", "StridedShard", "tree_leaves", "flatten_mesh",
+    "REQUIRED", "CUDA_ONLY", "StridedShard", "tree_leaves", "tree_map_only", "flatten_mesh",
     "unflatten_mesh", "concatenate_meshes", "dtensor_like", "dtensor_where_it_is", "foreach_norm", "foreach_mul_",
     "foreach_copy_",
     "local_tensor", "adam_init_group",
@@ -408,6 +409,7 @@ REQUIRED: dict[str, str] = {
         "FSDP over tensor parallel, GPT-2's fused q|k|v (tensor_parallel/styles.py, fsdp/sharded_param.py, "
         "checkpoints, init, clipping, conversion)",
     "torch.utils._pytree.tree_leaves": "tensor-parallel trace labels (profiling/labels.py)",
+    "torch.utils._pytree.tree_map_only": "the planner's tracker on an op's unusual result (planner/tracker.py)",
     "torch.distributed.device_mesh.DeviceMesh._flatten": "the flattened dp mesh (mesh.py)",
     "torch.distributed.device_mesh.DeviceMesh._unflatten": "fully_shard with an int reshard_after_forward",
     "torch.distributed.device_mesh.DeviceMesh._concatenate": "FSDP over tensor parallel (fsdp/sharded_param.py)",
@@ -487,6 +489,8 @@ REQUIRED: dict[str, str] = {
     f"{_MT}.MemTracker._track_resize": _MEMORY,
     f"{_MT}.MemTracker._delete_callback": _MEMORY,
     f"{_MT}.MemTracker._update_peak_stats": _MEMORY,
+    f"{_MT}.MemTracker()._in_ac": _MEMORY,
+    f"{_MT}.MemTracker()._in_opt": _MEMORY,
     f"{_MT}.MemTracker()._WINFO": _MEMORY,
     f"{_MT}.MemTracker()._mod_tracker": _MEMORY,
     f"{_MT}.MemTracker()._ref_class": _MEMORY,

@@ -12,6 +12,7 @@ the step under it; ``extrapolate.py`` reads the stretches.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshpar.distributed import comm_record
-from meshpar.distributed._torch import FakeTensor, active_fake_mode
+from meshpar.distributed._torch import FakeTensor, MemRefType, active_fake_mode, tree_map_only
 from meshpar.distributed.mesh import DIMS, Mesh
 from meshpar.distributed.tracing import listen
 from meshpar.profiling.memory import AllocationTracker
@@ -90,9 +91,48 @@ class StepTracker(AllocationTracker):
             if active_fake_mode() is self._step_mode:
                 self._update_peak_stats(None)
             return args[0].device
-        if func.namespace == "_c10d_functional" and not any(t is DTensor for t in types):
-            self._count(func._schema.name.split("::")[-1], args)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        if DTensor in types:  # DTensor desugars it into local ops, which come back here
+            return NotImplemented
+        waits = False
+        if func.namespace == "_c10d_functional":
+            op = func._schema.name.split("::")[-1]
+            self._count(op, args)
+            waits = op == "wait_tensor"
+        return self._dispatch_and_track(func, args, kwargs, waits)
+
+    # [Note: MemTracker's dispatch without pytrees]
+    # MemTracker's own __torch_dispatch__ runs the op, then tracks every tensor of the result with
+    # ``tree_map_only``, which flattens and rebuilds the result for every op of the step (its cost:
+    # docs/performance.md#the-simulations-own-costs). Ops return a tensor, or lists and tuples of them
+    # (and of Nones, ints): walked directly here; anything else through the pytree. Otherwise this is
+    # MemTracker's code path: the same category per output, the same peak update, so every figure
+    # is unchanged (the recipes' headers in tests/test_plan.py, exactly).
+    def _dispatch_and_track(self, func, args, kwargs, waits: bool):
+        # as MemTracker: under a fake mode a wait returns its input
+        res = args[0] if waits and active_fake_mode() else func(*args, **(kwargs or {}))
+        if active_fake_mode() is self._step_mode:  # MemTracker's _fake_mode_on_entry, taken in __enter__
+            if self._in_opt:
+                reftype = MemRefType.OPT
+            elif self._mod_tracker.is_bw and not self._in_ac:
+                reftype = MemRefType.TEMP
+            else:
+                reftype = MemRefType.ACT
+            self._track_result(reftype, res)
+            self._update_peak_stats(None)
+        return res
+
+    def _track_result(self, reftype: Any, res: Any) -> None:
+        if isinstance(res, torch.Tensor):
+            self._track(reftype, res)
+        elif isinstance(res, (list, tuple)) and type(res) in (list, tuple):
+            for x in res:
+                if isinstance(x, torch.Tensor):
+                    self._track(reftype, x)
+                elif isinstance(x, (list, tuple)):
+                    self._track_result(reftype, x)
+        elif res is not None and not isinstance(res, (int, float, bool)):
+            track = functools.partial(self._track, reftype)
+            tree_map_only(torch.Tensor, track, res)
 
     def _count(self, op: str, args: tuple) -> None:
         if self.current_phase is None or op == "wait_tensor":

@@ -126,8 +126,10 @@ class AllocationTracker(MemTracker):
                 self._bucket = (self._bucket[0], point)
 
     def current(self) -> dict[str, int]:
-        """Live bytes per category name, summed over devices, and ``Total``."""
-        return _by_name(self.get_tracker_snapshot("current"))
+        """Live bytes per category name, summed over devices, and ``Total``: a new dict, read from
+        the live snapshot (``get_tracker_snapshot`` deep-copies it first, at every peak the planner's
+        tracker records)."""
+        return _by_name(self._curr_mem_snap)
 
     def peak(self) -> dict[str, int]:
         """Bytes per category at the peak, summed over devices, and ``Total``."""
