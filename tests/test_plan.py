@@ -182,6 +182,23 @@ def test_unfitting_recipe_exits_1_naming_what_to_change():
     assert plan.ranks[0].param_bytes == 8_030_261_248 * 4
 
 
+def test_the_dry_run_tells_its_progress_on_stderr():
+    """A line as the dry run starts and one per pipeline stage, each stage once, on stderr: stdout is
+    the plan alone. Of the four stages the two middle ones are alike: one simulated, the other reuses it."""
+    code, out, err, _, _ = _run(str(RECIPES / "llama_debug.toml"), "--world", "4", "--parallel.pp=4",
+                                "--parallel.dp_shard=1", "--train.micro_batch=2", "--hardware", "cpu")
+    assert code == 0, err
+    lines = err.splitlines()
+    assert lines[0] == ("meshpar plan: a dry run of llama debug at 4 ranks: each pipeline stage's step simulated "
+                        "on fake tensors")
+    stage = re.compile(r"meshpar plan: pipeline stage (\d) of 4 \(1 block\) simulated (in [\d.]+ s|as stage (\d)'s)")
+    stages = [stage.fullmatch(line) for line in lines[1:]]
+    assert len(stages) == 4 and all(stages), lines
+    assert sorted(int(m.group(1)) for m in stages) == [0, 1, 2, 3]
+    assert [(m.group(1), m.group(3)) for m in stages if m.group(3)] == [("2", "1")]
+    assert not any(line in out for line in lines) and "fits: peak" in out
+
+
 def test_recipe_errors_exit_2(capsys):
     assert planlib.main([str(RECIPES / "llama_debug.toml")]) == 2  # dp_shard = -1: the world size is needed
     assert "--world" in capsys.readouterr().err

@@ -121,7 +121,9 @@ def main(argv: list[str]) -> int:
         spec = "h100_sxm" if spec == "auto" else spec  # the planner targets a cluster, not this machine
         profile, note = load_hardware(spec)
         start = time.perf_counter()
-        result = plan(recipe, world, profile, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
+        # the dry run's progress on stderr, the plan alone on stdout
+        result = plan(recipe, world, profile, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency,
+                      progress=lambda line: print(f"meshpar plan: {line}", file=sys.stderr, flush=True))
     except RecipeError as e:
         print(f"meshpar: error: {e}", file=sys.stderr)
         return 2

@@ -24,8 +24,9 @@ import contextlib
 import dataclasses
 import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 import torch.distributed as dist
@@ -159,9 +160,14 @@ def check(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int]:
 
 
 def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_node: int | None = None,
-         efficiency: float | None = None, links: LinkDefaults | None = None) -> Plan:
-    """Plan ``recipe`` on ``world_size`` devices of ``profile``; raises RecipeError for a bad recipe."""
+         efficiency: float | None = None, links: LinkDefaults | None = None,
+         progress: Callable[[str], None] | None = None) -> Plan:
+    """Plan ``recipe`` on ``world_size`` devices of ``profile``; raises RecipeError for a bad recipe.
+    ``progress``: told a line as each pipeline stage's step is simulated (the dry run's long part)."""
     layout, accum = check(recipe, world_size)
+    if progress is not None:
+        progress(f"a dry run of {recipe.model.family} {recipe.model.size} at {world_size} ranks: each pipeline "
+                 f"stage's step simulated on fake tensors")
     family = get_family(recipe.model.family)
     args = family.model_args(recipe.model)
     if recipe.model.attention == "document":  # its masks' memory; any EOS id will do: fake tokens hold no values
@@ -173,11 +179,13 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
     simulated: dict[tuple, Measured] = {}
     shorts: dict[tuple, Measured] = {}  # the short stages simulated, shared by stages whose own differ
     lent: dict[tuple, extrapolate.Slopes] = {}  # middle stages' slopes, by repeating block, for the ends
+    roles: dict[int, tuple] = {}  # the stages planned so far
     for s in sorted(range(layout.pp), key=lambda s: s in (0, layout.pp - 1)):  # the ends last: they borrow
         rank = s * (world_size // layout.pp)
         # stages alike in blocks, ends and which blocks are checkpointed (ac_every counts global indices)
         checkpointed = tuple(i % p.ac_every == 0 for i in layers[s]) if p.activation_checkpoint != "none" else ()
         role = (len(layers[s]), s == 0, s == layout.pp - 1, checkpointed)
+        start, alike = perf_counter(), next((t for t, r in roles.items() if r == role), None)
         with fake_world(rank, world_size):
             mesh = meshlib.build(layout, "cpu")
             stages = _build(family, args, mesh, recipe)
@@ -185,7 +193,12 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
             if role not in simulated:
                 simulated[role] = _simulate(family, args, mesh, recipe, stages, accum, nccl, shorts, role[1:3], lent)
             rank_plan.measured = simulated[role]
-        ranks[s] = rank_plan
+        ranks[s], roles[s] = rank_plan, role
+        if progress is not None:
+            where = f"pipeline stage {s} of {layout.pp}" if layout.pp > 1 else "the step"
+            how = f"as stage {alike}'s" if alike is not None else f"in {perf_counter() - start:.1f} s"
+            n = len(layers[s])
+            progress(f"{where} ({n} block{'s' if n != 1 else ''}) simulated {how}")
     ranks = [ranks[s] for s in range(layout.pp)]
     n_params = sum(r.n_params for r in ranks)
     time = step_time(recipe, layout, args, profile, ranks, accum, gpus_per_node=gpus_per_node,
