@@ -77,6 +77,12 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
     # precision: the parameters' own): [Note: accumulating in reduce_dtype] (meshpar/fsdp/reduce.py)
     block_mp = mixed_precision(cfg, logits_out=False)
     extras = dict(shard_threshold=cfg.shard_threshold, accumulate_dtype=block_mp.param_dtype)
+    # [Note: the last block reshards too]
+    # torchtitan keeps its last block's parameters after forward: backward needs them first, so
+    # resharding them only gathers them again, exposed, at backward's start. Here every block
+    # reshards: kept, the last block's gathered parameters sit beside the logits at the loss, and
+    # every shipped single-stage recipe's planned peak rose, for one block's all-gather a step,
+    # which the time model prices as overlapped (docs/performance.md#the-last-block-after-forward).
     for block in model.layers.values():
         moe = getattr(block, "moe", None)
         if moe is not None and (layout.ep > 1 or layout.tp > 1):
