@@ -116,9 +116,11 @@ class GroupReduce:
         # the parameters' own dtype unless reduce_dtype / param_dtype say otherwise (a unit whose
         # parameters are all below shard_threshold has only replicated ones: those set it too, else
         # a float64 unit would reduce in float32)
+        dtype = self.mp.reduce_dtype or self.mp.param_dtype
+        if dtype is not None:
+            return dtype
         trainable = [p for p in self.all_params if p.requires_grad] or self.all_params
-        return self.mp.reduce_dtype or self.mp.param_dtype or (trainable[0].orig_dtype if trainable
-                                                                else torch.float32)
+        return trainable[0].orig_dtype if trainable else torch.float32
 
     def post_backward(self) -> None:
         """After this unit's backward: reduce (or keep, without sync) its gradients; reshard."""

@@ -48,7 +48,7 @@ def _write_from_local(params: list[ShardedParam], dtypes: list[torch.dtype]) -> 
 # unsharded storage back, one ``_foreach_copy_`` from the same local tensors, the same unsharded
 # parameters set on the same modules. After a full unshard ``_CastPlan`` keeps those objects, and
 # the next unshards only check that each is still the one kept (the parameter's sharded and
-# unsharded tensors, its dtype, its hook); any change (``.to``, ``to_empty``, a load with
+# unsharded tensors, the policy giving its dtype, its hook); any change (``.to``, ``to_empty``, a load with
 # ``assign=True``, a new policy) takes the full path above, which keeps a new plan.
 
 
@@ -58,11 +58,11 @@ class _CastPlan:
     def __init__(self, group: GroupUnshard, params: list[ShardedParam]) -> None:
         self.params = params
         self.kept = [(p.sharded, p.local, p.unsharded, p.unsharded_padded) for p in params]
-        self.dtypes = [group.compute_dtype(p) for p in params]
+        self.mp = group.mp  # frozen: the compute dtypes are this policy's and the parameters' (kept below)
         self.outs = [p.unsharded_padded for p in params]
         self.sources = [p.local if p.local.shape == out.shape else p.local.view(out.shape)
                         for p, out in zip(params, self.outs, strict=True)]
-        self.storages = [(out.untyped_storage(), out.untyped_storage().size()) for out in self.outs]
+        self.storages = [(out.untyped_storage(), out.untyped_storage().nbytes()) for out in self.outs]
         self.slots = [[(module_parameters(module), attr) for module, attr in p.places] for p in params]
         self.unsharded = tuple(p.unsharded for p in params)
 
@@ -84,12 +84,12 @@ class _CastPlan:
                     or local_tensor(sharded) is not local:
                 group._cast_plan = None
                 return False
-        if [group.compute_dtype(p) for p in self.params] != self.dtypes:
+        if group.mp is not self.mp:  # a parameter's own dtype changed with its sharded tensor (above)
             group._cast_plan = None
             return False
         with trace_range("meshpar::fsdp.cast"), torch.no_grad():
             for storage, nbytes in self.storages:
-                if storage.size() != nbytes:
+                if storage.nbytes() != nbytes:  # nbytes: size() is a Python method calling it
                     storage.resize_(nbytes)
             with preserve_version_counter(self.unsharded):
                 foreach_copy_(self.outs, self.sources, non_blocking=True)
