@@ -5,6 +5,7 @@ builds; the arithmetic picks the right stretch where the peak moves from one to 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from pathlib import Path
 
@@ -99,6 +100,25 @@ BORROWING = {
 }
 
 
+@functools.cache
+def _middle_stage_slopes(name: str, world: int, nccl: bool, overrides: tuple[str, ...]) -> dict:
+    """The slopes stage 1, a middle one, lends: the same for every test of one case (they differ in
+    the end stages), so simulated once per case. A middle stage runs no module after its blocks, so
+    unmarking the head (the test below) leaves them as they are."""
+    recipe = load(RECIPES / f"{name}.toml", list(overrides))
+    layout, accum = dry_run.check(recipe, world)
+    family = get_family(recipe.model.family)
+    args = family.model_args(recipe.model)
+    lent: dict = {}
+    with dry_run.fake_world(world // layout.pp, world):
+        mesh = meshlib.build(layout, "cpu")
+        stages = dry_run._build(family, args, mesh, recipe)
+        assert tracker._after_blocks(stages[0][1]) is None
+        dry_run._simulate(family, args, mesh, recipe, stages, accum, nccl, {}, (False, False), lent)
+    assert len(lent) == 1
+    return lent
+
+
 def _ends_borrowing(name: str, world: int, nccl: bool, overrides: list[str], first: bool = True,
                     ) -> dict[int, tuple[Measured, Measured, list]]:
     """By end stage (the first unless not ``first``, the last): (every block of it simulated, what its short stage
@@ -108,12 +128,7 @@ def _ends_borrowing(name: str, world: int, nccl: bool, overrides: list[str], fir
     layout, accum = dry_run.check(recipe, world)
     family = get_family(recipe.model.family)
     args = family.model_args(recipe.model)
-    lent: dict = {}
-    with dry_run.fake_world(world // layout.pp, world):  # stage 1, a middle one: it lends its slopes
-        mesh = meshlib.build(layout, "cpu")
-        stages = dry_run._build(family, args, mesh, recipe)
-        dry_run._simulate(family, args, mesh, recipe, stages, accum, nccl, {}, (False, False), lent)
-        assert len(lent) == 1
+    lent = dict(_middle_stage_slopes(name, world, nccl, tuple(overrides)))
     borrowed, real, out = [], extrapolate.borrow, {}
 
     def spy(*a, **k):
