@@ -179,13 +179,13 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
     simulated: dict[tuple, Measured] = {}
     shorts: dict[tuple, Measured] = {}  # the short stages simulated, shared by stages whose own differ
     lent: dict[tuple, extrapolate.Slopes] = {}  # middle stages' slopes, by repeating block, for the ends
-    roles: dict[int, tuple] = {}  # the stages planned so far
+    first_of: dict[tuple, int] = {}  # the stage that simulated each role (the progress lines)
     for s in sorted(range(layout.pp), key=lambda s: s in (0, layout.pp - 1)):  # the ends last: they borrow
         rank = s * (world_size // layout.pp)
         # stages alike in blocks, ends and which blocks are checkpointed (ac_every counts global indices)
         checkpointed = tuple(i % p.ac_every == 0 for i in layers[s]) if p.activation_checkpoint != "none" else ()
         role = (len(layers[s]), s == 0, s == layout.pp - 1, checkpointed)
-        start, alike = perf_counter(), next((t for t, r in roles.items() if r == role), None)
+        start, alike = perf_counter(), first_of.setdefault(role, s)
         with fake_world(rank, world_size):
             mesh = meshlib.build(layout, "cpu")
             stages = _build(family, args, mesh, recipe)
@@ -193,10 +193,10 @@ def plan(recipe: Recipe, world_size: int, profile: HardwareProfile, *, gpus_per_
             if role not in simulated:
                 simulated[role] = _simulate(family, args, mesh, recipe, stages, accum, nccl, shorts, role[1:3], lent)
             rank_plan.measured = simulated[role]
-        ranks[s], roles[s] = rank_plan, role
+        ranks[s] = rank_plan
         if progress is not None:
             where = f"pipeline stage {s} of {layout.pp}" if layout.pp > 1 else "the step"
-            how = f"as stage {alike}'s" if alike is not None else f"in {perf_counter() - start:.1f} s"
+            how = f"as stage {alike}'s" if alike != s else f"in {perf_counter() - start:.1f} s"
             n = len(layers[s])
             progress(f"{where} ({n} block{'s' if n != 1 else ''}) simulated {how}")
     ranks = [ranks[s] for s in range(layout.pp)]

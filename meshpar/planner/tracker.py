@@ -124,7 +124,7 @@ class StepTracker(AllocationTracker):
     def _track_result(self, reftype: Any, res: Any) -> None:
         if isinstance(res, torch.Tensor):
             self._track(reftype, res)
-        elif isinstance(res, (list, tuple)) and type(res) in (list, tuple):
+        elif type(res) in (list, tuple):  # a named tuple or other subclass: the pytree below
             for x in res:
                 if isinstance(x, torch.Tensor):
                     self._track(reftype, x)
