@@ -26,9 +26,18 @@ def test_summary_takes_the_slowest_rank_per_step_then_the_median():
                                                       "optimizer": steps}, losses=[2.0, 1.0], casts=0)
     row, = bench_overhead.summarize([[record([0.001, 0.005, 0.003])], [record([0.002, 0.001, 0.004])]])
     assert row["step_ms"] == 4.0  # slowest per step: 2, 5, 4 ms
+    assert row["rounds_ms"] == [2.0, 5.0, 4.0]
     rows = [dict(engine="meshpar", ranks=1, step_ms=3.0), dict(engine="torch", ranks=1, step_ms=4.0),
             dict(engine="plain", ranks=1, step_ms=2.0)]
     assert bench_overhead.ratios(rows) == {"meshpar/torch, 1 rank(s)": 0.75, "meshpar/plain, 1 rank(s)": 1.5}
+
+
+def test_ratios_pair_the_steps_of_each_round():
+    """[Note: paired ratios]: the median of each round's ratio, not the ratio of the medians (6/4 here)."""
+    rows = [dict(engine="meshpar", ranks=1, step_ms=6.0, rounds_ms=[2.0, 8.0, 6.0]),
+            dict(engine="plain", ranks=1, step_ms=4.0, rounds_ms=[1.0, 4.0, 6.0])]
+    assert bench_overhead.ratio_rounds(rows) == {"meshpar/plain, 1 rank(s)": [2.0, 2.0, 1.0]}
+    assert bench_overhead.ratios(rows) == {"meshpar/plain, 1 rank(s)": 2.0}
 
 
 def test_a_short_run_of_every_engine(tmp_path, capsys):
@@ -44,3 +53,4 @@ def test_a_short_run_of_every_engine(tmp_path, capsys):
         assert r["step_ms"] > 0 and r["casts"] > 0 and r["collectives"] == 0  # one rank: no collective
     assert rows["meshpar"]["hook_calls"] > 0 and rows["plain"]["hook_calls"] == 0
     assert "meshpar/plain, 1 rank(s)" in capsys.readouterr().out
+    assert len(report["ratio_rounds"]["meshpar/plain, 1 rank(s)"]) == 2  # one ratio per timed round

@@ -25,7 +25,8 @@ opens around its work, ``meshpar::fsdp.*`` or ``FSDP::*``, nested ones counted o
 copies and collectives issued there included) and how many labels, the casts (``aten::_to_copy``
 calls), the collectives issued (dispatcher ops of ``c10d``), and every aten op dispatched. The profiled step runs slower
 than the timed ones: its figures size the parts, the timed ones are the result. Last, the ratios
-the issue sets goals for: meshpar/torch (<= 1.0) and meshpar/plain (<= 1.3, 1 rank).
+the issue sets goals for: meshpar/torch (<= 1.0) and meshpar/plain (<= 1.3, 1 rank), each the
+median of the rounds' ratios with their quartiles ([Note: paired ratios]).
 Results: docs/performance.md#host-overhead.
 """
 
@@ -164,7 +165,8 @@ def _rank_job(engines: list[str], blocks: int, dim: int, dtype: str, steps: int,
 
 
 def summarize(per_rank: list[list[dict]]) -> list[dict]:
-    """One row per engine: each part's median over steps of the slowest rank; rank 0's counts."""
+    """One row per engine: each part's median over steps of the slowest rank; rank 0's counts; the
+    slowest rank's step of each round (``rounds_ms``, for ``ratios``)."""
     rows = []
     for records in zip(*per_rank, strict=True):
         r0 = records[0]
@@ -172,21 +174,50 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
         for part in r0["parts"]:
             slowest = [max(ts) for ts in zip(*(r["parts"][part] for r in records), strict=True)]
             row[f"{part}_ms"] = 1e3 * statistics.median(slowest)
+            if part == "step":
+                row["rounds_ms"] = [1e3 * t for t in slowest]
         row["loss_first"], row["loss_last"] = r0["losses"][0], r0["losses"][-1]
         rows.append(row)
     return rows
 
 
-def ratios(rows: list[dict]) -> dict[str, float]:
-    """meshpar/torch at every rank count, meshpar/plain at 1 rank (step-time medians)."""
-    by = {(r["engine"], r["ranks"]): r["step_ms"] for r in rows}
+# [Note: paired ratios]
+# The engines step in turn, one step each per round, so a round's steps share the machine's state
+# of that moment (another process's load, the clock). The ratio of two engines is the median over
+# rounds of each round's ratio, which that common factor cancels out of; the ratio of the two
+# medians would keep it where the slow rounds of one engine are not those of the other. The
+# quartiles of the rounds' ratios are printed beside it: how far one round's figure can be trusted.
+
+
+def ratio_rounds(rows: list[dict]) -> dict[str, list[float]]:
+    """meshpar/torch at every rank count, meshpar/plain at 1 rank: each round's ratio of step times
+    (one value, the ratio of the medians, where a row has no rounds)."""
+    by = {(r["engine"], r["ranks"]): r for r in rows}
     out = {}
-    for (engine, n), ms in sorted(by.items()):
-        if engine == "meshpar" and ("torch", n) in by:
-            out[f"meshpar/torch, {n} rank(s)"] = ms / by["torch", n]
-        if engine == "meshpar" and ("plain", n) in by:
-            out[f"meshpar/plain, {n} rank(s)"] = ms / by["plain", n]
+    for (engine, n), row in sorted(by.items()):
+        for peer in ("torch", "plain"):
+            other = by.get((peer, n))
+            if engine != "meshpar" or other is None:
+                continue
+            mine, theirs = row.get("rounds_ms"), other.get("rounds_ms")
+            if mine and theirs and len(mine) == len(theirs):
+                out[f"meshpar/{peer}, {n} rank(s)"] = [a / b for a, b in zip(mine, theirs, strict=True)]
+            else:
+                out[f"meshpar/{peer}, {n} rank(s)"] = [row["step_ms"] / other["step_ms"]]
     return out
+
+
+def ratios(rows: list[dict]) -> dict[str, float]:
+    """meshpar/torch at every rank count, meshpar/plain at 1 rank: the median of the rounds' ratios
+    ([Note: paired ratios])."""
+    return {name: statistics.median(values) for name, values in ratio_rounds(rows).items()}
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return q1, q3
 
 
 GOALS = {"meshpar/torch": 1.0, "meshpar/plain": 1.3}
@@ -206,9 +237,12 @@ def print_report(rows: list[dict], args: argparse.Namespace) -> None:
               f"{r['aten_ops']:>9}")
     print("(right of |: one profiled step, rank 0: the engine's hook CPU ms, aten::_to_copy calls, c10d ops, "
           "aten ops)")
-    for name, value in ratios(rows).items():
-        goal = GOALS[name.split(",")[0]]
-        print(f"  {name:<28} {value:6.3f}  (goal <= {goal})  {'met' if value <= goal else 'NOT MET'}")
+    print("ratios: the median over rounds of each round's ratio (one step of every engine a round), its quartiles")
+    for name, values in ratio_rounds(rows).items():
+        goal, value = GOALS[name.split(",")[0]], statistics.median(values)
+        q1, q3 = _quartiles(values)
+        verdict = "met" if value <= goal else "NOT MET"
+        print(f"  {name:<28} {value:6.3f}  ({q1:.3f}-{q3:.3f})  (goal <= {goal})  {verdict}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"torch": torch.__version__, "args": vars(args), "rows": rows,
-                                "ratios": ratios(rows)}, indent=1))
+                                "ratios": ratios(rows), "ratio_rounds": ratio_rounds(rows)}, indent=1))
     print(f"\nwrote {path}")
 
 
