@@ -719,6 +719,34 @@ def _case_one_rank_forced(ctx: Ctx) -> None:
         assert not comm_record.forced()
 
 
+def _case_native_layout(ctx: Ctx) -> None:
+    """NCCL's reduce-scatter layout on gloo ([Note: the native reduce-scatter layout]): every unit's
+    gradients copied in by one ``chunk_cat`` ([Note: the gradients copied in at once]), uneven
+    shapes padded by it; float64 parity, and bf16 gradients cast by it to fp32 bit for bit as
+    PyTorch's ``fully_shard`` (the same cast, padding and reduce-scatter)."""
+    real, taken = comm.ReduceScatterInput.copy_chunks, []
+
+    def counted(buffer: comm.ReduceScatterInput, tensors: list[torch.Tensor]) -> bool:
+        taken.append(real(buffer, tensors))
+        return taken[-1]
+
+    with comm_record.native_reduce_scatter(), mock.patch.object(comm.ReduceScatterInput, "copy_chunks", counted):
+        for task in (NET, GPT):
+            ref = task.build()
+            model = copy.deepcopy(ref)
+            shard_units(model, fully_shard, mesh=ctx.mesh)
+            assert_parity(model, ref, train(model, ref, task))
+        bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        base = GPT.build()
+        ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+        shard_units(ours, fully_shard, mesh=ctx.mesh, mp_policy=MixedPrecisionPolicy(**bf16))
+        shard_units(theirs, torch_fully_shard, mesh=ctx.mesh, mp_policy=TorchMixedPrecision(**bf16))
+        run_ours, run_theirs = train(ours, None, GPT), train(theirs, None, GPT)
+    assert taken and all(taken), taken  # every unit took the one call
+    _eq([loss for loss, _ in run_ours.losses], [loss for loss, _ in run_theirs.losses], "bf16 losses")
+    _assert_same(gather_params(ours), gather_params(theirs), "bf16 parameters")
+
+
 def _case_local_cast(ctx: Ctx) -> None:
     """[Note: the unsharded parameter keeps its identity] in meshpar/fsdp/sharded_param.py: parameters
     whose whole value is local (replicated below shard_threshold; all of them on one rank) and cast for
@@ -900,6 +928,7 @@ CASES = CaseSet({
     "eval": (_case_eval, (1, 2, 4)),
     "one_rank_exact": (_case_one_rank_exact, (1,)),
     "one_rank_forced": (_case_one_rank_forced, (1,)),
+    "native_layout": (_case_native_layout, (2, 4)),
     "local_cast": (_case_local_cast, (1, 2)),
     "released": (_case_released, (1, 2)),
     "catches_bugs": (_case_catches_bugs, (2,)),
@@ -1008,6 +1037,11 @@ def test_no_grad_forward_reshards_every_unit(world):
 @_worlds("one_rank_exact")
 def test_one_rank_matches_plain_training_exactly(world):
     CASES.check("one_rank_exact", world)
+
+
+@_worlds("native_layout")
+def test_native_reduce_scatter_layout_copies_each_units_gradients_in_one_call(world):
+    CASES.check("native_layout", world)
 
 
 @_worlds("one_rank_forced")

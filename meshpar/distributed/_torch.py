@@ -141,6 +141,15 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking
     torch._foreach_copy_(dst, src, non_blocking=non_blocking)
 
 
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """Row i of ``out`` (``[num_chunks, m]``) <- chunk i of every tensor's dim 0, flattened, one tensor
+    after another; each dim 0 zero-padded to ``num_chunks`` x ceil(rows / num_chunks), cast to ``out``'s
+    dtype, in one call (PyTorch's FSDP copies a reduce-scatter's gradients in with it). The tensors:
+    one dtype, at least one dimension and one element each (else torch raises, or crashes on a 0-dim
+    one). Public alternative: per tensor, ``F.pad`` to whole chunks and ``copy_`` into ``out``'s columns."""
+    torch._chunk_cat(tensors, 0, num_chunks, out=out)
+
+
 def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
     """``t.mul_(scalar)`` for every tensor (a 0-dim tensor on their device), in multi-tensor kernels.
     Public alternative: a loop of ``mul_``."""

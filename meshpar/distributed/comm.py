@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshpar.distributed._torch import chunk_cat
 from meshpar.distributed.comm_record import FlightEntry, comm_buffers, forced, native_layout, record_collective
 from meshpar.distributed.tracing import trace_range
 
@@ -125,6 +126,21 @@ class ReduceScatterInput:
             self.output[offset:offset + k].copy_(rows[r])
             self.send[:r, offset:offset + k].copy_(rows[:r])
             self.send[r:, offset:offset + k].copy_(rows[r + 1:])
+
+    @torch.no_grad()
+    def copy_chunks(self, tensors: list[torch.Tensor]) -> bool:
+        """Every row, whole, from the dim-0 chunks of ``tensors`` (each ``[rows, inner]``, one dtype;
+        chunk i of each, padded to ceil(rows / n) rows, in row i, one after another), in one call:
+        [Note: the gradients copied in at once]. False, with nothing written, where this buffer's
+        layout has no whole ``[n, per_rank]`` rows (the gloo exchange's) or a tensor does not fit."""
+        if self.exchange or not tensors or len({t.dtype for t in tensors}) != 1 \
+                or any(t.dim() != 2 or t.numel() == 0 for t in tensors):
+            return False
+        rows = self.output.view(1, -1) if self.shortcut else self.send
+        if sum(-(-t.shape[0] // self.n) * t.shape[1] for t in tensors) != rows.shape[1]:
+            return False
+        chunk_cat(tensors, self.n, rows)
+        return True
 
     @torch.no_grad()
     def div_(self, factor: float) -> None:

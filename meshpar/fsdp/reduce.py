@@ -178,14 +178,15 @@ class GroupReduce:
             with trace_range("meshpar::fsdp.reduce_copy_in"):
                 buffer = comm.ReduceScatterInput(sum(p.padded_numel for p in trainable), group, dtype=reduce_dtype,
                                                  device=trainable[0].compute_device, custom=self.custom_reduce_scatter)
-                offset = 0
-                for p in trainable:
-                    grad = grads[id(p)]
-                    if grad is None:
-                        buffer.zero_rows(offset, p.padded_numel)
-                    else:
-                        buffer.copy_rows(offset, p.rows_of(grad, self.world))  # cast by the copy
-                    offset += p.padded_numel
+                if not self._copy_in_at_once(buffer, trainable, grads):
+                    offset = 0
+                    for p in trainable:
+                        grad = grads[id(p)]
+                        if grad is None:
+                            buffer.zero_rows(offset, p.padded_numel)
+                        else:
+                            buffer.copy_rows(offset, p.rows_of(grad, self.world))  # cast by the copy
+                        offset += p.padded_numel
                 before = self._divide_factors()[0]
                 if before != 1:
                     buffer.div_(before)
@@ -209,6 +210,20 @@ class GroupReduce:
             flat.div_(after)
             for (p, _), piece in zip(replicated, flat.split([g.numel() for _, g in replicated]), strict=True):
                 p.add_sharded_grad(piece.view(p.shape))
+
+    # [Note: the gradients copied in at once]
+    # A reduce-scatter's input holds, in row i, chunk i of every parameter's gradient (dim 0, padded
+    # to whole chunks), cast to reduce_dtype. Where the buffer has whole rows (NCCL's layout, and the
+    # planner's) one ``chunk_cat`` writes them all, pads and casts included, as PyTorch's engine does:
+    # one call a unit where a copy per parameter (and a padded copy for each uneven one) made one
+    # each (docs/performance.md#host-overhead). The gloo exchange's rows lie in two buffers, a
+    # parameter sharded on another dim needs its chunks gathered first, and one without a gradient
+    # needs zeros: those take the loop.
+    def _copy_in_at_once(self, buffer: comm.ReduceScatterInput, trainable: list[ShardedParam],
+                         grads: dict[int, torch.Tensor | None]) -> bool:
+        if any(p.shard_dim or grads[id(p)] is None or p.n != buffer.n for p in trainable):
+            return False
+        return buffer.copy_chunks([grads[id(p)].reshape(p.shape[0], p.inner) for p in trainable])
 
     def _hand_over(self) -> None:
         """[Note: one data-parallel rank]: each trainable sharded parameter's gradient, taken in one
