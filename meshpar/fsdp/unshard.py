@@ -181,6 +181,13 @@ class GroupUnshard:
     def _copy_in(self, send: torch.Tensor, segments: list[int]) -> None:
         """This rank's chunks of every parameter, cast to param_dtype, into the flat ``send``."""
         with trace_range("meshpar::fsdp.copy_in"):
+            if send.dtype != torch.uint8 and all(p.local.device == send.device for p in self.params):
+                # [Note: a unit's copies in one call]: each chunk, then its padding, left as it is
+                sizes = [k for p, seg in zip(self.params, segments, strict=True)
+                         for k in (p.local_shape.numel(), seg - p.local_shape.numel())]
+                foreach_copy_(list(send.split(sizes)[::2]), [p.local.reshape(-1) for p in self.params],
+                              non_blocking=True)
+                return
             offset = 0
             for p, seg in zip(self.params, segments, strict=True):
                 n = p.local_shape.numel()  # elements past n are padding
@@ -189,6 +196,23 @@ class GroupUnshard:
                     dst = dst.view(self.compute_dtype(p))
                 dst[:n].copy_(p.local.reshape(-1), non_blocking=True)
                 offset += seg
+
+    # [Note: a unit's copies in one call]
+    # Around its all-gather a unit copies each parameter's local chunk into the flat buffer
+    # (copy-in) and each parameter's column block of the gathered rows into its unsharded storage
+    # (copy-out). Where the buffer holds one dtype and every parameter is split on dim 0, each side
+    # is one call: ``_foreach_copy_`` into the buffer's pieces, ``split_with_sizes_copy`` out of
+    # it, as PyTorch's engine does; a copy per parameter made one dispatch (and on a GPU one kernel
+    # launch) each (docs/performance.md#host-overhead). Bytes (mixed dtypes, float8), other shard
+    # dims and CPU offload keep the loops.
+    def _copy_out(self, rows: torch.Tensor, sizes: list[int]) -> None:
+        """``rows`` ([world, sum(sizes)]): column block i into parameter i's unsharded storage,
+        viewed ``[world, sizes[i]]`` (dim 0 split: rank r's chunk is rows r * c to (r + 1) * c)."""
+        world = rows.shape[0]
+        outs = [p.alloc_unsharded(rows.dtype, p.n).view(world, size)
+                for p, size in zip(self.params, sizes, strict=True)]
+        with preserve_version_counter(tuple(p.unsharded for p in self.params)):
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=outs)
 
     def _extension_pieces(self) -> tuple[torch.dtype, list[Piece]]:
         """The flat buffer's layout when some parameters define the all-gather extension: each such
@@ -266,11 +290,14 @@ class GroupUnshard:
                     # recv[world, sum_i size_i]; parameter i's padded chunks, in order, are its column block
                     segments = [p.padded_numel for p in self.params] if post_forward else self._layout[1]
                     sizes = [seg * self.world // world for seg in segments]
-                    pieces = recv.view(world, -1).split(sizes, dim=1)
-                    for p, piece in zip(self.params, pieces, strict=True):
-                        if recv.dtype == torch.uint8:
-                            piece = piece.view(self.compute_dtype(p))[:, :p.padded_numel]
-                        p.write_unsharded(piece, world)
+                    if recv.dtype != torch.uint8 and not any(p.shard_dim for p in self.params):
+                        self._copy_out(recv.view(world, -1), sizes)
+                    else:
+                        pieces = recv.view(world, -1).split(sizes, dim=1)
+                        for p, piece in zip(self.params, pieces, strict=True):
+                            if recv.dtype == torch.uint8:
+                                piece = piece.view(self.compute_dtype(p))[:, :p.padded_numel]
+                            p.write_unsharded(piece, world)
         # the local tensor is the whole parameter: replicated ones, and all on one rank ([Note: one
         # data-parallel rank]); [Note: the unsharded parameter keeps its identity] in sharded_param.py
         plan = self._cast_plan
