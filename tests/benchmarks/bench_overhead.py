@@ -195,9 +195,11 @@ def ratio_rounds(rows: list[dict]) -> dict[str, list[float]]:
     by = {(r["engine"], r["ranks"]): r for r in rows}
     out = {}
     for (engine, n), row in sorted(by.items()):
+        if engine != "meshpar":
+            continue
         for peer in ("torch", "plain"):
             other = by.get((peer, n))
-            if engine != "meshpar" or other is None:
+            if other is None:
                 continue
             mine, theirs = row.get("rounds_ms"), other.get("rounds_ms")
             if mine and theirs and len(mine) == len(theirs):
