@@ -10,7 +10,9 @@
 # 3. tests/benchmarks/bench_gpu.py (tokens/s and MFU, meshpar beside plain PyTorch, and the
 #    profile summary of one step);
 # 4. tests/benchmarks/bench_grouped_mm.py (issue 17: the experts' grouped kernel against the loop
-#    in bf16, at one ep-8 rank's share of Qwen3-30B-A3B and 235B-A22B layers);
+#    in bf16, at one ep-8 rank's share of Qwen3-30B-A3B and 235B-A22B layers), then
+#    tests/benchmarks/bench_moe_layer.py (issue 33: a DeepSeek-V3 debug and 16B sparse layer's step,
+#    MLA and shared experts included, on each kernel, with TFLOP/s and the share of peak);
 # 5. float8 (issue 29): bench_gpu --float8, torchao's tensorwise float8 against bf16 in both
 #    engines at 1B (4096, 8192) and 3B, compiled: the float8/bf16 and meshpar/plain ratios.
 # 6. cp (issue 31): tests/test_cuda.py's flex tests (the all-gather's attention and the ring on
@@ -50,6 +52,8 @@ fi
 if want moe; then
   timeout "${MOE_S:-120}" python3 -m tests.benchmarks.bench_grouped_mm --device cuda --dtypes bfloat16 \
     --cases "debug,qwen3_30b_a3b/ep8,qwen3_235b_a22b/ep8" --json "$out/grouped_mm.json" 2>&1 | tee "$out/grouped_mm.log"
+  timeout "${MOE_LAYER_S:-150}" python3 -m tests.benchmarks.bench_moe_layer --device cuda --sizes debug,16b \
+    --seq 4096 --hardware auto --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
 fi
 if want float8; then  # issue 29. The GPU machine reaches no index: carry the wheel, fetched here with
   # pip download --no-deps "torchao>=0.18,<0.19" -d runs/wheels   (and carry=["runs/wheels"])

@@ -209,12 +209,19 @@ class DeepSeekTransformer(MoETransformer):
     def _init_rope(self) -> None:
         if self.rope_cos.is_meta:
             return
-        freqs = yarn_frequencies(self.args.qk_rope_head_dim, self.args.rope_theta, self.args.yarn)
-        angles = torch.outer(torch.arange(self.args.max_seq_len, dtype=torch.float64), freqs)
-        factor = yarn_attention_factor(self.args.yarn)
+        cos, sin = rope_tables(self.args, self.args.max_seq_len)
         with torch.no_grad():
-            self.rope_cos.copy_(angles.cos() * factor)
-            self.rope_sin.copy_(angles.sin() * factor)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
 
-__all__ = ["MLA", "DeepSeekBlock", "DeepSeekMoE", "DeepSeekTransformer", "yarn_frequencies"]
+def rope_tables(args: DeepSeekArgs, length: int) -> tuple[Tensor, Tensor]:
+    """RoPE's cos, sin[length, qk_rope_head_dim / 2] in float64: YaRN's frequencies, times its
+    attention factor (the model's ``rope_cos``, ``rope_sin``)."""
+    freqs = yarn_frequencies(args.qk_rope_head_dim, args.rope_theta, args.yarn)
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), freqs)
+    factor = yarn_attention_factor(args.yarn)
+    return angles.cos() * factor, angles.sin() * factor
+
+
+__all__ = ["MLA", "DeepSeekBlock", "DeepSeekMoE", "DeepSeekTransformer", "rope_tables", "yarn_frequencies"]
