@@ -54,8 +54,11 @@ def build(args: DeepSeekArgs, device: str, dtype: torch.dtype, seed: int = 0) ->
         block = DeepSeekBlock(args, args.first_k_dense)
     block.to_empty(device=device)
     with torch.no_grad():
-        for p in block.parameters():
-            p.fill_(1.0) if p.ndim == 1 else p.normal_(0.0, 0.02)
+        for p in block.parameters():  # norms' weights 1, matrices N(0, 0.02)
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
         for b in block.buffers():
             b.zero_()
     return block.to(dtype)
