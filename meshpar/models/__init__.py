@@ -44,9 +44,10 @@ class Family:
     mesh_dims: frozenset[str]  # parallel dims that may be > 1
     plan_of: Callable[[Any], TPPlan] | None = None  # a plan that depends on the args (family hf), else tp_plan
 
-    def plan(self, args: Any) -> TPPlan:
-        """The tensor-parallel plan table of a model with ``args``."""
-        return self.plan_of(args) if self.plan_of is not None else self.tp_plan
+    def plan(self, args: Any, tp: int) -> TPPlan:
+        """The tensor-parallel plan table of a model with ``args`` on ``tp`` ranks: a plan that depends on
+        the args is built only where tensor parallelism runs (tp > 1); at tp 1 no plan entry applies."""
+        return self.plan_of(args) if self.plan_of is not None and tp > 1 else self.tp_plan
 
     def model_args(self, cfg: ModelConfig) -> Any:
         """The named size's args with the recipe's overrides (n_layers, vocab_size, and for a
@@ -81,6 +82,15 @@ class Family:
                 raise RecipeError(f"parallel.{dim} = {degree}: {NOT_BUILT[dim]} is not built yet for model family "
                                   f"'{self.name}' (built: {', '.join(sorted(self.mesh_dims)) or 'none'}); "
                                   f"set parallel.{dim} = 1", f"parallel.{dim}")
+
+    def chunked_loss_refusal(self, args: Any) -> str | None:
+        """Why ``train.loss_chunks`` > 1 cannot run a model with ``args`` (its logits are more than its
+        ``head`` applied to the hidden states), or None: meshpar's own families' heads are plain."""
+        return None
+
+    def label(self, cfg: ModelConfig, args: Any) -> str:
+        """The model as the run's start line names it."""
+        return f"{self.name} {cfg.size}"
 
     def build(self, cfg: ModelConfig) -> nn.Module:
         """Construct on the current default device; use ``with torch.device("meta")`` for big models."""
@@ -127,6 +137,20 @@ class HFFamily(Family):
                               "checkpoint.hf_weights, which it defaults to)", "model.hf_path")
         self.moe_overrides(cfg)  # refuses the mixture-of-experts keys
         return HFArgs.from_folder(cfg.hf_path, cfg.n_layers, cfg.vocab_size)
+
+    def chunked_loss_refusal(self, args: Any) -> str | None:
+        from meshpar.models.hf import meta_model
+
+        if meta_model(args.config).head is not None:
+            return None
+        return (f"{args.model_type}'s forward does more to its logits than apply its output embedding to the last "
+                "hidden states (a scale or a soft-cap after it), or its code does not show that it does not "
+                "([Note: the head the chunked loss applies] in meshpar/models/hf)")
+
+    def label(self, cfg: ModelConfig, args: Any) -> str:
+        from meshpar.models.hf import meta_model
+
+        return f"hf {args.model_type} ({meta_model(args.config).attention} attention)"
 
 
 def _hf_model(args: Any) -> nn.Module:

@@ -6,9 +6,9 @@ expert parallel -> activation checkpointing -> torch.compile per block -> fully_
 to_empty + init_weights -> optimizer. It runs on the model as built on the meta device, so
 only local shards are ever allocated. Model files hold no parallel code; this module, the
 pipeline package and each family's plan table (``models/<family>/parallelize.py``, data this
-module applies: ``family.plan(args)``) do.
+module applies: ``family.plan(args, layout.tp)``) do.
 
-    stages = build(family.model_cls, args, family.plan(args), mesh, recipe.parallel, device, seed)
+    stages = build(family.model_cls, args, family.plan(args, layout.tp), mesh, recipe.parallel, device, seed)
 
 With ``pp = 1`` there is one stage: the whole model.
 """
@@ -128,7 +128,7 @@ def check_mixed_precision(cfg: ParallelConfig, layout) -> None:
 def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, tp_plan: TPPlan, *,
                             float8: str = "none", cp_flex: bool = False) -> nn.Module:
     """Tensor parallel -> activation checkpointing -> compile -> FSDP on one stage (or the whole
-    model) built on meta. ``tp_plan`` is the family's plan table (``family.plan(args)``). FSDP shards
+    model) built on meta. ``tp_plan`` is the family's plan table (``family.plan(args, layout.tp)``). FSDP shards
     over ``dp_shard x cp`` (``Mesh.fsdp``: the cp ranks hold the same parameters); with both 1 no
     FSDP unit is made and the training step averages gradients over ``dp_replicate``
     (meshpar.parallel.data_parallel), except on one rank with mixed precision (``one_device_fsdp``).
@@ -158,7 +158,7 @@ def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: Pa
           device: torch.device, seed: int, *, float8: str = "none", float8_emulate: bool = False,
           head_in_loss: bool = False) -> list[tuple[int, nn.Module]]:
     """This rank's stages of the model, parallelized and initialized: ``[(stage index, module)]``.
-    ``tp_plan``: the family's plan table, ``family.plan(args)``. ``float8``: ``model.float8``, its
+    ``tp_plan``: the family's plan table, ``family.plan(args, layout.tp)``. ``float8``: ``model.float8``, its
     linear layers converted first (meshpar/parallel/float8.py). ``head_in_loss``: the stage holding the
     output projection returns hidden states and the loss applies it (``train.loss_chunks``,
     meshpar/training/loss.py).

@@ -52,8 +52,8 @@ def announce(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: tor
     resolved = recipelib.dumps(recipe)
     (output_dir / "recipe.toml").write_text(resolved)
     ranks = f"{info.world_size} rank{'s' if info.world_size > 1 else ''}"
-    print(f"meshpar: {checked.family.name} {recipe.model.size} | {ranks} on {device.type} | layout {mesh.layout} | "
-          f"data {checked.corpus.name} | {checked.accum} microbatches/step\n--- resolved recipe "
+    print(f"meshpar: {checked.family.label(recipe.model, checked.args)} | {ranks} on {device.type} | "
+          f"layout {mesh.layout} | data {checked.corpus.name} | {checked.accum} microbatches/step\n--- resolved recipe "
           f"({output_dir / 'recipe.toml'}) ---\n{resolved}---", flush=True)
 
 
@@ -63,8 +63,9 @@ def build_model(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     p, m, t = recipe.parallel, recipe.model, recipe.train
     chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, checked.args.vocab_size, mesh.layout,
                            p.loss_parallel)
-    stages = build(checked.family.model_cls, checked.args, checked.family.plan(checked.args), mesh, p, device, t.seed,
-                   float8=m.float8, float8_emulate=m.float8_emulate, head_in_loss=chunks > 1)
+    plan = checked.family.plan(checked.args, mesh.layout.tp)
+    stages = build(checked.family.model_cls, checked.args, plan, mesh, p, device, t.seed, float8=m.float8,
+                   float8_emulate=m.float8_emulate, head_in_loss=chunks > 1)
     loss = TokenLoss(last_head(m for _, m in stages), chunks)
     pipeline = None
     if mesh.layout.pp > 1:

@@ -111,6 +111,9 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
     family.check_degrees(dataclasses.asdict(layout))  # dp_shard = -1 resolved
     accum = _check_batch(recipe, layout)
     family.check_layout(args, layout)
+    if t.loss_chunks > 1 and (why := family.chunked_loss_refusal(args)):
+        raise RecipeError(f"train.loss_chunks = {t.loss_chunks}: the loss in chunks applies the model's head a chunk "
+                          f"at a time, and {why}; set train.loss_chunks = 1", "train.loss_chunks")
     if layout.cp > 1:
         check_context_parallel(recipe, layout, args)
     else:
@@ -128,9 +131,9 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
                               f"the zero-bubble schedules split backward into input and weight passes and reduce "
                               f"once per step; use grad_reduce = 'step', or a 1f1b / gpipe / interleaved_1f1b "
                               f"schedule", key="parallel.grad_reduce")
-    if t.seq_len > args.max_seq_len:
+    if 0 < args.max_seq_len < t.seq_len:  # 0: no limit the config states (recurrent models)
         raise RecipeError(f"train.seq_len ({t.seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}) "
-                          f"for {family.name} {recipe.model.size}")
+                          f"for {family.label(recipe.model, args)}")
     return layout, accum, family, args
 
 

@@ -22,14 +22,35 @@ drawn by meshpar.models.init, layout-independent, with std ``initializer_range``
 initialized; transformers' ``initialize_weights`` then sets everything else as the architecture
 defines it (norms, biases, RoPE buffers): constants, the same on every rank. A model whose own
 init draws other random parameters would draw them per rank; none of the tested ones does.
+
+[Note: the attention a transformers model runs]
+meshpar does not choose the attention kernel: transformers does, for the model class, as
+``from_pretrained`` would (PyTorch's SDPA where the class declares it exact, its own eager
+attention where the config needs what SDPA cannot express: soft-capped scores, sinks). The run's
+start line names it (``HFCausalLM.attention``). Document attention's boolean mask goes to SDPA as
+it is and to eager attention as the additive 0 / -inf mask that eager attention adds to its scores.
+
+[Note: the head the chunked loss applies]
+``train.loss_chunks`` runs the base model, then the output embedding a chunk of tokens at a time
+(meshpar/training/loss.py). That equals the causal LM's own logits only where its forward returns
+the output embedding's output unchanged, applied to the base model's last hidden states unchanged:
+a scale (Granite's ``logits_scaling``, Cohere's ``logit_scale``), a soft-cap (Gemma 2) or anything
+else after the head breaks it. ``head_alone`` checks exactly that, by running the architecture's
+forward on the meta device with one decoder layer and hooks on the base model and the head: the
+logits must be the very tensor the head returned, and the head's input the base model's output or
+a whole view of it. Where it is not shown, ``head`` is None: the loss takes whole logits, and an
+explicit ``train.loss_chunks`` > 1 is refused before launch.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import functools
+import inspect
 import json
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,28 +85,35 @@ class HFArgs:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    max_seq_len: int
+    max_seq_len: int  # 0: the config states no limit (recurrent models)
     tie_embeddings: bool
     document_eos: int = -1
 
     @classmethod
     def from_config(cls, config: dict[str, Any], n_layers: int = 0, vocab_size: int = 0) -> HFArgs:
         config = dict(config)
+        names = _config_class(config).attribute_map  # the type's own key for a common name (gpt2: n_layer)
         if n_layers:
-            config["num_hidden_layers"] = n_layers
-            if isinstance(config.get("layer_types"), list):  # per-layer attention kinds (Gemma 3, Qwen2, ...)
-                config["layer_types"] = config["layer_types"][:n_layers]
+            key = names.get("num_hidden_layers", "num_hidden_layers")
+            before = config.get(key)
+            config[key] = n_layers
+            for k, v in config.items():  # per-layer lists (attention kinds, MLP kinds, limits): the first n_layers
+                if isinstance(v, list) and (len(v) == before or k == "layer_types"):
+                    config[k] = v[:n_layers]
         if vocab_size:
-            config["vocab_size"] = vocab_size
+            config[names.get("vocab_size", "vocab_size")] = vocab_size
+        built = build_config_from(config)
         try:
-            dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            return cls(json.dumps(config, sort_keys=True), int(config["num_hidden_layers"]), int(config["vocab_size"]),
-                       dim, heads, int(config.get("num_key_value_heads") or heads),
-                       int(config.get("head_dim") or dim // heads), int(config.get("max_position_embeddings") or 0),
-                       bool(config.get("tie_word_embeddings", False)))
-        except (KeyError, TypeError, ValueError) as e:
+            dim, layers, vocab = (int(getattr(built, k)) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
+        except (AttributeError, TypeError, ValueError) as e:
             raise RecipeError(f"model.hf_path: config.json lacks what a decoder-only causal LM has ({e}); give the "
                               f"folder of a causal language model", "model.hf_path") from None
+        heads = int(getattr(built, "num_attention_heads", 0) or 0)  # 0: no attention (Mamba, RWKV, xLSTM)
+        kv_heads = int(getattr(built, "num_key_value_heads", 0) or heads)
+        head_dim = int(getattr(built, "head_dim", 0) or (dim // heads if heads else 0))
+        return cls(json.dumps(config, sort_keys=True), layers, vocab, dim, heads, kv_heads, head_dim,
+                   int(getattr(built, "max_position_embeddings", 0) or 0),
+                   bool(getattr(built, "tie_word_embeddings", False)))
 
     @classmethod
     def from_folder(cls, folder: str, n_layers: int = 0, vocab_size: int = 0) -> HFArgs:
@@ -120,9 +148,16 @@ class HFArgs:
 
 
 @functools.cache
-def _matmul_params(config: str) -> int:
+def meta_model(config: str) -> HFCausalLM:
+    """The model of ``HFArgs.config`` on the meta device, built once: what the planner's counts, the TP
+    plan's module names and the converter's tied names read. Never modified."""
     with torch.device("meta"):
-        model = HFCausalLM(HFArgs.from_config(json.loads(config)))
+        return HFCausalLM(HFArgs.from_config(json.loads(config)))
+
+
+@functools.cache
+def _matmul_params(config: str) -> int:
+    model = meta_model(config)
     seen, total = set(), 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and id(module.weight) not in seen:
@@ -131,21 +166,40 @@ def _matmul_params(config: str) -> int:
     return total
 
 
-def build_config(args: HFArgs):
-    """The transformers config object of ``args``, attention through PyTorch's SDPA."""
+def _config_class(config: dict[str, Any]) -> type:
+    """transformers' config class of a config.json's ``model_type``."""
     transformers = _transformers()
-    config = args.hf_config
-    model_type = config.pop("model_type", None)
+    model_type = config.get("model_type")
     if model_type is None:
         raise RecipeError("model.hf_path: config.json has no model_type; give a Hugging Face model folder",
                           "model.hf_path")
     try:
-        built = transformers.AutoConfig.for_model(model_type, **config)
+        return transformers.AutoConfig.for_model(model_type).__class__
     except ValueError as e:
         raise RecipeError(f"model.hf_path: transformers {transformers.__version__} does not know model_type "
                           f"'{model_type}' ({e}); upgrade transformers", "model.hf_path") from None
-    built._attn_implementation = "sdpa"
-    return built
+
+
+def _decode_floats(value: Any) -> Any:
+    """config.json's non-JSON floats as transformers writes them: {"__float__": "Infinity"} -> inf."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(value["__float__"].replace("Infinity", "inf"))
+        return {k: _decode_floats(v) for k, v in value.items()}
+    return [_decode_floats(v) for v in value] if isinstance(value, list) else value
+
+
+def build_config_from(config: dict[str, Any]):
+    """The transformers config object of a config.json dict, as ``from_pretrained`` reads it; attention
+    by transformers' own choice for the class ([Note: the attention a transformers model runs])."""
+    cls = _config_class(config)
+    config = _decode_floats({k: v for k, v in config.items() if k != "model_type"})
+    return cls(**config)
+
+
+def build_config(args: HFArgs):
+    """The transformers config object of ``args``."""
+    return build_config_from(args.hf_config)
 
 
 class HFCausalLM(nn.Module):
@@ -160,8 +214,9 @@ class HFCausalLM(nn.Module):
         try:
             hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype())
         except ValueError as e:
-            raise RecipeError(f"model.hf_path: model_type '{args.model_type}' has no causal language model in "
-                              f"transformers ({e}); give the folder of a causal LM", "model.hf_path") from None
+            raise RecipeError(f"model.hf_path: transformers {transformers.__version__} cannot build model_type "
+                              f"'{args.model_type}' as a causal LM from this config.json ({e})",
+                              "model.hf_path") from None
         own = [n for n, _ in [*hf.named_parameters(recurse=False), *hf.named_buffers(recurse=False)]]
         if own:
             raise RecipeError(f"model.family = 'hf': {type(hf).__name__} keeps tensors outside its modules ({own}), "
@@ -176,11 +231,17 @@ class HFCausalLM(nn.Module):
                               "model.family")
         self._blocks_path, blocks = blocks[0][0], [blocks[0][1]]
         self._keys = [str(i) for i in range(args.n_layers)]
-        plain_head = not any(config.to_dict().get(k) for k in ("final_logit_softcapping", "logit_scale"))
         # modules already registered under their own names: set without registering them again
         object.__setattr__(self, "_blocks", blocks[0])
-        object.__setattr__(self, "head", hf.get_output_embeddings() if plain_head else None)
+        head = hf.get_output_embeddings()
+        head_name = next((n for n, m in hf.named_children() if m is head), "")
+        object.__setattr__(self, "head", head if head_name and head_alone(type(hf), head_name) else None)
         self.head_in_loss = False
+        self.attention = hf.config._attn_implementation  # the attention kernel transformers chose
+
+    def path_of(self, module: nn.Module | None) -> str:
+        """The state-dict path of one of this model's modules ("" when it has none)."""
+        return next((n for n, m in self.named_modules() if m is module), "") if module is not None else ""
 
     @property
     def layers(self) -> dict[str, nn.Module]:
@@ -213,6 +274,8 @@ class HFCausalLM(nn.Module):
         extra = {}
         if self.args.document_eos >= 0:  # [Note: document-causal attention]: transformers takes the mask whole
             mask, positions = document_mask(tokens, self.args.document_eos)
+            if self.attention == "eager":  # eager attention adds its mask to the scores: 0 or -inf
+                mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, -torch.inf)
             extra = {"attention_mask": mask, "position_ids": positions}
         if self.head_in_loss and torch.is_grad_enabled():  # the loss applies ``head`` chunk by chunk
             return self._hf.base_model(input_ids=tokens, use_cache=False, **extra).last_hidden_state
@@ -233,6 +296,37 @@ class HFCausalLM(nn.Module):
                 normal_(weight, std=std, key=canonical_name(f"{name}.weight"), seed=seed)
                 weight._is_hf_initialized = True
         hf.initialize_weights()
+
+
+def head_alone(causal_lm: type[nn.Module], head_name: str) -> bool:
+    """Whether ``causal_lm``'s forward returns its output embedding ``head_name`` applied to its base
+    model's last hidden states, with nothing after ([Note: the head the chunked loss applies])."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(causal_lm.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    assigns = [(node.lineno, target.id, node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               for target in node.targets if isinstance(target, ast.Name)]
+    assigns += [(node.lineno, node.target.id, None) for node in ast.walk(tree)
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Name)]
+    logits = [(line, value) for line, name, value in assigns if name == "logits"]
+    if len(logits) != 1:
+        return False
+    line, call = logits[0]
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords
+            and ast.unparse(call.func) == f"self.{head_name}"):
+        return False
+    arg = call.args[0].value if isinstance(call.args[0], ast.Subscript) else call.args[0]
+    if not isinstance(arg, ast.Name):
+        return False
+    sources = [value for at, name, value in assigns if name == arg.id and at < line]
+
+    def hidden(value: ast.expr | None) -> bool:  # outputs.last_hidden_state, outputs[0], or a slice of tokens
+        text = ast.unparse(value) if value is not None else ""
+        return (text.endswith(".last_hidden_state") or text.endswith("[0]")
+                or text.startswith(f"slice_logits_to_keep({arg.id},"))
+
+    return bool(sources) and all(hidden(v) for v in sources)
 
 
 def args_from_dict(d: dict[str, Any]) -> HFArgs:
