@@ -65,13 +65,19 @@ LAYOUTS = {  # name: (overrides, world size)
     # transformers' own tp plan (meshpar/models/hf/parallelize.py), FSDP over it, logits vocab-sharded
     "fsdp2-tp2": (["--parallel.dp_shard=2", "--parallel.tp=2", "--train.micro_batch=2"], 4),
     "tp2-gathered-logits": (["--parallel.tp=2", "--parallel.loss_parallel=false"], 2),
+    # two pipeline stages: transformers' base model on each stage's layers ([Note: a transformers model in
+    # pipeline stages]); with FSDP on each stage, and the last stage's head in the chunked loss
+    "pp2": (["--parallel.pp=2", "--train.micro_batch=2"], 2),
+    "pp2-fsdp2-chunked-loss": (["--parallel.pp=2", "--parallel.dp_shard=2", "--train.micro_batch=1",
+                                "--train.loss_chunks=2"], 4),
 }
 
 
 @pytest.mark.parity
 @pytest.mark.parametrize(("arch", "layout"), [*[(a, "fsdp2-full-ac") for a in CONFIGS],
                                               ("llama", "hsdp2x2-chunked-loss"), ("qwen2", "fsdp2-tp2"),
-                                              ("phi3", "tp2-gathered-logits")])
+                                              ("phi3", "tp2-gathered-logits"), ("llama", "pp2"),
+                                              ("phi3", "pp2-fsdp2-chunked-loss")])
 def test_fsdp_matches_one_process(arch, layout, tmp_path, data_cache):
     """A random model of each architecture (meshpar's layout-independent init of its linear and
     embedding weights, transformers' of the rest), 2 steps on 2 FSDP ranks with full activation
@@ -156,10 +162,10 @@ def test_recipe_errors(tmp_path):
         recipelib.load(ROOT / "recipes" / "llama_debug.toml", [f"--model.hf_path={folder}"])
     from meshpar.training.preflight import check_layout
 
-    for key in ("cp", "pp"):
-        recipe = _recipe(tmp_path, folder, f"--parallel.{key}=2")
-        with pytest.raises(RecipeError, match=f"parallel.{key} = 2: .* not built yet for model family 'hf'"):
-            check_layout(recipe, 2)
+    with pytest.raises(RecipeError, match="parallel.cp = 2: .* not built yet for model family 'hf'"):
+        check_layout(_recipe(tmp_path, folder, "--parallel.cp=2"), 2)
+    with pytest.raises(RecipeError, match="parallel.pp = 2: gemma ties its output to its embedding"):
+        check_layout(_recipe(tmp_path, _folder(tmp_path, "gemma"), "--parallel.pp=2", "--train.micro_batch=2"), 2)
     with pytest.raises(RecipeError, match="parallel.tp = 2: gemma ties its output to its embedding"):
         check_layout(_recipe(tmp_path, _folder(tmp_path, "gemma"), "--parallel.tp=2"), 2)
     with pytest.raises(RecipeError, match=r"parallel.tp = 8: num_attention_heads \(4\) is not divisible by 8"):
@@ -212,3 +218,30 @@ def test_plan_of_an_hf_llama_8b_matches_meshpars_llama(tmp_path):
     assert hf.n_params == own.n_params == 8_030_261_248
     assert hf.time.tokens_per_s == pytest.approx(own.time.tokens_per_s, rel=1e-3)
     assert hf.ranks[0].peak_bytes == pytest.approx(own.ranks[0].peak_bytes, rel=0.01)
+
+
+def test_pipeline_stages_refuse_a_model_that_changes_its_embeddings(tmp_path):
+    """GPT-2 adds its position embeddings inside its base model's forward, after the token embedding:
+    a later pipeline stage handed hidden states would add them again. Untied (so the split itself is
+    allowed), the stage refuses at its first forward ([Note: a transformers model in pipeline stages]);
+    Llama's two stages give the whole model's logits exactly."""
+    from meshpar.models.hf import HFArgs, HFCausalLM
+
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    gpt2 = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                   tie_word_embeddings=False)
+    for arch, config in (("gpt2", gpt2),
+                         ("llama", transformers.LlamaConfig(**SMALL_DIMS))):
+        config.save_pretrained(tmp_path / arch)
+        torch.manual_seed(0)
+        model = HFCausalLM(HFArgs.from_folder(str(tmp_path / arch)))
+        model.init_weights()
+        first = model.copy_with_layers([0], first=True, last=False)
+        last = model.copy_with_layers([1], first=False, last=True)
+        assert any(".1." in k for k in last.state_dict()) and not any(".0." in k for k in last.state_dict())
+        with torch.no_grad():
+            if arch == "gpt2":
+                with pytest.raises(RecipeError, match="changes its embeddings before its first decoder layer"):
+                    last(first(tokens))
+            else:
+                assert torch.equal(last(first(tokens)), model(tokens))

@@ -135,8 +135,12 @@ class HFFamily(Family):
         if not cfg.hf_path:
             raise RecipeError("model.family = 'hf' needs the model's folder: set model.hf_path (or "
                               "checkpoint.hf_weights, which it defaults to)", "model.hf_path")
+        from meshpar.models.hf import meta_model
+
         self.moe_overrides(cfg)  # refuses the mixture-of-experts keys
-        return HFArgs.from_folder(cfg.hf_path, cfg.n_layers, cfg.vocab_size)
+        args = HFArgs.from_folder(cfg.hf_path, cfg.n_layers, cfg.vocab_size)
+        meta_model(args.config)  # built on meta once: what meshpar cannot build is refused before launch
+        return args
 
     def chunked_loss_refusal(self, args: Any) -> str | None:
         from meshpar.models.hf import meta_model
@@ -144,8 +148,8 @@ class HFFamily(Family):
         if meta_model(args.config).head is not None:
             return None
         return (f"{args.model_type}'s forward does more to its logits than apply its output embedding to the last "
-                "hidden states (a scale or a soft-cap after it), or its code does not show that it does not "
-                "([Note: the head the chunked loss applies] in meshpar/models/hf)")
+                "hidden states, or its code does not show that it does not (a scale or a soft-cap after it: [Note: "
+                "the head the chunked loss applies] in meshpar/models/hf)")
 
     def label(self, cfg: ModelConfig, args: Any) -> str:
         from meshpar.models.hf import meta_model
@@ -168,9 +172,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mixtral", MoETransformer, MIXTRAL_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
     Family("deepseek_v3", DeepSeekTransformer, DEEPSEEK_V3_SIZES, DEEPSEEK_TP_PLAN(), check_moe_layout,
            _MOE),
-    # any transformers causal LM, tp by its own plan; context and pipeline parallelism are not built for it yet
+    # any transformers causal LM, tp by its own plan; context parallelism is not built for it yet
     HFFamily("hf", _hf_model, {}, TPPlan({}, {}, "model.embed_tokens", "lm_head", sequence_parallel=False),
-             check_hf_layout, frozenset({"dp_replicate", "dp_shard", "tp"}), plan_of=hf_tp_plan),
+             check_hf_layout, _ND, plan_of=hf_tp_plan),
 )}
 
 

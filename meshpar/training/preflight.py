@@ -112,8 +112,8 @@ def check_layout(recipe: Recipe, world_size: int) -> tuple[meshlib.Layout, int, 
     accum = _check_batch(recipe, layout)
     family.check_layout(args, layout)
     if t.loss_chunks > 1 and (why := family.chunked_loss_refusal(args)):
-        raise RecipeError(f"train.loss_chunks = {t.loss_chunks}: the loss in chunks applies the model's head a chunk "
-                          f"at a time, and {why}; set train.loss_chunks = 1", "train.loss_chunks")
+        raise RecipeError(f"train.loss_chunks = {t.loss_chunks}: {why}; the loss in chunks applies the head alone, "
+                          "a chunk at a time; set train.loss_chunks = 1", "train.loss_chunks")
     if layout.cp > 1:
         check_context_parallel(recipe, layout, args)
     else:

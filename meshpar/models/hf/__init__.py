@@ -23,6 +23,20 @@ initialized; transformers' ``initialize_weights`` then sets everything else as t
 defines it (norms, biases, RoPE buffers): constants, the same on every rank. A model whose own
 init draws other random parameters would draw them per rank; none of the tested ones does.
 
+[Note: a transformers model in pipeline stages]
+A stage (``copy_with_layers(keep, first, last)``) is the causal LM with only its decoder layers in
+the list transformers loops over; the first stage keeps the input embedding, the last the final
+norm and head, and a stage without them has the embedding dropped and the modules after the layers
+(the final norm) made identities. A later stage runs transformers' own base model forward on
+``inputs_embeds`` = the previous stage's hidden states, so masks, RoPE and positions are computed by
+the model's own code on every stage. That equals the whole model only where the base model passes
+the embeddings to its first layer unchanged and returns its last layer's output unchanged but for
+the norm; many do not (Gemma scales its embeddings, GPT-2 adds position embeddings, Gemma 3n adds
+per-layer inputs from the token ids). So every stage's forward checks both boundaries by identity,
+with hooks on its first and last layer (``_Boundary``): the first layer's input must be the very
+tensor the stage received, and the stage's output the very tensor its last layer returned. A model
+that fails either is refused at its first forward, before any update, naming ``parallel.pp``.
+
 [Note: the attention a transformers model runs]
 meshpar does not choose the attention kernel: transformers does, for the model class, as
 ``from_pretrained`` would (PyTorch's SDPA where the class declares it exact, its own eager
@@ -45,13 +59,14 @@ explicit ``train.loss_chunks`` > 1 is refused before launch.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dataclasses
 import functools
 import inspect
 import json
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +217,64 @@ def build_config(args: HFArgs):
     return build_config_from(args.hf_config)
 
 
+def _same(a: Any, b: Tensor) -> bool:
+    """``a`` is ``b`` or a view of the same elements (same memory, shape and strides: ``h.view(shape)``)."""
+    return a is b or (isinstance(a, Tensor) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+class _StageLayers(nn.ModuleList):
+    """A stage's decoder layers, registered under their indices in the whole model (so state-dict names
+    do not depend on the split), in order; slicing keeps the indices (transformers loops over
+    ``layers[:num_hidden_layers]``)."""
+
+    def __init__(self, layers: dict[str, nn.Module] | None = None) -> None:
+        nn.Module.__init__(self)
+        for key, layer in (layers or {}).items():
+            self.add_module(key, layer)
+
+    def __getitem__(self, idx: int | slice) -> Any:
+        items = list(self._modules.items())
+        return _StageLayers(dict(items[idx])) if isinstance(idx, slice) else items[idx][1]
+
+
+class _Boundary:
+    """A pipeline stage's check that transformers' base model hands its hidden states to the stage's
+    first decoder layer and from its last one unchanged ([Note: a transformers model in pipeline stages])."""
+
+    def __init__(self, first: nn.Module, last: nn.Module) -> None:
+        self.seen: dict[str, Any] = {}
+        first.register_forward_pre_hook(self._into_first, with_kwargs=True)
+        last.register_forward_hook(self._out_of_last)
+
+    def _into_first(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.seen.setdefault("in", args[0] if args else kwargs.get("hidden_states"))
+
+    def _out_of_last(self, module: nn.Module, args: tuple, out: Any) -> None:
+        self.seen["out"] = out[0] if isinstance(out, (tuple, list)) else out
+
+    @contextlib.contextmanager
+    def watch(self, x: Tensor) -> Iterator[None]:
+        """Around the base model's forward; a stage that takes hidden states (``x`` a float tensor) must
+        see its first layer take ``x`` itself."""
+        self.seen.clear()
+        try:
+            yield
+            if x.is_floating_point() and not _same(self.seen.get("in"), x):
+                raise RecipeError("parallel.pp: this transformers model changes its embeddings before its first "
+                                  "decoder layer (a scale, added positions or per-layer inputs), so a later pipeline "
+                                  "stage cannot take the previous stage's hidden states in their place; set "
+                                  "parallel.pp = 1", "parallel.pp")
+        finally:
+            self.seen.clear()
+
+    def check_output(self, h: Tensor, model_type: str) -> None:
+        if not _same(self.seen.get("out"), h):
+            raise RecipeError(f"parallel.pp: {model_type}'s base model changes the hidden states after its last "
+                              "decoder layer other than by its final norm, so a stage's output is not the next "
+                              "stage's input; set parallel.pp = 1", "parallel.pp")
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM with meshpar's slots: [Note: a transformers model as a meshpar family].
     ``forward(tokens[B, T]) -> logits[B, T, V]`` (h[B, T, D] under ``head_in_loss`` with gradients)."""
@@ -238,6 +311,7 @@ class HFCausalLM(nn.Module):
         object.__setattr__(self, "head", head if head_name and head_alone(type(hf), head_name) else None)
         self.head_in_loss = False
         self.attention = hf.config._attn_implementation  # the attention kernel transformers chose
+        self.ends = (True, True)  # (holds the input embedding, holds the norm and head): a pipeline stage's part
 
     def path_of(self, module: nn.Module | None) -> str:
         """The state-dict path of one of this model's modules ("" when it has none)."""
@@ -248,21 +322,37 @@ class HFCausalLM(nn.Module):
         """The decoder layers by index (the slot FSDP, checkpointing and compile take blocks from)."""
         return dict(zip(self._keys, self._blocks, strict=True))
 
-    def copy_with_layers(self, keep: Sequence[int]) -> HFCausalLM:
-        """A copy (of a model on meta) holding only the decoder layers ``keep``, under their indices:
-        what the planner simulates of a large model ([Note: copying only a stage] in
-        meshpar/parallel/pipeline/split.py). transformers runs the layers its list holds."""
+    def copy_with_layers(self, keep: Sequence[int], first: bool = True, last: bool = True) -> HFCausalLM:
+        """A copy (of a model on meta) holding only the decoder layers ``keep``, under their indices; the
+        input embedding only if ``first``, the final norm and the head only if ``last``: a pipeline stage
+        ([Note: a transformers model in pipeline stages]), or what the planner simulates of a large model
+        ([Note: copying only a stage] in meshpar/parallel/pipeline/split.py)."""
+        hf = self._hf
         dropped = [b for i, b in enumerate(self._blocks) if i not in set(keep)]
-        stage = copy.deepcopy(self, {id(b): None for b in dropped})
+        if not first:
+            dropped.append(hf.get_input_embeddings())
+        if not last:
+            dropped.append(hf.get_output_embeddings())
+        stage = copy.deepcopy(self, {id(m): None for m in dropped})
         parent, _, leaf = stage._blocks_path.rpartition(".")
-        kept = nn.ModuleList([b for b in stage._blocks if b is not None])
-        setattr(stage._hf.get_submodule(parent) if parent else stage._hf, leaf, kept)
+        kept = _StageLayers({str(i): b for i, b in zip(range(len(stage._blocks)), stage._blocks, strict=True)
+                             if b is not None})
+        owner = stage._hf.get_submodule(parent) if parent else stage._hf
+        setattr(owner, leaf, kept)
         object.__setattr__(stage, "_blocks", kept)
         stage._keys = [str(i) for i in keep]
+        if not last:  # the base model's modules after its layers (the final norm) pass the hidden states on
+            names = [n for n, _ in owner.named_children()]
+            for name in names[names.index(leaf) + 1:]:
+                if any(True for _ in getattr(owner, name).parameters()):
+                    setattr(owner, name, nn.Identity())
         config = stage._hf.config
         config.num_hidden_layers = len(kept)
         if isinstance(getattr(config, "layer_types", None), list):
             config.layer_types = [config.layer_types[i] for i in keep]
+        stage.ends = (first, last)
+        if not (first and last):
+            object.__setattr__(stage, "_boundary", _Boundary(kept[0], kept[-1]))
         return stage
 
     @property
@@ -270,16 +360,23 @@ class HFCausalLM(nn.Module):
         """The transformers causal LM (sharing every module with this one)."""
         return self._hf
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        extra = {}
+    def forward(self, x: Tensor) -> Tensor:
+        """tokens[B, T] (the first stage) or h[B, T, D] (a later one) -> logits[B, T, V] (the last stage),
+        else h[B, T, D]."""
+        first, last = self.ends
+        extra: dict[str, Any] = {"input_ids": x} if first else {"inputs_embeds": x}
         if self.args.document_eos >= 0:  # [Note: document-causal attention]: transformers takes the mask whole
-            mask, positions = document_mask(tokens, self.args.document_eos)
+            mask, positions = document_mask(x, self.args.document_eos)
             if self.attention == "eager":  # eager attention adds its mask to the scores: 0 or -inf
                 mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, -torch.inf)
-            extra = {"attention_mask": mask, "position_ids": positions}
-        if self.head_in_loss and torch.is_grad_enabled():  # the loss applies ``head`` chunk by chunk
-            return self._hf.base_model(input_ids=tokens, use_cache=False, **extra).last_hidden_state
-        return self._hf(input_ids=tokens, use_cache=False, **extra).logits
+            extra.update(attention_mask=mask, position_ids=positions)
+        with self._boundary.watch(x) if not (first and last) else contextlib.nullcontext():
+            if last and not (self.head_in_loss and torch.is_grad_enabled()):
+                return self._hf(use_cache=False, **extra).logits
+            h = self._hf.base_model(use_cache=False, **extra).last_hidden_state
+            if not last:
+                self._boundary.check_output(h, self.args.model_type)
+        return h  # the last stage's under head_in_loss: the loss applies ``head`` chunk by chunk
 
     @torch.no_grad()
     def init_weights(self) -> None:

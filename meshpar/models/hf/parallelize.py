@@ -101,7 +101,12 @@ def hf_tp_plan(args: HFArgs) -> TPPlan:
 
 
 def check_hf_layout(args: Any, layout: Layout) -> None:
-    """Before launch: tp only where transformers plans it, with styles meshpar takes, untied, dividing."""
+    """Before launch: tp only where transformers plans it, with styles meshpar takes, untied, dividing;
+    pp untied ([Note: tied embeddings across stages] in meshpar/parallel/pipeline/split.py)."""
+    if layout.pp > 1 and args.tie_embeddings:
+        raise RecipeError(f"parallel.pp = {layout.pp}: {args.model_type} ties its output to its embedding, and a "
+                          "pipeline split puts them on different stages, which meshpar does not support yet; set "
+                          "parallel.pp = 1", "parallel.pp")
     if layout.tp == 1:
         return
     block, root = _plan_entries(args)

@@ -138,8 +138,8 @@ def split_model(model: nn.Module, stage_index: int, n_stages: int, layers: Seque
     """
     if not 0 <= stage_index < n_stages:
         raise ValueError(f"stage_index {stage_index} is not in [0, {n_stages})")
-    if n_stages == 1 and hasattr(model, "copy_with_layers"):  # a model that keeps its blocks itself (family hf)
-        return model.copy_with_layers(layers)
+    if hasattr(model, "copy_with_layers"):  # a model that keeps its blocks itself (family hf)
+        return model.copy_with_layers(layers, first=stage_index == 0, last=stage_index == n_stages - 1)
     first, last = _ends(model)
     if n_stages > 1:
         _check_untied(model, first, last)
