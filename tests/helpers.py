@@ -86,3 +86,14 @@ class CpRank:
 
     def get_local_rank(self) -> int:
         return self._rank
+
+
+@torch.no_grad()
+def randomize_deepseek(model: nn.Module) -> None:
+    """Every tensor of a transformers DeepSeek-V3 random (norms near 1, the routing bias too), in place:
+    its own init leaves norms at 1 and the bias at 0, which would hide a norm or bias mapped wrong."""
+    for name, p in model.named_parameters():
+        p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.08)
+    for name, b in model.named_buffers():
+        if "e_score_correction_bias" in name:
+            b.normal_(0.0, 0.1)

@@ -23,7 +23,7 @@ from meshpar.parallel.context_parallel.gather import GatherSequence
 from meshpar.parallel.context_parallel.layout import sequence_indices, shard_sequence
 from meshpar.train import train
 from tests.distributed import run_distributed
-from tests.helpers import ROOT, SMALL, merged_state, train_losses, train_on_rank
+from tests.helpers import ROOT, SMALL, merged_state, randomize_deepseek, train_losses, train_on_rank
 from tests.parity import TOL, default_dtype, in_float64, must_fail
 
 
@@ -53,12 +53,7 @@ def _hf_folder(tmp_path, args, seed: int = 0):
                                                  if k not in ("architectures", "model_type")})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.08)
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.normal_(0.0, 0.1)
+    randomize_deepseek(model)
     folder = tmp_path / "hf"
     model.save_pretrained(folder)
     return model, folder

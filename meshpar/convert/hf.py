@@ -60,7 +60,13 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 class HFSource:
-    """A Hugging Face folder (config.json + safetensors) seen as meshpar names: ``model.<fqn>``."""
+    """A Hugging Face folder (config.json + safetensors) seen as meshpar names: ``model.<fqn>``.
+
+    Every tensor of the folder must have a place in the model config.json describes, except the
+    adapter's ``IGNORED_HF`` (buffers and copies that carry nothing) and the tensors its optional
+    ``skipped_hf(config)`` names for this config.json ({pattern: what they are}: weights the model
+    does not build, such as DeepSeek-V3's multi-token-prediction layer), which are dropped from the
+    folder's view and reported in ``note``, one line ("" when none)."""
 
     kind = "hf"
     byte_keys: list[str] = []
@@ -75,12 +81,14 @@ class HFSource:
                                "GPT-2 model")
         try:
             self.spec = ModelSpec(family, ADAPTERS[family].args_from_hf_config(family, config))
+            skipped = getattr(self.spec.adapter, "skipped_hf", lambda config: {})(config)
         except (KeyError, ValueError, TypeError) as e:
             raise ConvertError(f"{path / 'config.json'}: {e}") from e
         self.where_hf: dict[str, tuple[Path, dict[str, Any], int]] = {}  # hf name -> (file, entry, data start)
         for file in self._files():
             header, start = _st_header(file)
             self.where_hf.update({name: (file, entry, start) for name, entry in header.items()})
+        self.note = self._skip(skipped)
         self._check_expert_count()
         self.names: dict[str, list[str]] = {}  # fqn -> the hf names it is read from (one per expert if stacked)
         self.tensors: dict[str, tuple[torch.Size, torch.dtype]] = {}
@@ -104,6 +112,17 @@ class HFSource:
 
     def _files(self) -> list[Path]:
         return safetensors_files(self.path)
+
+    def _skip(self, skipped: Mapping[str, str]) -> str:
+        """Drop the tensors ``skipped`` ({pattern: what they are}) matches from ``where_hf``; a line saying so."""
+        said = []
+        for pattern, what in skipped.items():
+            names = [n for n in self.where_hf if re.fullmatch(pattern, n)]
+            for name in names:
+                del self.where_hf[name]
+            if names:
+                said.append(f"{len(names)} tensors, {what}")
+        return f"meshpar: {self.path}: skipped {'; '.join(said)}" if said else ""
 
     def _find(self, fqn: str) -> list[str]:
         prefix = getattr(self.spec.adapter, "HF_PREFIX", "")

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from meshpar.convert.spec import ConvertError, ModelSpec
 
 
 @torch.no_grad()
-def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike, family: str, args: Any) -> None:
+def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike, family: str, args: Any) -> str:
     """Fill a meshpar model's state dict in place from a Hugging Face folder, one tensor at a time.
 
     Values may be plain tensors or DTensors (any mix of Shard, StridedShard and Replicate on
@@ -30,13 +30,14 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
     ([Note: stacked experts]). ``config.json`` must describe the same model as ``family``/``args``
     (``max_seq_len`` and the adapter's ``TRAINING_ONLY`` args may differ; entries it marks
     ``ZERO_INIT``, which no Hugging Face folder holds, are zeroed); a missing tensor or a wrong
-    shape raises ConvertError naming it.
+    shape raises ConvertError naming it. Returns a line on what the folder holds that was skipped (the
+    adapter's ``skipped_hf``), or "".
     """
     from safetensors import safe_open
 
     if family == "hf":
         _load_same_names(state_dict, Path(hf_dir), args)
-        return
+        return ""
     hf = HFSource(Path(hf_dir))
     spec = ModelSpec(family, args)
     free = [f for f in ("max_seq_len", *getattr(spec.adapter, "TRAINING_ONLY", ()))
@@ -60,15 +61,21 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
                                    "load_hf_weights takes model.state_dict()")
             pieces = [handles[hf.where_hf[name][0]].get_slice(name) for name in hf.names[fqn]]
             _load_one(value, pieces, spec.stacked(fqn), spec.transposed(fqn))
+    return hf.note
 
 
 def _load_same_names(state_dict: Mapping[str, Tensor], folder: Path, args: Any) -> None:
-    """``model.family = "hf"``: the state dict's names are the folder's own ([Note: a transformers model
-    as a meshpar family]); a tied output is the embedding, read once."""
+    """``model.family = "hf"``: the state dict's names are the model's own ([Note: a transformers model
+    as a meshpar family]); a tensor the folder holds under that name is read as it is (a tied output
+    is the embedding, read once), any other is made from the folder's tensors as transformers' own
+    conversion mapping makes it: per-expert tensors into fused experts, renamed modules
+    ([Note: transformers' conversion run lazily], meshpar/models/hf/experts.py), reading only the
+    experts and rows of this rank's shard."""
     from safetensors import safe_open
 
     from meshpar.convert.hf import _st_header, safetensors_files
     from meshpar.models.hf import convert as hf_convert
+    from meshpar.models.hf import experts, meta_model
 
     where: dict[str, tuple[Path, list[int]]] = {}
     for file in safetensors_files(folder):
@@ -77,23 +84,65 @@ def _load_same_names(state_dict: Mapping[str, Tensor], folder: Path, args: Any) 
     tied = hf_convert.tied(args)  # {copy: source}: a folder may hold the source alone
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
-        for fqn, value in state_dict.items():
-            name = fqn if fqn in where else tied.get(fqn, fqn)
-            if name not in where:
-                raise ConvertError(f"{folder}: no tensor '{fqn}' in its safetensors, which this {args.model_type} "
-                                   "model has; the weights do not match config.json")
-            file, shape = where[name]
-            if list(shape) != list(value.shape):
-                raise ConvertError(f"{folder}: tensor '{name}' has shape {shape}, but the model built from "
-                                   f"config.json (and the recipe's overrides) needs {list(value.shape)}")
+
+        def get_slice(name: str) -> Any:
+            file = where[name][0]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-            _load_one(value, [handles[file].get_slice(name)], False, False)
+            return handles[file].get_slice(name)
+
+        made = None  # what transformers' mapping makes from the folder, built at the first name it lacks
+        for fqn, value in state_dict.items():
+            name = fqn if fqn in where else tied.get(fqn, fqn)
+            if name in where:
+                _check_shape(folder, f"tensor '{name}'", where[name][1], value)
+                _load_one(value, [get_slice(name)], False, False)
+                continue
+            if made is None:
+                made = experts.FromFolder(meta_model(args.config).hf, {n: s for n, (_, s) in where.items()},
+                                          lambda n, box: get_slice(n)[box])
+            if fqn not in made:
+                near = made.near(fqn)
+                instead = f"; it holds {_some(near)} there" if near else ""
+                raise ConvertError(f"{folder}: no tensor '{fqn}' in its safetensors, which this {args.model_type} "
+                                   f"model has, and transformers' conversion mapping for {args.model_type} makes it "
+                                   f"from none of the folder's tensors{instead}: the weights do not match config.json")
+            what = f"tensor '{fqn}' (made from {_some(made.sources(fqn))})"
+            try:
+                lazy = made[fqn]
+            except (ValueError, RuntimeError) as e:  # transformers' operations on pieces that do not fit
+                raise ConvertError(f"{folder}: {what} cannot be made as transformers' conversion mapping for "
+                                   f"{args.model_type} makes it ({e}); the folder is incomplete or does not match "
+                                   "config.json") from e
+            _check_shape(folder, what, lazy.shape, value)
+            _fill(value, lazy.read)
+
+
+def _some(names: list[str], k: int = 4) -> str:
+    return ", ".join(names[:k]) + (f", ... ({len(names)} tensors)" if len(names) > k else "")
+
+
+def _check_shape(folder: Path, what: str, shape: Any, value: Tensor) -> None:
+    if list(shape) != list(value.shape):
+        raise ConvertError(f"{folder}: {what} has shape {list(shape)}, but the model built from config.json (and "
+                           f"the recipe's overrides) needs {list(value.shape)}")
 
 
 def _load_one(value: Tensor, pieces: list[Any], stacked: bool, transposed: bool) -> None:
     """Copy this rank's part of ``value`` (a tensor or DTensor) from ``pieces``, safetensors slices:
     one, or one per expert when ``value`` stacks them along dim 0."""
+
+    def read(where: tuple[slice, ...]) -> Tensor:
+        if stacked:  # experts where[0] of the stack, each its own Hugging Face tensor
+            return torch.stack([pieces[j][where[1:]] for j in range(where[0].start, where[0].stop)])
+        return pieces[0][tuple(reversed(where))].t() if transposed else pieces[0][where]  # Conv1D
+
+    _fill(value, read)
+
+
+def _fill(value: Tensor, read: Callable[[tuple[slice, ...]], Tensor]) -> None:
+    """Copy this rank's part of ``value`` (a tensor or DTensor), box by box: ``read(box)`` gives the
+    values of a box (one slice per dim) of the whole tensor."""
     if isinstance(value, DTensor):
         coord = value.device_mesh.get_coordinate()
         if coord is None:
@@ -103,9 +152,5 @@ def _load_one(value: Tensor, pieces: list[Any], stacked: bool, transposed: bool)
     else:
         idx, local = [range(n) for n in value.shape], value
     for off, size, loc in boxes(idx):
-        where = [slice(o, o + n) for o, n in zip(off, size, strict=True)]
-        if stacked:  # experts where[0] of the stack, each its own Hugging Face tensor
-            block = torch.stack([pieces[j][tuple(where[1:])] for j in range(where[0].start, where[0].stop)])
-        else:
-            block = pieces[0][tuple(reversed(where))].t() if transposed else pieces[0][tuple(where)]  # Conv1D
-        local[tuple(slice(o, o + n) for o, n in zip(loc, size, strict=True))].copy_(block)
+        where = tuple(slice(o, o + n) for o, n in zip(off, size, strict=True))
+        local[tuple(slice(o, o + n) for o, n in zip(loc, size, strict=True))].copy_(read(where))

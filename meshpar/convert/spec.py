@@ -36,7 +36,10 @@ ADAPTERS = {"llama": llama_convert, "qwen2": llama_convert, "qwen3": llama_conve
 # per-expert entries next to each other in one shard, in expert order, so the stacked tensor's
 # bytes are theirs as they stand; load_hf_weights reads only the experts (and rows) of a rank's
 # shard. Peak memory is the largest tensor's as before, a stacked one counting as one tensor.
-# A stacked tensor is never transposed.
+# A stacked tensor is never transposed. Family hf's fused experts (transformers' gate_up_proj
+# [E, 2F, D], expert j's gate rows then its up rows) are written the same way: the adapter's
+# hf_layout lists their Hugging Face names in the order of their bytes ([Note: transformers'
+# conversion run lazily], meshpar/models/hf/experts.py).
 
 
 class ConvertError(Exception):
@@ -124,9 +127,16 @@ class ModelSpec:
         """Whether ``fqn`` stacks one Hugging Face tensor per expert along dim 0: [Note: stacked experts]."""
         return _match(self._experts, fqn) is not None
 
+    @functools.cached_property
+    def _layout(self) -> dict[str, Any]:
+        """Family hf: {fqn: experts.Saved} where transformers saves a tensor under other names or transposed."""
+        return self.adapter.hf_layout(self.args) if hasattr(self.adapter, "hf_layout") else {}
+
     def hf_names(self, fqn: str, experts: int | None = None) -> list[str]:
         """The Hugging Face tensors ``fqn`` is stored as: its one name, or one per expert in dim-0 order
-        (``experts`` of them; default: as many as the model has)."""
+        (``experts`` of them; default: as many as the model has), or family hf's pieces in byte order."""
+        if fqn in self._layout:
+            return list(self._layout[fqn].names)
         template = _match(self._experts, fqn)
         if template is None:
             return [self.hf_name(fqn)]
@@ -138,10 +148,14 @@ class ModelSpec:
         return int(m.group("j")) if m else None
 
     def transposed(self, fqn: str) -> bool:
+        if fqn in self._layout:
+            return self._layout[fqn].transposed
         return _match(self._transposed, fqn) is not None
 
     def hf_shape(self, fqn: str, shape: Sequence[int]) -> list[int]:
         """The shape of each Hugging Face tensor of ``fqn`` (of one expert's, where stacked)."""
+        if fqn in self._layout:
+            return list(self._layout[fqn].shape)
         if self.stacked(fqn):
             return list(shape[1:])
         return list(reversed(shape)) if self.transposed(fqn) else list(shape)

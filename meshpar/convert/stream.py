@@ -172,7 +172,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: 
     sink.finish(source.metadata.planner_data if isinstance(source, DCPSource) else None)
     bar.close()
     summary = Summary(str(dst), len(keys), done, time.perf_counter() - start, memory.peak(),
-                      max(sizes.values(), default=0), memory.method, verify, getattr(sink, "note", ""))
+                      max(sizes.values(), default=0), memory.method, verify,
+                      "\n".join(n for n in (getattr(source, "note", ""), getattr(sink, "note", "")) if n))
     if verify:
         _check(expected, open_checkpoint(dst), blobs)
     if progress:

@@ -31,9 +31,10 @@ from meshpar.training.loss import TokenLoss, last_head, layout_chunks
 from meshpar.training.preflight import Preflight
 from meshpar.training.step import Model
 
-# load_hf_weights(model state dict, folder, family, model args), filling the state in place:
-# meshpar.convert's, passed in by meshpar/train.py because convert/ is a layer above training/
-HFLoader = Callable[[Mapping[str, torch.Tensor], str, str, Any], None]
+# load_hf_weights(model state dict, folder, family, model args), filling the state in place and returning a
+# line on what it skipped (or ""): meshpar.convert's, passed in by meshpar/train.py because convert/ is a
+# layer above training/
+HFLoader = Callable[[Mapping[str, torch.Tensor], str, str, Any], str]
 
 
 def wandb_sink(recipe: Recipe, info: RankInfo, output_dir: Path, start_step: int):
@@ -158,7 +159,8 @@ def restore(recipe: Recipe, checked: Preflight, ckpt: Checkpointer | None, run: 
                   f"train (raise train.steps to continue)", flush=True)
         return step
     if recipe.checkpoint.hf_weights:
-        load_hf_weights(run.model_state(), recipe.checkpoint.hf_weights, recipe.model.family, checked.args)
+        note = load_hf_weights(run.model_state(), recipe.checkpoint.hf_weights, recipe.model.family, checked.args)
         if info.is_rank0:
-            print(f"meshpar: initialized from Hugging Face weights in {recipe.checkpoint.hf_weights}", flush=True)
+            print(f"meshpar: initialized from Hugging Face weights in {recipe.checkpoint.hf_weights}"
+                  + (f"\n{note}" if note else ""), flush=True)
     return 0

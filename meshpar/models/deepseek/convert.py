@@ -4,7 +4,7 @@ experts stacked from one tensor each ([Note: stacked experts] in meshpar/convert
 
 The routing bias is Hugging Face's ``e_score_correction_bias`` (a checkpoint tensor), so unlike the
 other MoE families the aux-free bias exports. Not converted: a checkpoint's multi-token-prediction
-layer (``model.layers.{n_layers}``, listed by ``num_nextn_predict_layers``) is skipped on import.
+layers, skipped on import by ``skipped_hf`` ([Note: the multi-token-prediction layer on import]).
 """
 
 from __future__ import annotations
@@ -48,6 +48,30 @@ TP_PLAN = deepseek_tp_plan
 
 def tied(args: DeepSeekArgs) -> dict[str, str]:
     return llama.tied(args)
+
+
+# [Note: the multi-token-prediction layer on import]
+# DeepSeek-V3's published folders append num_nextn_predict_layers (1) multi-token-prediction layers to
+# the main model's num_hidden_layers, stored as model.layers.{n_layers + k}.*: a whole decoder layer
+# (self_attn, mlp and its experts, the norms) plus eh_proj, enorm, hnorm, shared_head.{norm,head} and
+# embed_tokens. meshpar's deepseek_v3 does not build them (docs/moe.md#deepseek-v3), and the main
+# model's logits do not read them, so an import skips every tensor of exactly those layer indices,
+# taken from the folder's config.json, and names them in HFSource.note. Any other layer beyond
+# num_hidden_layers still has no place in the model and is an error.
+def skipped_hf(config: dict[str, Any]) -> dict[str, str]:
+    """The Hugging Face tensors a folder with this ``config.json`` holds that the model does not use, as
+    {name pattern: what they are}: its multi-token-prediction layers ([Note: the multi-token-prediction
+    layer on import]); none where ``num_nextn_predict_layers`` is 0 or absent."""
+    n, mtp = int(config["num_hidden_layers"]), int(config.get("num_nextn_predict_layers") or 0)
+    if mtp < 0:
+        raise ValueError(f"num_nextn_predict_layers = {mtp} is negative")
+    if not mtp:
+        return {}
+    layers = range(n, n + mtp)
+    what = ", ".join(f"model.layers.{i}.*" for i in layers)
+    return {rf"model\.layers\.({'|'.join(map(str, layers))})\..+":
+            f"{what}: the multi-token-prediction layer{'s' if mtp > 1 else ''} (num_nextn_predict_layers = {mtp}), "
+            "which meshpar's deepseek_v3 does not build"}
 
 
 def args_from_dict(d: dict[str, Any]) -> DeepSeekArgs:

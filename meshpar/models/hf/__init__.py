@@ -43,6 +43,8 @@ meshpar does not choose the attention kernel: transformers does, for the model c
 attention where the config needs what SDPA cannot express: soft-capped scores, sinks). The run's
 start line names it (``HFCausalLM.attention``). Document attention's boolean mask goes to SDPA as
 it is and to eager attention as the additive 0 / -inf mask that eager attention adds to its scores.
+A mixture of experts runs transformers' default experts kernel (grouped_mm), except in float64, which
+that kernel lacks: there the eager loop over experts, the same arithmetic per expert.
 
 [Note: the head the chunked loss applies]
 ``train.loss_chunks`` runs the base model, then the output embedding a chunk of tokens at a time
@@ -284,8 +286,10 @@ class HFCausalLM(nn.Module):
         transformers = _transformers()
         self.args = args
         config = build_config(args)
+        dtype = torch.get_default_dtype()  # grouped_mm, transformers' experts kernel, has no float64
+        kernels = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
         try:
-            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype())
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kernels)
         except ValueError as e:
             raise RecipeError(f"model.hf_path: transformers {transformers.__version__} cannot build model_type "
                               f"'{args.model_type}' as a causal LM from this config.json ({e})",
