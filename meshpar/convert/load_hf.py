@@ -101,15 +101,15 @@ def _load_same_names(state_dict: Mapping[str, Tensor], folder: Path, args: Any) 
             if made is None:
                 made = experts.FromFolder(meta_model(args.config).hf, {n: s for n, (_, s) in where.items()},
                                           lambda n, box: get_slice(n)[box])
-            if fqn not in made:
+            if name not in made:  # ``name``: a tied output's source, made once per name it is read under
                 near = made.near(fqn)
                 instead = f"; it holds {_some(near)} there" if near else ""
                 raise ConvertError(f"{folder}: no tensor '{fqn}' in its safetensors, which this {args.model_type} "
                                    f"model has, and transformers' conversion mapping for {args.model_type} makes it "
                                    f"from none of the folder's tensors{instead}: the weights do not match config.json")
-            what = f"tensor '{fqn}' (made from {_some(made.sources(fqn))})"
+            what = f"tensor '{fqn}' (made from {_some(made.sources(name))})"
             try:
-                lazy = made[fqn]
+                lazy = made[name]
             except (ValueError, RuntimeError) as e:  # transformers' operations on pieces that do not fit
                 raise ConvertError(f"{folder}: {what} cannot be made as transformers' conversion mapping for "
                                    f"{args.model_type} makes it ({e}); the folder is incomplete or does not match "

@@ -125,12 +125,11 @@ class HFArgs:
         except (AttributeError, TypeError, ValueError) as e:
             raise RecipeError(f"model.hf_path: config.json lacks what a decoder-only causal LM has ({e}); give the "
                               f"folder of a causal language model", "model.hf_path") from None
-        heads = int(getattr(built, "num_attention_heads", 0) or 0)  # 0: no attention (Mamba, RWKV, xLSTM)
-        kv_heads = int(getattr(built, "num_key_value_heads", 0) or heads)
-        head_dim = int(getattr(built, "head_dim", 0) or (dim // heads if heads else 0))
+        heads = int(_figure(built, "num_attention_heads") or 0)  # 0: no attention (Mamba, RWKV, xLSTM)
+        kv_heads = int(_figure(built, "num_key_value_heads") or heads)
+        head_dim = int(_figure(built, "head_dim") or (dim // heads if heads else 0))
         return cls(json.dumps(config, sort_keys=True), layers, vocab, dim, heads, kv_heads, head_dim,
-                   int(getattr(built, "max_position_embeddings", 0) or 0),
-                   bool(getattr(built, "tie_word_embeddings", False)))
+                   int(_figure(built, "max_position_embeddings") or 0), bool(_figure(built, "tie_word_embeddings")))
 
     @classmethod
     def from_folder(cls, folder: str, n_layers: int = 0, vocab_size: int = 0) -> HFArgs:
@@ -181,6 +180,14 @@ def _matmul_params(config: str) -> int:
             seen.add(id(module.weight))
             total += module.weight.numel()
     return total
+
+
+def _figure(config: Any, name: str) -> Any:
+    """A config's figure, or None where it has none or only per layer (Gemma 4's head_dim raises)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attributes raise their own error
+        return None
 
 
 def _config_class(config: dict[str, Any]) -> type:
@@ -244,8 +251,9 @@ class _Boundary:
     """A pipeline stage's check that transformers' base model hands its hidden states to the stage's
     first decoder layer and from its last one unchanged ([Note: a transformers model in pipeline stages])."""
 
-    def __init__(self, first: nn.Module, last: nn.Module) -> None:
+    def __init__(self, first: nn.Module, last: nn.Module, width: int) -> None:
         self.seen: dict[str, Any] = {}
+        self.ran, self.width = False, width  # a forward has run; the hidden size D
         first.register_forward_pre_hook(self._into_first, with_kwargs=True)
         last.register_forward_hook(self._out_of_last)
 
@@ -256,12 +264,21 @@ class _Boundary:
         self.seen["out"] = out[0] if isinstance(out, (tuple, list)) else out
 
     @contextlib.contextmanager
-    def watch(self, x: Tensor) -> Iterator[None]:
+    def watch(self, x: Tensor, model_type: str) -> Iterator[None]:
         """Around the base model's forward; a stage that takes hidden states (``x`` a float tensor) must
-        see its first layer take ``x`` itself."""
+        see its first layer take ``x`` itself. An error of the stage's first forward is refused by name:
+        the model's own code could not run on a stage's part of it."""
         self.seen.clear()
         try:
-            yield
+            try:
+                yield
+            except Exception as e:
+                if self.ran:
+                    raise
+                raise RecipeError(f"parallel.pp: {model_type}'s base model does not run as a pipeline stage "
+                                  f"({type(e).__name__}: {e}): what passes between its layers is more than the "
+                                  "hidden states; set parallel.pp = 1", "parallel.pp") from e
+            self.ran = True
             if x.is_floating_point() and not _same(self.seen.get("in"), x):
                 raise RecipeError("parallel.pp: this transformers model changes its embeddings before its first "
                                   "decoder layer (a scale, added positions or per-layer inputs), so a later pipeline "
@@ -271,10 +288,11 @@ class _Boundary:
             self.seen.clear()
 
     def check_output(self, h: Tensor, model_type: str) -> None:
-        if not _same(self.seen.get("out"), h):
+        if not _same(self.seen.get("out"), h) or h.dim() != 3 or h.shape[-1] != self.width:
             raise RecipeError(f"parallel.pp: {model_type}'s base model changes the hidden states after its last "
-                              "decoder layer other than by its final norm, so a stage's output is not the next "
-                              "stage's input; set parallel.pp = 1", "parallel.pp")
+                              "decoder layer other than by its final norm, or its layers pass more than hidden "
+                              "states [B, T, D], so a stage's output is not the next stage's input; set "
+                              "parallel.pp = 1", "parallel.pp")
 
 
 class HFCausalLM(nn.Module):
@@ -352,11 +370,12 @@ class HFCausalLM(nn.Module):
                     setattr(owner, name, nn.Identity())
         config = stage._hf.config
         config.num_hidden_layers = len(kept)
-        if isinstance(getattr(config, "layer_types", None), list):
-            config.layer_types = [config.layer_types[i] for i in keep]
+        for name, value in list(vars(config).items()):  # per-layer lists: the kept layers' entries
+            if isinstance(value, list) and len(value) == len(self._blocks):
+                setattr(config, name, [value[i] for i in keep])
         stage.ends = (first, last)
         if not (first and last):
-            object.__setattr__(stage, "_boundary", _Boundary(kept[0], kept[-1]))
+            object.__setattr__(stage, "_boundary", _Boundary(kept[0], kept[-1], self.args.dim))
         return stage
 
     @property
@@ -374,7 +393,7 @@ class HFCausalLM(nn.Module):
             if self.attention == "eager":  # eager attention adds its mask to the scores: 0 or -inf
                 mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, -torch.inf)
             extra.update(attention_mask=mask, position_ids=positions)
-        with self._boundary.watch(x) if not (first and last) else contextlib.nullcontext():
+        with self._boundary.watch(x, self.args.model_type) if not (first and last) else contextlib.nullcontext():
             if last and not (self.head_in_loss and torch.is_grad_enabled()):
                 return self._hf(use_cache=False, **extra).logits
             h = self._hf.base_model(use_cache=False, **extra).last_hidden_state

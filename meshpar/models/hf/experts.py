@@ -75,6 +75,9 @@ class Lazy:
     def squeeze(self, dim: int) -> Lazy:
         return Select(self, dim % self.dim(), 0) if self.shape[dim] == 1 else self
 
+    def __getitem__(self, index: Any) -> Tensor:  # indexing (a vocabulary trimmed): on the values, read whole
+        return self.whole()[index]
+
     def __getattr__(self, name: str) -> Any:  # any other tensor method: on the values, read whole
         if name.startswith("_"):
             raise AttributeError(name)
@@ -245,7 +248,7 @@ class FromFolder:
             first = self.first[name]
             out = self.groups[first].convert(first, model=self.model, config=self.model.config)
             self.made.update({n: as_lazy(v[0] if isinstance(v, list) else v) for n, v in out.items()})
-        return self.made.pop(name)
+        return self.made[name]  # stand-ins, no data: kept for a second name (a tied output)
 
     def sources(self, name: str) -> list[str]:
         """The folder tensors ``name`` is made of."""
