@@ -245,3 +245,23 @@ def test_pipeline_stages_refuse_a_model_that_changes_its_embeddings(tmp_path):
                     last(first(tokens))
             else:
                 assert torch.equal(last(first(tokens)), model(tokens))
+
+
+def test_tensors_the_model_does_not_read_are_named(tmp_path):
+    """A folder holding tensors no parameter is read from (an MTP head, a stray export) loads, and the
+    returned line (which the run prints) names them: nothing is skipped silently."""
+    from safetensors.torch import load_file, save_file
+
+    from meshpar.convert import load_hf_weights
+    from meshpar.models.hf import HFArgs, HFCausalLM
+
+    folder = tmp_path / "llama"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(folder)
+    args = HFArgs.from_folder(str(folder))
+    assert load_hf_weights(HFCausalLM(args).state_dict(), folder, "hf", args) == ""
+    tensors = load_file(folder / "model.safetensors")
+    save_file({**tensors, "model.mtp.eh_proj.weight": torch.zeros(4, 4)}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    note = load_hf_weights(HFCausalLM(args).state_dict(), folder, "hf", args)
+    assert "1 tensors not read (model.mtp.eh_proj.weight)" in note and "has no place for them" in note

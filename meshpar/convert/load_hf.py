@@ -36,8 +36,7 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
     from safetensors import safe_open
 
     if family == "hf":
-        _load_same_names(state_dict, Path(hf_dir), args)
-        return ""
+        return _load_same_names(state_dict, Path(hf_dir), args)
     hf = HFSource(Path(hf_dir))
     spec = ModelSpec(family, args)
     free = [f for f in ("max_seq_len", *getattr(spec.adapter, "TRAINING_ONLY", ()))
@@ -64,13 +63,15 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
     return hf.note
 
 
-def _load_same_names(state_dict: Mapping[str, Tensor], folder: Path, args: Any) -> None:
+def _load_same_names(state_dict: Mapping[str, Tensor], folder: Path, args: Any) -> str:
     """``model.family = "hf"``: the state dict's names are the model's own ([Note: a transformers model
     as a meshpar family]); a tensor the folder holds under that name is read as it is (a tied output
     is the embedding, read once), any other is made from the folder's tensors as transformers' own
     conversion mapping makes it: per-expert tensors into fused experts, renamed modules
     ([Note: transformers' conversion run lazily], meshpar/models/hf/experts.py), reading only the
-    experts and rows of this rank's shard."""
+    experts and rows of this rank's shard. Returns a line naming the folder's tensors the whole model
+    does not read (transformers' own rule for the class, ``_keys_to_ignore_on_load_unexpected``: rotary
+    caches, multi-token-prediction layers; or anything else), or "": never skipped silently."""
     from safetensors import safe_open
 
     from meshpar.convert.hf import _st_header, safetensors_files
@@ -116,6 +117,28 @@ def _load_same_names(state_dict: Mapping[str, Tensor], folder: Path, args: Any) 
                                    "config.json") from e
             _check_shape(folder, what, lazy.shape, value)
             _fill(value, lazy.read)
+    return _unread(folder, where, args, tied)
+
+
+def _unread(folder: Path, where: Mapping[str, Any], args: Any, tied: Mapping[str, str]) -> str:
+    """A line on the folder's tensors no parameter of the whole model (every stage) is read from."""
+    from meshpar.models.hf import experts, meta_model
+
+    model = meta_model(args.config)
+    used, lacking = set(), []
+    for fqn in model.state_dict():
+        name = fqn if fqn in where else tied.get(fqn, fqn)
+        (used.add(name) if name in where else lacking.append(name))
+    if lacking:
+        made = experts.FromFolder(model.hf, {n: s for n, (_, s) in where.items()}, lambda n, box: None)
+        used.update(*(made.sources(n) for n in lacking if n in made))
+    unread = sorted(set(where) - used)
+    if not unread:
+        return ""
+    rules = getattr(model.hf, "_keys_to_ignore_on_load_unexpected", None) or []
+    by_rule = [n for n in unread if any(re.search(r, n) for r in rules)]
+    why = "transformers' own rule for the class" if len(by_rule) == len(unread) else "the model has no place for them"
+    return f"meshpar: {folder}: {len(unread)} tensors not read ({_some(unread)}): {why}"
 
 
 def _some(names: list[str], k: int = 4) -> str:

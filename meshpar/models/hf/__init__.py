@@ -75,6 +75,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.experimental import implicit_replication
 
 from meshpar.config.errors import RecipeError
 from meshpar.models.attention import document_mask
@@ -330,7 +331,8 @@ class HFCausalLM(nn.Module):
         object.__setattr__(self, "_blocks", blocks[0])
         head = hf.get_output_embeddings()
         head_name = next((n for n, m in hf.named_children() if m is head), "")
-        object.__setattr__(self, "head", head if head_name and head_alone(type(hf), head_name) else None)
+        plain = head_name and hf.base_model is not hf and head_alone(type(hf), head_name)  # the loss runs the rest
+        object.__setattr__(self, "head", head if plain else None)
         self.head_in_loss = False
         self.attention = hf.config._attn_implementation  # the attention kernel transformers chose
         self.ends = (True, True)  # (holds the input embedding, holds the norm and head): a pipeline stage's part
@@ -415,7 +417,8 @@ class HFCausalLM(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)) and not getattr(weight, "_is_hf_initialized", False):
                 normal_(weight, std=std, key=canonical_name(f"{name}.weight"), seed=seed)
                 weight._is_hf_initialized = True
-        hf.initialize_weights()
+        with implicit_replication():  # its constants (Mamba's A_log = log(1..N)) are whole tensors: copied to shards
+            hf.initialize_weights()
 
 
 def head_alone(causal_lm: type[nn.Module], head_name: str) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -82,6 +83,41 @@ def _plan_entries(args: HFArgs) -> tuple[dict[str, str], dict[str, str]]:
     return block, root
 
 
+# [Note: parameters the plan leaves out]
+# transformers' plans name the projections, not every parameter: Apertus's learned activation
+# (mlp.act_fn.alpha_p) sits between a colwise and a rowwise projection, and SarvamMoE's q_norm acts on
+# the local heads without a replicated_with_grad_allreduce entry. Each tp rank would then hold only
+# its shard's part of such a parameter's gradient, and the replicas would drift apart: a wrong number
+# with no error. So a parameter outside the plan is refused when it, or its module's parent, sits in
+# a module with a colwise or rowwise child (a region whose activations are tp-sharded); norms
+# between the layers, and parameters next to colwise_gather_output / rowwise_split_input projections
+# (whose activations are whole), are not.
+SHARDING = frozenset({"colwise", "rowwise"})
+
+
+def _unplanned_in_shards(args: HFArgs, block_plan: dict[str, str]) -> list[str]:
+    """The parameters of a decoder layer, outside the plan, that act on tp-sharded activations."""
+    from meshpar.models.hf import meta_model
+
+    found = []
+    for layer in meta_model(args.config).layers.values():  # layers differ (dense and sparse, attention kinds)
+        found += [p for p in _unplanned_in(layer, block_plan) if p not in found]
+    return found
+
+
+def _unplanned_in(layer: nn.Module, block_plan: dict[str, str]) -> list[str]:
+    paths = {path for path, _ in layer.named_modules()}
+    sharding = {path.rpartition(".")[0] for path, style in block_plan.items() if style in SHARDING and path in paths}
+    found = []
+    for path, module in layer.named_modules():
+        if any(path == p or path.startswith(f"{p}.") for p in block_plan):
+            continue  # a planned module (its style places its parameters) or inside one
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if own and (path in sharding or path.rpartition(".")[0] in sharding):
+            found += [f"{path}.{name}" if path else name for name in own]
+    return found
+
+
 def _style(style: str) -> Any:
     make = STYLES[style]
     return make() if make is not None else None
@@ -120,6 +156,12 @@ def check_hf_layout(args: Any, layout: Layout) -> None:
         raise RecipeError(f"parallel.tp = {layout.tp}: {args.model_type}'s base_model_tp_plan uses {why}, which "
                           f"meshpar's plan for family hf does not take (it takes {', '.join(STYLES)}); set "
                           "parallel.tp = 1", "parallel.tp")
+    unplanned = _unplanned_in_shards(args, block)
+    if unplanned:
+        raise RecipeError(f"parallel.tp = {layout.tp}: {args.model_type}'s base_model_tp_plan leaves out "
+                          f"{', '.join(unplanned[:3])}, which act{'s' if len(unplanned) == 1 else ''} on tp-sharded "
+                          "activations, so each tp rank would compute only part of its gradient ([Note: parameters "
+                          "the plan leaves out]); set parallel.tp = 1", "parallel.tp")
     if args.tie_embeddings:
         raise RecipeError(f"parallel.tp = {layout.tp}: {args.model_type} ties its output to its embedding, and "
                           "splitting the output on the vocabulary would split the embedding too, which is not "
