@@ -3,7 +3,8 @@
 FSDP on 2 ranks equals one process in float64 for Llama, Qwen2 and two architectures meshpar does
 not build itself (Gemma: tied embeddings, (1 + w) norms, scaled embeddings; Phi-3: fused q/k/v and
 gate/up projections), and so do HSDP with the loss in chunks and transformers' own tensor-parallel
-plan (with FSDP, and with gathered logits); a checkpoint converts to a folder transformers loads
+plan (with FSDP, and with gathered logits), two pipeline stages, and context parallelism (Llama; Granite,
+whose attention scale is its own, with FSDP and the ring); a checkpoint converts to a folder transformers loads
 with the same logits; the hf Llama trains as meshpar's own llama family on the same weights; packed
 documents attend apart; the planner plans an hf 8B as meshpar's llama."""
 
@@ -31,6 +32,11 @@ CONFIGS = {  # architecture -> its transformers config, small
     "qwen2": lambda: transformers.Qwen2Config(**SMALL_DIMS),
     "gemma": lambda: transformers.GemmaConfig(**SMALL_DIMS, head_dim=16),
     "phi3": lambda: transformers.Phi3Config(**SMALL_DIMS, pad_token_id=0),
+    # its attention scaled by attention_multiplier, not 1/sqrt(head_dim); embeddings, residuals and logits scaled
+    "granite": lambda: transformers.GraniteConfig(**SMALL_DIMS, attention_multiplier=0.3, embedding_multiplier=2.0,
+                                                  residual_multiplier=0.5, logits_scaling=4.0),
+    # a sliding window of 16 tokens: shorter than the 32-token sequences of the cp job below
+    "mistral": lambda: transformers.MistralConfig(**SMALL_DIMS, sliding_window=16),
 }
 STEPS = ["--train.steps=2", "--train.eval_every=2", "--data.val_fraction=0.1", "--train.seq_len=64"]
 
@@ -70,14 +76,20 @@ LAYOUTS = {  # name: (overrides, world size)
     "pp2": (["--parallel.pp=2", "--train.micro_batch=2"], 2),
     "pp2-fsdp2-chunked-loss": (["--parallel.pp=2", "--parallel.dp_shard=2", "--train.micro_batch=1",
                                 "--train.loss_chunks=2"], 4),
+    # every layer's attention through meshpar's cp attention ([Note: routing a transformers model's attention]);
+    # with FSDP over dp_shard x cp and K, V passed around a ring
+    "cp2": (["--parallel.cp=2"], 2),
+    "cp2-fsdp2-ring": (["--parallel.cp=2", "--parallel.dp_shard=2", "--train.micro_batch=4",
+                        '--parallel.cp_attention="ring"'], 4),
 }
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize(("arch", "layout"), [*[(a, "fsdp2-full-ac") for a in CONFIGS],
+@pytest.mark.parametrize(("arch", "layout"), [*[(a, "fsdp2-full-ac") for a in ("llama", "qwen2", "gemma", "phi3")],
                                               ("llama", "hsdp2x2-chunked-loss"), ("qwen2", "fsdp2-tp2"),
                                               ("phi3", "tp2-gathered-logits"), ("llama", "pp2"),
-                                              ("phi3", "pp2-fsdp2-chunked-loss")])
+                                              ("phi3", "pp2-fsdp2-chunked-loss"), ("llama", "cp2"),
+                                              ("granite", "cp2-fsdp2-ring")])
 def test_fsdp_matches_one_process(arch, layout, tmp_path, data_cache):
     """A random model of each architecture (meshpar's layout-independent init of its linear and
     embedding weights, transformers' of the rest), 2 steps on 2 FSDP ranks with full activation
@@ -162,8 +174,8 @@ def test_recipe_errors(tmp_path):
         recipelib.load(ROOT / "recipes" / "llama_debug.toml", [f"--model.hf_path={folder}"])
     from meshpar.training.preflight import check_layout
 
-    with pytest.raises(RecipeError, match="parallel.cp = 2: .* not built yet for model family 'hf'"):
-        check_layout(_recipe(tmp_path, folder, "--parallel.cp=2"), 2)
+    with pytest.raises(RecipeError, match="parallel.compile = true with parallel.cp = 2 is not built for model.fam"):
+        check_layout(_recipe(tmp_path, folder, "--parallel.cp=2", "--parallel.compile=true"), 2)
     with pytest.raises(RecipeError, match="parallel.pp = 2: gemma ties its output to its embedding"):
         check_layout(_recipe(tmp_path, _folder(tmp_path, "gemma"), "--parallel.pp=2", "--train.micro_batch=2"), 2)
     with pytest.raises(RecipeError, match="parallel.tp = 2: gemma ties its output to its embedding"):
@@ -265,3 +277,75 @@ def test_tensors_the_model_does_not_read_are_named(tmp_path):
               metadata={"format": "pt"})
     note = load_hf_weights(HFCausalLM(args).state_dict(), folder, "hf", args)
     assert "1 tensors not read (model.mtp.eh_proj.weight)" in note and "has no place for them" in note
+
+
+def _documents_under_cp(folders: dict[str, Path]) -> dict:
+    """On 2 cp ranks in float64, each model against one process: logits of the rank's tokens and every
+    gradient (averaged over the ranks), as the largest difference relative to the largest magnitude.
+    Llama on packed documents with each cp attention (and with its documents dropped, which must differ);
+    Mistral with a window as long as the sequence, and one shorter (refused)."""
+    import copy
+    import dataclasses
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshpar.models.hf import HFArgs, HFCausalLM
+    from meshpar.parallel.context_parallel.apply import ATTENTIONS, apply_context_parallel
+    from meshpar.parallel.context_parallel.layout import sequence_indices, shard_sequence
+    from tests.test_document_attention import EOS, packed_documents
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    torch.set_default_dtype(torch.float64)
+
+    def compare(args, tokens, attention="allgather", causal=False) -> dict[str, float]:
+        torch.manual_seed(0)
+        model = HFCausalLM(args)
+        model.init_weights()
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        cp = copy.deepcopy(model)
+        if causal:  # the cp model's documents dropped
+            cp.args = dataclasses.replace(args, document_eos=-1)
+        logits = model(inputs)
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        apply_context_parallel(cp, mesh, attention=attention)
+        local = cp(shard_sequence(inputs, mesh))
+        F.cross_entropy(local.flatten(0, 1), shard_sequence(targets, mesh).flatten()).backward()
+        idx = sequence_indices(inputs.shape[1], 2, mesh.get_local_rank())
+        diff = {"logits": ((local - logits[:, idx]).abs().max() / logits.abs().max()).item()}
+        for (name, p), q in zip(cp.named_parameters(), model.parameters(), strict=True):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            diff[name] = ((grad / 2 - q.grad).abs().max() / q.grad.abs().max()).item()
+        return diff
+
+    out = {}
+    llama = dataclasses.replace(HFArgs.from_folder(str(folders["llama"])), document_eos=EOS)
+    tokens, _ = packed_documents(256)  # [2, 33]: documents whose boundaries fall inside the ranks' chunks
+    for attention in ATTENTIONS:
+        out[attention] = compare(llama, tokens, attention)
+    out["documents dropped"] = compare(llama, tokens, causal=True)
+    random = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    config = json.loads((folders["mistral"] / "config.json").read_text())
+    out["window = sequence"] = compare(HFArgs.from_config({**config, "sliding_window": 32}), random)
+    try:
+        compare(HFArgs.from_config(config), random)
+    except RecipeError as e:
+        out["window < sequence"] = str(e)
+    return out
+
+
+@pytest.mark.parity
+@pytest.mark.timeout(300)
+def test_context_parallel_attends_as_one_process(tmp_path):
+    """[Note: routing a transformers model's attention]: packed documents over 2 cp ranks, with the
+    all-gather, the ring and Ulysses, give one process's document-causal logits and gradients to TOL
+    (and do not with the documents dropped); a sliding window as long as the sequence is plain causal
+    attention and runs, a shorter one is refused at the first forward, naming it."""
+    folders = {arch: _folder(tmp_path, arch) for arch in ("llama", "mistral")}
+    r = run_distributed(_documents_under_cp, 2, folders, timeout=240)[0]
+    for case in ("allgather", "ring", "ulysses", "window = sequence"):
+        assert max(r[case].values()) <= TOL, (case, {k: v for k, v in r[case].items() if v > TOL})
+    assert r["documents dropped"]["logits"] > 1e-3, r["documents dropped"]
+    assert "MistralAttention asks for sliding-window attention" in r["window < sequence"], r["window < sequence"]

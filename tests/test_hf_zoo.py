@@ -7,15 +7,17 @@ one state of docs/huggingface.md's table, and this file holds each type to its r
   attention, to ``LOSS_BOUND``); 2 steps under FSDP on 2 ranks, and under tp 2 and with the loss in
   2 chunks where the row says meshpar accepts them, give 1 rank's losses, in float64 to ``TOL`` (in
   float32 to ``FP32_TOL`` where the model's code computes in float32: ``one_rank_reference``). Where the row
-  says tp or the chunks are refused, meshpar refuses them before launch with the row's reason.
+  says tp or the chunks are refused, meshpar refuses them before launch with the row's reason. Over 2 cp
+  ranks each rank's logits and every gradient equal one process's (``CP_TOL``), or meshpar refuses as the
+  row says, before launch or at the first forward.
 - **refused**: meshpar refuses the type before launch, with the row's reason.
 - **known failing**: it fails as the row says (a bug to fix; the test fails once it no longer does,
   so the row must move to trains).
 - **skipped**: tests/hf_zoo.py's ``skip_rule`` (multimodal, encoders, encoder-decoders).
 
 A dozen types (``FAST``) run in the inner loop; the rest of the one-rank sweep is in the slow tier.
-The layout sweeps (one spawned job per layout, a fresh rendezvous port per type: [Note: ports under
-pytest-xdist] in tests/distributed.py) cover ``FAST`` in the suite and every type under
+The layout sweeps and the cp one (one spawned job each; the layouts take a fresh rendezvous port per
+type: [Note: ports under pytest-xdist] in tests/distributed.py) cover ``FAST`` in the suite and every type under
 ``MESHPAR_HF_ZOO=all``, which .ci/run sets in a step of its own after the suite: 12 minutes of two
 busy ranks beside the suite's other worker starved that worker's spawned jobs past their deadlines.
 """
@@ -61,7 +63,14 @@ LAYOUTS = {  # name: (overrides, world size)
     "chunks2": (["--train.loss_chunks=2"], 1),
 }
 DOC = ROOT / "docs" / "huggingface.md"
-COLUMNS = ("state", "fsdp", "tp", "chunks", "pp", "reason")
+COLUMNS = ("state", "fsdp", "tp", "chunks", "pp", "cp", "reason")
+# cp 2 against one process, model against model (``_cp_case``), in the dtype of ``one_rank_reference``: in
+# float64 the routed attention's numbers equal the model's own to ~1e-15, but models whose own code computes
+# parts in float32 whatever the dtype (routers, Gemma's and Cohere's norms) give their gradients to float32
+# rounding, measured up to 4.4e-7 relative (glm4_moe's router); 1e-5 leaves 20x room. A real defect is far
+# larger: the tokens' local positions in place of their global ones moved Llama's logits by 7e-3 relative and
+# its gradients by 1.1.
+CP_TOL = 1e-5
 
 
 @functools.cache
@@ -72,7 +81,7 @@ def table() -> dict[str, dict[str, str]]:
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and cells[0].startswith("`"):
+        if len(cells) == 8 and cells[0].startswith("`"):
             rows[cells[0].strip("`")] = dict(zip(COLUMNS, cells[1:], strict=True))
     return rows
 
@@ -162,7 +171,7 @@ def refusal(model_type: str, *extra: str) -> str | None:
 
     r = recipe(model_type, Path(tempfile.mkdtemp()), *extra)
     try:
-        check_layout(r, 2 if {"--parallel.tp=2", "--parallel.pp=2"} & set(extra) else 1)
+        check_layout(r, 2 if {"--parallel.tp=2", "--parallel.pp=2", "--parallel.cp=2"} & set(extra) else 1)
     except RecipeError as e:
         return str(e)
     return None
@@ -197,6 +206,80 @@ def pipeline_refusal(model_type: str) -> str | None:
         whole = model(tokens)
     assert torch.equal(piped, whole), f"{model_type}: 2 stages differ from the whole by {(piped - whole).abs().max()}"
     return None
+
+
+def _cp_on_rank(cases: list[tuple[str, Path, torch.dtype]]) -> dict[str, dict[str, float] | str]:
+    """Each (type, folder, dtype) over 2 cp ranks (``_cp_case``); a type that fails is recorded, not
+    raised: its refusal's words, or "fails: " and its error."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    results: dict[str, dict[str, float] | str] = {}
+    for model_type, path, dtype in cases:
+        try:
+            with default_dtype(dtype):
+                results[model_type] = _cp_case(path, mesh)
+        except RecipeError as e:
+            results[model_type] = str(e)
+        except Exception as e:  # noqa: BLE001 - reported by the test, per type
+            results[model_type] = f"fails: {type(e).__name__}: {str(e)[:300]}"
+    return results
+
+
+def _cp_case(path: Path, mesh) -> dict[str, float]:
+    """The model of ``path`` (meshpar's init, seed 0) on 2 sequences of 32 tokens: one process's logits
+    and gradients, and the same model's over cp ([Note: routing a transformers model's attention]) on
+    this rank's tokens, its gradients averaged over the ranks as FSDP over cp does. Returns each one's
+    largest difference, relative to the largest magnitude of the whole run's."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from meshpar.models.hf import HFArgs, HFCausalLM
+    from meshpar.parallel.context_parallel.apply import apply_context_parallel
+    from meshpar.parallel.context_parallel.layout import sequence_indices, shard_sequence
+
+    args = HFArgs.from_folder(str(path))
+    torch.manual_seed(0)
+    model = HFCausalLM(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    cp = copy.deepcopy(model)
+    logits = model(inputs)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    apply_context_parallel(cp, mesh)
+    local = cp(shard_sequence(inputs, mesh))
+    F.cross_entropy(local.flatten(0, 1), shard_sequence(targets, mesh).flatten()).backward()
+    idx = sequence_indices(32, mesh.size(), mesh.get_local_rank())
+    diff = {"logits": ((local - logits[:, idx]).abs().max() / logits.abs().max()).item()}
+    # a gradient that is zero but for rounding (a key bias: softmax ignores a constant added to every score)
+    # is compared against the largest one's scale
+    floor = max(q.grad.abs().max() for q in model.parameters() if q.grad is not None) * 1e-6
+    for (name, p), q in zip(cp.named_parameters(), model.parameters(), strict=True):
+        if q.grad is None:
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        diff[name] = ((grad / mesh.size() - q.grad).abs().max() / q.grad.abs().max().clamp_min(floor)).item()
+    return diff
+
+
+def cp_outcomes(types: list[str]) -> dict[str, float | str]:
+    """Each type over 2 cp ranks: its largest relative difference from one process (``_cp_case``), or its
+    refusal (before launch, or at the first forward), or "fails: " and its error."""
+    out: dict[str, float | str] = {}
+    cases = []
+    for t in types:
+        why = refusal(t, "--parallel.cp=2")
+        if why:
+            out[t] = why
+        else:
+            cases.append((t, folder(t), one_rank_reference(t)[0]))
+    got = run_distributed(_cp_on_rank, 2, cases, timeout=600)[0] if cases else {}
+    out.update({t: r if isinstance(r, str) else max(r.values()) for t, r in got.items()})
+    return out
 
 
 def test_the_table_lists_every_registered_type_once_with_the_skip_rule():
@@ -299,6 +382,24 @@ def test_layouts_equal_one_rank(layout, tmp_path):
     assert not wrong, f"{len(wrong)} of {len(types)} types differ from one rank under {layout}: {wrong}"
 
 
+@pytest.mark.slow  # as test_layouts_equal_one_rank
+@pytest.mark.timeout(900)
+def test_context_parallel_equals_one_process():
+    """Every type that trains, over 2 cp ranks where its row accepts it: each rank's logits and every
+    gradient (averaged over the ranks) equal one process's to CP_TOL; where its row quotes a refusal, meshpar
+    refuses with it (before launch, or at the first forward: [Note: routing a transformers model's
+    attention]). One spawned job runs them all."""
+    rows = table()
+    types = [t for t, row in rows.items() if row["state"] == "trains"
+             and (t in FAST or os.environ.get("MESHPAR_HF_ZOO") == "all")]
+    got = cp_outcomes(types)
+    wrong = {t: (got[t], rows[t]["cp"]) for t in types
+             if not (got[t] <= CP_TOL if rows[t]["cp"] == "yes" and isinstance(got[t], float)
+                     else isinstance(got[t], str) and rows[t]["cp"] in got[t])}
+    assert not wrong, f"{len(wrong)} of {len(types)} types are not as their cp cell says: {wrong}"
+    assert any(rows[t]["cp"] == "yes" for t in types) and any(rows[t]["cp"] != "yes" for t in types)
+
+
 def _cell(why: str) -> str:
     """A refusal as the table quotes it: its first clause after the key (a substring of the message);
     a failure: its first 100 characters."""
@@ -307,32 +408,32 @@ def _cell(why: str) -> str:
     return re.split(r"[;(]|, and |, or |, which ", why.split(": ", 1)[1])[0].strip().replace("|", "/")
 
 
-def row(model_type: str, fsdp: str = "yes") -> str:
+def row(model_type: str, fsdp: str = "yes", cp: str = "yes") -> str:
     """``model_type``'s table row as this checkout and the installed transformers give it (a failure
-    that is not a refusal is written as known failing, for a person to read and file); ``fsdp``: its
-    fsdp cell, from the 2-rank job (``fsdp_cells``)."""
+    that is not a refusal is written as known failing, for a person to read and file); ``fsdp``, ``cp``:
+    its cells from the 2-rank jobs (``fsdp_cells``, ``cp_cell``)."""
     import contextlib
     import io
 
     why = skip_rule(model_type)
     if why:
-        return f"| `{model_type}` | skipped | - | - | - | - | {why} |"
+        return f"| `{model_type}` | skipped | - | - | - | - | - | {why} |"
     refused = refusal(model_type)
     if refused:
-        return f"| `{model_type}` | refused | - | - | - | - | {_cell(refused)} |"
+        return f"| `{model_type}` | refused | - | - | - | - | - | {_cell(refused)} |"
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             dtype, losses = one_rank_reference(model_type)
         want = transformers_loss(model_type, dtype)
     except Exception as e:  # noqa: BLE001 - the row says what failed
         text = f"{type(e).__name__}: {e}".splitlines()[0][:120].replace("|", "/")
-        return f"| `{model_type}` | known failing | - | - | - | - | {text} |"
+        return f"| `{model_type}` | known failing | - | - | - | - | - | {text} |"
     if losses[0] != pytest.approx(want, rel=LOSS_BOUND):
-        return f"| `{model_type}` | known failing | - | - | - | - | a wrong loss: {losses[0]} against {want} |"
+        return f"| `{model_type}` | known failing | - | - | - | - | - | a wrong loss: {losses[0]} against {want} |"
     cells = [_cell(w) if w else "yes" for w in (refusal(model_type, "--parallel.tp=2"),
                                                   refusal(model_type, "--train.loss_chunks=2"),
                                                   pipeline_refusal(model_type))]
-    return f"| `{model_type}` | trains | {fsdp} | {' | '.join(cells)} |  |"
+    return f"| `{model_type}` | trains | {fsdp} | {' | '.join(cells)} | {cp} |  |"
 
 
 def fsdp_cells(types: list[str]) -> dict[str, str]:
@@ -346,6 +447,13 @@ def fsdp_cells(types: list[str]) -> dict[str, str]:
             else f"a wrong loss: {got[t]} against {want[t][1]}" for t in types}
 
 
+def cp_cell(outcome: float | str) -> str:
+    """The cp cell of a ``cp_outcomes`` value."""
+    if isinstance(outcome, float):
+        return "yes" if outcome <= CP_TOL else f"a wrong number: {outcome:.1e} relative"
+    return _cell(outcome)
+
+
 if __name__ == "__main__":  # python -m tests.test_hf_zoo [TYPE ...]: the table's rows after the runs' logs
     import sys
 
@@ -353,6 +461,8 @@ if __name__ == "__main__":  # python -m tests.test_hf_zoo [TYPE ...]: the table'
 
     _transformers.logging.set_verbosity_error()
     types = sys.argv[1:] or causal_lm_types()
-    fsdp = fsdp_cells([t for t in types if not skip_rule(t) and not refusal(t)])
-    rows = [row(model_type, fsdp.get(model_type, "yes")) for model_type in types]
+    trained = [t for t in types if not skip_rule(t) and not refusal(t)]
+    fsdp = fsdp_cells(trained)
+    cp = {t: cp_cell(o) for t, o in cp_outcomes(trained).items()}
+    rows = [row(model_type, fsdp.get(model_type, "yes"), cp.get(model_type, "yes")) for model_type in types]
     print("--- the table's rows ---", *rows, sep="\n", flush=True)

@@ -107,7 +107,7 @@ NOT_BUILT = {
 }
 
 _ND = frozenset({"pp", "dp_replicate", "dp_shard", "tp"})
-_LLAMA = _ND | {"cp"}  # context parallelism: the Llama model's seams (meshpar/parallel/context_parallel/apply.py)
+_LLAMA = _ND | {"cp"}  # context parallelism: the Llama model's slots, or family hf's (context_parallel/apply.py)
 _MOE = frozenset({"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"})
 
 
@@ -172,9 +172,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mixtral", MoETransformer, MIXTRAL_SIZES, MIXTRAL.TP_PLAN(), check_moe_layout, _MOE),
     Family("deepseek_v3", DeepSeekTransformer, DEEPSEEK_V3_SIZES, DEEPSEEK_TP_PLAN(), check_moe_layout,
            _MOE),
-    # any transformers causal LM, tp by its own plan; context parallelism is not built for it yet
+    # any transformers causal LM, tp by its own plan, cp through its attention interface
     HFFamily("hf", _hf_model, {}, TPPlan({}, {}, "model.embed_tokens", "lm_head", sequence_parallel=False),
-             check_hf_layout, _ND, plan_of=hf_tp_plan),
+             check_hf_layout, _LLAMA, plan_of=hf_tp_plan),
 )}
 
 

@@ -141,6 +141,20 @@ class SequencePositions:
         mask, positions = document_mask(tokens, eos, dtype=dtype)
         return mask, cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
 
+    def token_positions(self, seq_len: int, device: torch.device) -> Tensor:
+        """The positions [seq_len] (int64) of this forward's tokens in their sequence, for a model that
+        computes its own position encoding from them (family hf)."""
+        return torch.arange(seq_len, device=device)
+
+    def whole_length(self, seq_len: int) -> int:
+        """The length of the whole sequence of which this forward holds ``seq_len`` tokens."""
+        return seq_len
+
+    def documents_of(self, tokens: Tensor, eos: int) -> tuple[Tensor, Tensor]:
+        """The documents doc[B, T] of the whole sequence and the positions [B, t] of this forward's tokens
+        in their documents (``document_ids``; here the forward holds the whole sequence)."""
+        return document_ids(tokens, eos)
+
 
 def use_kernels(model: nn.Module, kernels: Kernels) -> None:
     """Make every attention slot of ``model`` take ``kernels``' paths."""

@@ -146,6 +146,11 @@ def check_context_parallel(recipe: Recipe, layout, args: Any) -> None:
                           f"equal chunks (each cp rank holds one from the front and its mirror from the back); "
                           f"use a multiple of {2 * cp}", key="parallel.cp")
     check_seq_len(t.seq_len // cp, tp)
+    if recipe.model.family == "hf" and recipe.parallel.compile:
+        raise RecipeError(f"parallel.compile = true with parallel.cp = {cp} is not built for model.family = 'hf' "
+                          "(transformers' layers call meshpar's cp attention from inside the compiled block, which "
+                          "[Note: compiling a block under cp] splits only for meshpar's own blocks); set "
+                          "parallel.compile = false or parallel.cp = 1", key="parallel.compile")
     if recipe.parallel.cp_attention == "ulysses":
         why = check_heads(args.n_heads, args.n_kv_heads, cp, tp)
         if why is not None:

@@ -12,7 +12,9 @@ the causal LM itself unregistered, to call its forward: every module it runs is 
 FSDP's hooks, checkpointing and compile (all applied in place: meshpar/parallel/wrap.py) act on
 the modules transformers calls. The slots meshpar's parallelism uses: ``layers`` (the decoder
 layers, found as the one ModuleList of ``num_hidden_layers`` modules), ``head`` and
-``head_in_loss`` (the chunked loss, where logits are a plain ``lm_head(h)``). Document attention
+``head_in_loss`` (the chunked loss, where logits are a plain ``lm_head(h)``), ``positions`` and
+``inner_attention`` (context parallelism: [Note: routing a transformers model's attention] in
+meshpar/models/hf/attention.py). Document attention
 (``document_eos``) hands transformers the boolean [B, 1, T, T] mask and per-document positions,
 which its attention takes as they are (tests/test_hf_family.py: a packed row equals its documents).
 
@@ -51,11 +53,11 @@ that kernel lacks: there the eager loop over experts, the same arithmetic per ex
 (meshpar/training/loss.py). That equals the causal LM's own logits only where its forward returns
 the output embedding's output unchanged, applied to the base model's last hidden states unchanged:
 a scale (Granite's ``logits_scaling``, Cohere's ``logit_scale``), a soft-cap (Gemma 2) or anything
-else after the head breaks it. ``head_alone`` checks exactly that, by running the architecture's
-forward on the meta device with one decoder layer and hooks on the base model and the head: the
-logits must be the very tensor the head returned, and the head's input the base model's output or
-a whole view of it. Where it is not shown, ``head`` is None: the loss takes whole logits, and an
-explicit ``train.loss_chunks`` > 1 is refused before launch.
+else after the head breaks it. ``head_alone`` checks exactly that by reading the causal LM's forward
+(its source, parsed): ``logits`` must be assigned once, as the head called on the base model's last
+hidden states (``outputs.last_hidden_state``, ``outputs[0]``, or a slice of them), and never changed
+after. Where it is not shown, ``head`` is None: the loss takes whole logits, and an explicit
+``train.loss_chunks`` > 1 is refused before launch.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor.experimental import implicit_replication
 
 from meshpar.config.errors import RecipeError
-from meshpar.models.attention import document_mask
+from meshpar.models.attention import SequencePositions, document_mask
+from meshpar.models.hf.attention import KEYWORD, Route, check_ran, refuse_failure, route_to
 from meshpar.models.init import canonical_name, draw_seed, normal_
 
 
@@ -274,7 +277,7 @@ class _Boundary:
             try:
                 yield
             except Exception as e:
-                if self.ran:
+                if self.ran or isinstance(e, RecipeError):  # a refusal of the model's own (routed attention)
                     raise
                 raise RecipeError(f"parallel.pp: {model_type}'s base model does not run as a pipeline stage "
                                   f"({type(e).__name__}: {e}): what passes between its layers is more than the "
@@ -335,6 +338,11 @@ class HFCausalLM(nn.Module):
         object.__setattr__(self, "head", head if plain else None)
         self.head_in_loss = False
         self.attention = hf.config._attn_implementation  # the attention kernel transformers chose
+        # the slots context parallelism fills: where this forward's tokens sit, and one attention module for
+        # every layer ([Note: routing a transformers model's attention] in meshpar/models/hf/attention.py)
+        self.positions: SequencePositions = SequencePositions()
+        self.inner_attention: nn.Module | None = None
+        self._routed_ran = False  # a forward through the filled slot has run (its failures are no refusal)
         self.ends = (True, True)  # (holds the input embedding, holds the norm and head): a pipeline stage's part
 
     def path_of(self, module: nn.Module | None) -> str:
@@ -389,19 +397,41 @@ class HFCausalLM(nn.Module):
         """tokens[B, T] (the first stage) or h[B, T, D] (a later one) -> logits[B, T, V] (the last stage),
         else h[B, T, D]."""
         first, last = self.ends
-        extra: dict[str, Any] = {"input_ids": x} if first else {"inputs_embeds": x}
-        if self.args.document_eos >= 0:  # [Note: document-causal attention]: transformers takes the mask whole
+        extra = self._inputs(x)
+        with self._boundary.watch(x, self.args.model_type) if not (first and last) else contextlib.nullcontext():
+            try:
+                if last and not (self.head_in_loss and torch.is_grad_enabled()):
+                    out = self._hf(use_cache=False, **extra).logits
+                else:  # the last stage's under head_in_loss: the loss applies ``head`` chunk by chunk
+                    out = self._hf.base_model(use_cache=False, **extra).last_hidden_state
+            except Exception as e:
+                if KEYWORD not in extra or self._routed_ran or isinstance(e, RecipeError):
+                    raise
+                raise refuse_failure(e, self.args.model_type) from e
+            if not last:
+                self._boundary.check_output(out, self.args.model_type)
+        if KEYWORD in extra:
+            check_ran(extra[KEYWORD], list(self._blocks), self.args.model_type)
+            self._routed_ran = True
+        return out
+
+    def _inputs(self, x: Tensor) -> dict[str, Any]:
+        """The keyword arguments of transformers' forward for ``x``: the tokens or hidden states, and the
+        positions, mask and route that document attention and a filled attention slot need."""
+        extra: dict[str, Any] = {"input_ids": x} if self.ends[0] else {"inputs_embeds": x}
+        if self.inner_attention is not None:  # [Note: routing a transformers model's attention]
+            route_to(self._hf)
+            positions = self.positions.token_positions(x.shape[1], x.device)
+            route = extra[KEYWORD] = Route(self.inner_attention, self.positions.whole_length(x.shape[1]))
+            extra["position_ids"] = positions.expand(x.shape[0], -1)
+            if self.args.document_eos >= 0:  # the slot takes the documents in the mask's place
+                route.documents, extra["position_ids"] = self.positions.documents_of(x, self.args.document_eos)
+        elif self.args.document_eos >= 0:  # [Note: document-causal attention]: transformers takes the mask whole
             mask, positions = document_mask(x, self.args.document_eos)
             if self.attention == "eager":  # eager attention adds its mask to the scores: 0 or -inf
                 mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, -torch.inf)
             extra.update(attention_mask=mask, position_ids=positions)
-        with self._boundary.watch(x, self.args.model_type) if not (first and last) else contextlib.nullcontext():
-            if last and not (self.head_in_loss and torch.is_grad_enabled()):
-                return self._hf(use_cache=False, **extra).logits
-            h = self._hf.base_model(use_cache=False, **extra).last_hidden_state
-            if not last:
-                self._boundary.check_output(h, self.args.model_type)
-        return h  # the last stage's under head_in_loss: the loss applies ``head`` chunk by chunk
+        return extra
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -138,7 +138,19 @@ def hf_tp_plan(args: HFArgs) -> TPPlan:
 
 def check_hf_layout(args: Any, layout: Layout) -> None:
     """Before launch: tp only where transformers plans it, with styles meshpar takes, untied, dividing;
-    pp untied ([Note: tied embeddings across stages] in meshpar/parallel/pipeline/split.py)."""
+    pp untied ([Note: tied embeddings across stages] in meshpar/parallel/pipeline/split.py); cp where
+    attention is the layers' one exchange between tokens that can be seen before launch ([Note: routing a
+    transformers model's attention] in meshpar/models/hf/attention.py: the rest is checked at the first
+    forward)."""
+    if layout.cp > 1:
+        from meshpar.models.hf import meta_model
+        from meshpar.models.hf.attention import check
+
+        if not args.n_heads:
+            raise RecipeError(f"parallel.cp = {layout.cp}: {args.model_type} has no attention heads (its layers mix "
+                              "tokens by recurrence), and context parallelism splits attention over the sequence; set "
+                              "parallel.cp = 1", "parallel.cp")
+        check(meta_model(args.config), args.model_type)
     if layout.pp > 1 and args.tie_embeddings:
         raise RecipeError(f"parallel.pp = {layout.pp}: {args.model_type} ties its output to its embedding, and a "
                           "pipeline split puts them on different stages, which meshpar does not support yet; set "

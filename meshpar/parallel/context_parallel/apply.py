@@ -64,7 +64,8 @@ ATTENTIONS = ("allgather", "ring", "ulysses")
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool = True,
                            attention: str = "allgather", tp: int = 1, flex: bool = False) -> None:
-    """Make ``model`` (a Llama-family transformer or stage, on meta or with values) run on this cp
+    """Make ``model`` (a Llama-family transformer or stage, on meta or with values; or a transformers
+    model, family hf, whose one ``inner_attention`` slot every layer's attention goes through) run on this cp
     rank's slice of each sequence, by filling its slots: ``model.positions`` gives RoPE at global
     positions (and the whole sequence's documents when the model's ``document_eos`` is set: [Note:
     documents under context parallelism]), each block's ``attention.inner_attention`` attends over
@@ -78,6 +79,10 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool
         raise ValueError(f"cp attention {attention!r} is none of {ATTENTIONS} (parallel.cp_attention)")
     layout = SequenceLayout(mesh, balanced)
     model.positions = ContextParallelPositions(layout)
+    if hasattr(model, "inner_attention"):  # one slot for every layer's attention: [Note: routing a transformers
+        model.inner_attention = ContextParallelAttention(layout, attention)  # model's attention] (models/hf)
+        model.inner_attention.kernels = Kernels(flex=flex)
+        return
     for block in model.layers.values():
         # [Note: MLA's latent gathered over cp]
         latent = attention == "allgather" and tp == 1 and hasattr(block.attention, "sequence_keys")
@@ -90,7 +95,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool
 
 def attends_over_cp(block: nn.Module) -> bool:
     """Whether ``block``'s attention slot holds a cp attention (``apply_context_parallel``)."""
-    attention = getattr(block, "attention", None)  # a block without the slot (family hf) attends locally
+    attention = getattr(block, "attention", None)  # family hf's blocks hold no slot (cp refuses compile there)
     return isinstance(getattr(attention, "inner_attention", None), ContextParallelAttention)
 
 
@@ -110,9 +115,20 @@ class ContextParallelPositions(SequencePositions):
         """[Note: documents under context parallelism]: the whole sequence's documents doc[B, T] (what
         cp attention takes in the mask's place) and RoPE's cos, sin[B, 1, T/cp, Dh/2] at the positions
         of this rank's tokens in their documents; ``dtype`` (the mask's) is not needed."""
-        doc, positions = document_ids(_whole_sequence(self.layout, tokens), eos)
-        positions = positions[:, self.layout.indices(tokens.shape[1], tokens.device).positions]  # [B, T/cp]
+        doc, positions = self.documents_of(tokens, eos)
         return doc, cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+
+    def token_positions(self, seq_len: int, device: torch.device) -> Tensor:
+        return self.layout.indices(seq_len, device).positions
+
+    def whole_length(self, seq_len: int) -> int:
+        return seq_len * self.layout.mesh.size()
+
+    def documents_of(self, tokens: Tensor, eos: int) -> tuple[Tensor, Tensor]:
+        """The whole sequence's documents doc[B, T] and the positions [B, T/cp] of this rank's tokens in
+        their documents: [Note: documents under context parallelism]."""
+        doc, positions = document_ids(_whole_sequence(self.layout, tokens), eos)
+        return doc, positions[:, self.layout.indices(tokens.shape[1], tokens.device).positions]
 
 
 class ContextParallelAttention(InnerAttention):
