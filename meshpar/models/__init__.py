@@ -149,7 +149,7 @@ class HFFamily(Family):
             return None
         return (f"{args.model_type}'s forward does more to its logits than apply its output embedding to the last "
                 "hidden states, or its code does not show that it does not (a scale or a soft-cap after it: [Note: "
-                "the head the chunked loss applies] in meshpar/models/hf)")
+                "the head the chunked loss applies] in meshpar/models/hf/head.py)")
 
     def label(self, cfg: ModelConfig, args: Any) -> str:
         from meshpar.models.hf import meta_model

@@ -14,9 +14,9 @@ the modules transformers calls. The slots meshpar's parallelism uses: ``layers``
 layers, found as the one ModuleList of ``num_hidden_layers`` modules), ``head`` and
 ``head_in_loss`` (the chunked loss, where logits are a plain ``lm_head(h)``), ``positions`` and
 ``inner_attention`` (context parallelism: [Note: routing a transformers model's attention] in
-meshpar/models/hf/attention.py). Document attention
-(``document_eos``) hands transformers the boolean [B, 1, T, T] mask and per-document positions,
-which its attention takes as they are (tests/test_hf_family.py: a packed row equals its documents).
+meshpar/models/hf/attention.py). Document attention (``document_eos``) hands transformers the
+boolean [B, 1, T, T] mask and per-document positions, which its attention takes as they are
+(tests/test_hf_family.py: a packed row equals its documents).
 
 [Note: initializing a transformers model]
 After ``to_empty`` every value is garbage. Linear and embedding weights (the random ones) are
@@ -24,20 +24,6 @@ drawn by meshpar.models.init, layout-independent, with std ``initializer_range``
 initialized; transformers' ``initialize_weights`` then sets everything else as the architecture
 defines it (norms, biases, RoPE buffers): constants, the same on every rank. A model whose own
 init draws other random parameters would draw them per rank; none of the tested ones does.
-
-[Note: a transformers model in pipeline stages]
-A stage (``copy_with_layers(keep, first, last)``) is the causal LM with only its decoder layers in
-the list transformers loops over; the first stage keeps the input embedding, the last the final
-norm and head, and a stage without them has the embedding dropped and the modules after the layers
-(the final norm) made identities. A later stage runs transformers' own base model forward on
-``inputs_embeds`` = the previous stage's hidden states, so masks, RoPE and positions are computed by
-the model's own code on every stage. That equals the whole model only where the base model passes
-the embeddings to its first layer unchanged and returns its last layer's output unchanged but for
-the norm; many do not (Gemma scales its embeddings, GPT-2 adds position embeddings, Gemma 3n adds
-per-layer inputs from the token ids). So every stage's forward checks both boundaries by identity,
-with hooks on its first and last layer (``_Boundary``): the first layer's input must be the very
-tensor the stage received, and the stage's output the very tensor its last layer returned. A model
-that fails either is refused at its first forward, before any update, naming ``parallel.pp``.
 
 [Note: the attention a transformers model runs]
 meshpar does not choose the attention kernel: transformers does, for the model class, as
@@ -48,29 +34,19 @@ it is and to eager attention as the additive 0 / -inf mask that eager attention 
 A mixture of experts runs transformers' default experts kernel (grouped_mm), except in float64, which
 that kernel lacks: there the eager loop over experts, the same arithmetic per expert.
 
-[Note: the head the chunked loss applies]
-``train.loss_chunks`` runs the base model, then the output embedding a chunk of tokens at a time
-(meshpar/training/loss.py). That equals the causal LM's own logits only where its forward returns
-the output embedding's output unchanged, applied to the base model's last hidden states unchanged:
-a scale (Granite's ``logits_scaling``, Cohere's ``logit_scale``), a soft-cap (Gemma 2) or anything
-else after the head breaks it. ``head_alone`` checks exactly that by reading the causal LM's forward
-(its source, parsed): ``logits`` must be assigned once, as the head called on the base model's last
-hidden states (``outputs.last_hidden_state``, ``outputs[0]``, or a slice of them), and never changed
-after. Where it is not shown, ``head`` is None: the loss takes whole logits, and an explicit
-``train.loss_chunks`` > 1 is refused before launch.
+The pipeline stages' parts are in stages.py ([Note: a transformers model in pipeline stages]), the
+chunked loss's check of the head in head.py ([Note: the head the chunked loss applies]), the routing
+of attention to meshpar's slot in attention.py ([Note: routing a transformers model's attention]).
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import copy
 import dataclasses
 import functools
-import inspect
 import json
-import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +58,8 @@ from torch.distributed.tensor.experimental import implicit_replication
 from meshpar.config.errors import RecipeError
 from meshpar.models.attention import SequencePositions, document_mask
 from meshpar.models.hf.attention import KEYWORD, Route, check_ran, refuse_failure, route_to
+from meshpar.models.hf.head import head_alone
+from meshpar.models.hf.stages import Boundary, StageLayers
 from meshpar.models.init import canonical_name, draw_seed, normal_
 
 
@@ -230,75 +208,6 @@ def build_config(args: HFArgs):
     return build_config_from(args.hf_config)
 
 
-def _same(a: Any, b: Tensor) -> bool:
-    """``a`` is ``b`` or a view of the same elements (same memory, shape and strides: ``h.view(shape)``)."""
-    return a is b or (isinstance(a, Tensor) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
-                      and a.stride() == b.stride() and a.dtype == b.dtype)
-
-
-class _StageLayers(nn.ModuleList):
-    """A stage's decoder layers, registered under their indices in the whole model (so state-dict names
-    do not depend on the split), in order; slicing keeps the indices (transformers loops over
-    ``layers[:num_hidden_layers]``)."""
-
-    def __init__(self, layers: dict[str, nn.Module] | None = None) -> None:
-        nn.Module.__init__(self)
-        for key, layer in (layers or {}).items():
-            self.add_module(key, layer)
-
-    def __getitem__(self, idx: int | slice) -> Any:
-        items = list(self._modules.items())
-        return _StageLayers(dict(items[idx])) if isinstance(idx, slice) else items[idx][1]
-
-
-class _Boundary:
-    """A pipeline stage's check that transformers' base model hands its hidden states to the stage's
-    first decoder layer and from its last one unchanged ([Note: a transformers model in pipeline stages])."""
-
-    def __init__(self, first: nn.Module, last: nn.Module, width: int) -> None:
-        self.seen: dict[str, Any] = {}
-        self.ran, self.width = False, width  # a forward has run; the hidden size D
-        first.register_forward_pre_hook(self._into_first, with_kwargs=True)
-        last.register_forward_hook(self._out_of_last)
-
-    def _into_first(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.seen.setdefault("in", args[0] if args else kwargs.get("hidden_states"))
-
-    def _out_of_last(self, module: nn.Module, args: tuple, out: Any) -> None:
-        self.seen["out"] = out[0] if isinstance(out, (tuple, list)) else out
-
-    @contextlib.contextmanager
-    def watch(self, x: Tensor, model_type: str) -> Iterator[None]:
-        """Around the base model's forward; a stage that takes hidden states (``x`` a float tensor) must
-        see its first layer take ``x`` itself. An error of the stage's first forward is refused by name:
-        the model's own code could not run on a stage's part of it."""
-        self.seen.clear()
-        try:
-            try:
-                yield
-            except Exception as e:
-                if self.ran or isinstance(e, RecipeError):  # a refusal of the model's own (routed attention)
-                    raise
-                raise RecipeError(f"parallel.pp: {model_type}'s base model does not run as a pipeline stage "
-                                  f"({type(e).__name__}: {e}): what passes between its layers is more than the "
-                                  "hidden states; set parallel.pp = 1", "parallel.pp") from e
-            self.ran = True
-            if x.is_floating_point() and not _same(self.seen.get("in"), x):
-                raise RecipeError("parallel.pp: this transformers model changes its embeddings before its first "
-                                  "decoder layer (a scale, added positions or per-layer inputs), so a later pipeline "
-                                  "stage cannot take the previous stage's hidden states in their place; set "
-                                  "parallel.pp = 1", "parallel.pp")
-        finally:
-            self.seen.clear()
-
-    def check_output(self, h: Tensor, model_type: str) -> None:
-        if not _same(self.seen.get("out"), h) or h.dim() != 3 or h.shape[-1] != self.width:
-            raise RecipeError(f"parallel.pp: {model_type}'s base model changes the hidden states after its last "
-                              "decoder layer other than by its final norm, or its layers pass more than hidden "
-                              "states [B, T, D], so a stage's output is not the next stage's input; set "
-                              "parallel.pp = 1", "parallel.pp")
-
-
 class HFCausalLM(nn.Module):
     """A transformers causal LM with meshpar's slots: [Note: a transformers model as a meshpar family].
     ``forward(tokens[B, T]) -> logits[B, T, V]`` (h[B, T, D] under ``head_in_loss`` with gradients)."""
@@ -367,7 +276,7 @@ class HFCausalLM(nn.Module):
             dropped.append(hf.get_output_embeddings())
         stage = copy.deepcopy(self, {id(m): None for m in dropped})
         parent, _, leaf = stage._blocks_path.rpartition(".")
-        kept = _StageLayers({str(i): b for i, b in zip(range(len(stage._blocks)), stage._blocks, strict=True)
+        kept = StageLayers({str(i): b for i, b in zip(range(len(stage._blocks)), stage._blocks, strict=True)
                              if b is not None})
         owner = stage._hf.get_submodule(parent) if parent else stage._hf
         setattr(owner, leaf, kept)
@@ -385,7 +294,7 @@ class HFCausalLM(nn.Module):
                 setattr(config, name, [value[i] for i in keep])
         stage.ends = (first, last)
         if not (first and last):
-            object.__setattr__(stage, "_boundary", _Boundary(kept[0], kept[-1], self.args.dim))
+            object.__setattr__(stage, "_boundary", Boundary(kept[0], kept[-1], self.args.dim))
         return stage
 
     @property
@@ -449,37 +358,6 @@ class HFCausalLM(nn.Module):
                 weight._is_hf_initialized = True
         with implicit_replication():  # its constants (Mamba's A_log = log(1..N)) are whole tensors: copied to shards
             hf.initialize_weights()
-
-
-def head_alone(causal_lm: type[nn.Module], head_name: str) -> bool:
-    """Whether ``causal_lm``'s forward returns its output embedding ``head_name`` applied to its base
-    model's last hidden states, with nothing after ([Note: the head the chunked loss applies])."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(causal_lm.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    assigns = [(node.lineno, target.id, node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
-               for target in node.targets if isinstance(target, ast.Name)]
-    assigns += [(node.lineno, node.target.id, None) for node in ast.walk(tree)
-                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Name)]
-    logits = [(line, value) for line, name, value in assigns if name == "logits"]
-    if len(logits) != 1:
-        return False
-    line, call = logits[0]
-    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords
-            and ast.unparse(call.func) == f"self.{head_name}"):
-        return False
-    arg = call.args[0].value if isinstance(call.args[0], ast.Subscript) else call.args[0]
-    if not isinstance(arg, ast.Name):
-        return False
-    sources = [value for at, name, value in assigns if name == arg.id and at < line]
-
-    def hidden(value: ast.expr | None) -> bool:  # outputs.last_hidden_state, outputs[0], or a slice of tokens
-        text = ast.unparse(value) if value is not None else ""
-        return (text.endswith(".last_hidden_state") or text.endswith("[0]")
-                or text.startswith(f"slice_logits_to_keep({arg.id},"))
-
-    return bool(sources) and all(hidden(v) for v in sources)
 
 
 def args_from_dict(d: dict[str, Any]) -> HFArgs:
