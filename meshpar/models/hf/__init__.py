@@ -22,8 +22,10 @@ boolean [B, 1, T, T] mask and per-document positions, which its attention takes 
 After ``to_empty`` every value is garbage. Linear and embedding weights (the random ones) are
 drawn by meshpar.models.init, layout-independent, with std ``initializer_range``, and marked
 initialized; transformers' ``initialize_weights`` then sets everything else as the architecture
-defines it (norms, biases, RoPE buffers): constants, the same on every rank. A model whose own
-init draws other random parameters would draw them per rank; none of the tested ones does.
+defines it (norms, biases, RoPE buffers): constants, the same on every rank. Other random
+parameters (DiffLlama's lambdas, XLNet's mask embedding) are drawn by transformers' own init, on a
+sharded parameter by DTensor's random ops: not the values one rank would draw. A run that starts
+from a folder's weights (``checkpoint.hf_weights``) loads them all, the same on every layout.
 
 [Note: the attention a transformers model runs]
 meshpar does not choose the attention kernel: transformers does, for the model class, as
@@ -225,6 +227,8 @@ class HFCausalLM(nn.Module):
             raise RecipeError(f"model.hf_path: transformers {transformers.__version__} cannot build model_type "
                               f"'{args.model_type}' as a causal LM from this config.json ({e})",
                               "model.hf_path") from None
+        if torch.empty(0).device.type == "meta":  # built on meta (meshpar's build): so is every parameter
+            _parameters_to_meta(hf)
         own = [n for n, _ in [*hf.named_parameters(recurse=False), *hf.named_buffers(recurse=False)]]
         if own:
             raise RecipeError(f"model.family = 'hf': {type(hf).__name__} keeps tensors outside its modules ({own}), "
@@ -358,6 +362,17 @@ class HFCausalLM(nn.Module):
                 weight._is_hf_initialized = True
         with implicit_replication():  # its constants (Mamba's A_log = log(1..N)) are whole tensors: copied to shards
             hf.initialize_weights()
+
+
+def _parameters_to_meta(hf: nn.Module) -> None:
+    """Parameters a model's code makes on the CPU whatever the default device (DiffLlama's
+    ``torch.normal(..., size=...)``, XLNet's ``torch.FloatTensor(...)``), replaced by meta ones like the
+    rest: their values are set after ``to_empty`` as every parameter's are ([Note: initializing a
+    transformers model]), and FSDP takes a unit's parameters on one device."""
+    for module in hf.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not p.is_meta:
+                setattr(module, name, nn.Parameter(p.to("meta"), requires_grad=p.requires_grad))
 
 
 def args_from_dict(d: dict[str, Any]) -> HFArgs:
