@@ -59,7 +59,8 @@ def test_the_wrappers_bind_to_what_required_names():
 
 
 _PRIVATE_TORCH = re.compile(r"torch\..*\._[a-zA-Z]|\._local_tensor\b|\b_StridedShard\b|_pytree|\._batch_p2p\b|"
-                            r"\._op_dispatcher\b|\._execution_engine\b|\._(flatten|unflatten|concatenate)\(")
+                            r"\._op_dispatcher\b|\._execution_engine\b|\._(flatten|unflatten|concatenate)\(|"
+                            r"from torch\S* import .*\b_[a-zA-Z]")
 
 
 def test_no_private_torch_name_outside_meshpar_torch():
@@ -73,6 +74,9 @@ def test_no_private_torch_name_outside_meshpar_torch():
             if _PRIVATE_TORCH.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not hits, "private torch names outside meshpar/distributed/_torch.py:\n" + "\n".join(hits)
+    assert _PRIVATE_TORCH.search("from torch.distributed.checkpoint.filesystem import _StorageInfo")
+    assert _PRIVATE_TORCH.search("from torch.distributed.tensor import DTensor, _Partial")
+    assert not _PRIVATE_TORCH.search("from torch.distributed.tensor import DTensor, Shard")
 
 
 def test_importing_meshpar_skips_the_heavy_private_modules():

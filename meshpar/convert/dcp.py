@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo  # DCP's record of where an item lies
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -31,6 +30,7 @@ from meshpar.checkpoint.format import SafeReader, crc_key, crc_of_range, write_c
 from meshpar.convert.files import _fresh, _now, _read_json, copy_tokenizer
 from meshpar.convert.layout import layout_chunks
 from meshpar.convert.spec import ConvertError, ModelSpec, spec_from_info
+from meshpar.distributed._torch import dcp_storage_info
 from meshpar.runtime.atomic import fsync, write_atomic
 
 
@@ -168,7 +168,7 @@ class DCPSink:
         self.crcs[rank][crc_key(name, offset, length)] = crc_of_range(self.path / name, offset, length)
         self.load[rank] += length
         self.results.append(WriteResult(index=index, size_in_bytes=length,
-                                        storage_data=_StorageInfo(name, offset, length)))
+                                        storage_data=dcp_storage_info(name, offset, length)))
 
     def write(self, key: str, tensor: Tensor, chunks: Sequence[ChunkStorageMetadata] | None = None) -> None:
         fqn = self._param(key, tensor.shape)

@@ -548,4 +548,15 @@ DCP_METADATA_GLOBALS = frozenset({
 })
 REQUIRED.update({f"{module}.{name}": "loading DCP checkpoints: the allow-list of .metadata's unpickler "
                  "(checkpoint/format.py)" for module, name in DCP_METADATA_GLOBALS if name.startswith("_")})
-__all__ += ["DCP_METADATA_GLOBALS"]
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's record of where one item lies in a file of a checkpoint folder (what FileSystemWriter writes as
+    a WriteResult's ``storage_data`` and its reader reads): meshpar's converter writes DCP folders itself
+    (meshpar/convert/dcp.py). Public alternative: none."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
+
+
+__all__ += ["DCP_METADATA_GLOBALS", "dcp_storage_info"]
