@@ -19,7 +19,6 @@ parameter group (param_group.py) -> sharded parameter (sharded_param.py) -> coll
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -42,20 +41,20 @@ _CLASSES: dict[type, type] = {}
 # unit that holds the same tensor (an output projection tied to an embedding sharded apart) keeps the
 # original, which a later fully_shard would shard again: two copies, each with its own gradient and
 # optimizer state, and the tie gone after the first step. PyTorch's engine refuses it at the root's
-# first forward; meshpar at the second fully_shard, naming the first unit. The originals are held
-# weakly (by id, checked for identity), so a sharded model's full-size originals can still be freed.
-_SHARDED: dict[int, tuple[weakref.ref, str]] = {}
+# first forward; meshpar at the second fully_shard, naming the first unit. The original carries the
+# name of the unit that sharded it (``SHARDED_BY``, an attribute of that tensor object alone): no
+# registry outlives it or is shared between models, and a sharded model's full-size originals can
+# still be freed.
+SHARDED_BY = "meshpar_sharded_by"
 
 
 def _remember_sharded(p: nn.Parameter, unit: str) -> None:
-    key = id(p)
-    _SHARDED[key] = (weakref.ref(p, lambda _, key=key: _SHARDED.pop(key, None)), unit)
+    setattr(p, SHARDED_BY, unit)
 
 
 def _unit_sharding(p: nn.Parameter) -> str | None:
     """The unit that sharded ``p`` (the very tensor) earlier, if one did."""
-    ref, unit = _SHARDED.get(id(p), (None, None))
-    return unit if ref is not None and ref() is p else None
+    return getattr(p, SHARDED_BY, None)
 
 
 def _default_mesh() -> DeviceMesh:
