@@ -18,8 +18,9 @@ one state of docs/huggingface.md's table, and this file holds each type to its r
 A dozen types (``FAST``) run in the inner loop; the rest of the one-rank sweep is in the slow tier.
 The layout sweeps and the cp one (one spawned job each; the layouts take a fresh rendezvous port per
 type: [Note: ports under pytest-xdist] in tests/distributed.py) cover ``FAST`` in the suite and every type under
-``MESHPAR_HF_ZOO=all``, which .ci/run sets in a step of its own after the suite: 12 minutes of two
-busy ranks beside the suite's other worker starved that worker's spawned jobs past their deadlines.
+``MESHPAR_HF_ZOO=all`` (``rest``: all but ``FAST``, what .ci/run sets in a step of its own after the
+suite: 12 minutes of two busy ranks beside the suite's other worker starved that worker's spawned jobs
+past their deadlines).
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ def types_in(state: str, among: tuple[str, ...] | None = None) -> list:
     """pytest params of the table's types in ``state``, FAST ones in the inner loop, others slow."""
     return [pytest.param(t, marks=() if t in FAST else pytest.mark.slow) for t, row in table().items()
             if row["state"] == state and (among is None or t in among)]
+
+
+def swept(model_type: str) -> bool:
+    """Whether the spawned sweeps take ``model_type``: the ``FAST`` ones, or with MESHPAR_HF_ZOO=all every
+    type, with MESHPAR_HF_ZOO=rest every other (.ci/run's step after the suite, which ran ``FAST``)."""
+    which = os.environ.get("MESHPAR_HF_ZOO", "")
+    return which == "all" or (model_type in FAST) != (which == "rest")
 
 
 @functools.cache
@@ -360,7 +368,7 @@ def test_layouts_equal_one_rank(layout, tmp_path):
     # fsdp: every type that trains runs, and one whose row quotes a failure must fail with it; tp, chunks:
     # the ones meshpar accepts (the others' refusals are checked before launch in the one-rank test)
     types = [t for t, row in rows.items() if row["state"] == "trains" and (layout == "fsdp2" or row[column] == "yes")
-             and (t in FAST or os.environ.get("MESHPAR_HF_ZOO") == "all")]
+             and swept(t)]
     overrides, world = LAYOUTS[layout]
     want = {t: one_rank_reference(t) for t in types}
     cases = [(t, folder(t), overrides, want[t][0], free_port() if world > 1 else None) for t in types]
@@ -391,7 +399,7 @@ def test_context_parallel_equals_one_process():
     attention]). One spawned job runs them all."""
     rows = table()
     types = [t for t, row in rows.items() if row["state"] == "trains"
-             and (t in FAST or os.environ.get("MESHPAR_HF_ZOO") == "all")]
+             and swept(t)]
     got = cp_outcomes(types)
     wrong = {t: (got[t], rows[t]["cp"]) for t in types
              if not (got[t] <= CP_TOL if rows[t]["cp"] == "yes" and isinstance(got[t], float)
