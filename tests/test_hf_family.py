@@ -3,10 +3,11 @@
 FSDP on 2 ranks equals one process in float64 for Llama, Qwen2 and two architectures meshpar does
 not build itself (Gemma: tied embeddings, (1 + w) norms, scaled embeddings; Phi-3: fused q/k/v and
 gate/up projections), and so do HSDP with the loss in chunks and transformers' own tensor-parallel
-plan (with FSDP, and with gathered logits), two pipeline stages, and context parallelism (Llama; Granite,
-whose attention scale is its own, with FSDP and the ring); a checkpoint converts to a folder transformers loads
-with the same logits; the hf Llama trains as meshpar's own llama family on the same weights; packed
-documents attend apart; the planner plans an hf 8B as meshpar's llama."""
+plan (with FSDP, and with gathered logits), two pipeline stages, and context parallelism (Llama;
+Granite, whose attention scale is its own, with FSDP and the ring; Qwen2 with tp); a checkpoint
+converts to a folder transformers loads with the same logits; the hf Llama trains as meshpar's own
+llama family on the same weights; packed documents attend apart; the planner plans an hf 8B as
+meshpar's llama."""
 
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ LAYOUTS = {  # name: (overrides, world size)
     "cp2": (["--parallel.cp=2"], 2),
     "cp2-fsdp2-ring": (["--parallel.cp=2", "--parallel.dp_shard=2", "--train.micro_batch=4",
                         '--parallel.cp_attention="ring"'], 4),
+    # the routed attention on each tp rank's heads, K and V gathered over cp
+    "cp2-tp2": (["--parallel.cp=2", "--parallel.tp=2"], 4),
 }
 
 
@@ -89,7 +92,7 @@ LAYOUTS = {  # name: (overrides, world size)
                                               ("llama", "hsdp2x2-chunked-loss"), ("qwen2", "fsdp2-tp2"),
                                               ("phi3", "tp2-gathered-logits"), ("llama", "pp2"),
                                               ("phi3", "pp2-fsdp2-chunked-loss"), ("llama", "cp2"),
-                                              ("granite", "cp2-fsdp2-ring")])
+                                              ("granite", "cp2-fsdp2-ring"), ("qwen2", "cp2-tp2")])
 def test_fsdp_matches_one_process(arch, layout, tmp_path, data_cache):
     """A random model of each architecture (meshpar's layout-independent init of its linear and
     embedding weights, transformers' of the rest), 2 steps on 2 FSDP ranks with full activation
