@@ -3,7 +3,7 @@ the rank that holds their expert and come back, by all-to-all.
 
     apply_expert_parallel(model, ep_mesh)   # a 1-D DeviceMesh named "ep"
 
-Every expert weight (``layers.{i}.moe.experts.{w1,w2,w3}``, stacked ``[E, ...]``) becomes a DTensor
+Every expert weight (``Experts.stacked``: ``layers.{i}.moe.experts.{w1,w2,w3}`` ``[E, ...]``) becomes a DTensor
 ``Shard(0)`` over ``ep``: rank r holds experts ``r * E/ep ... (r + 1) * E/ep - 1``, so checkpoints
 (DCP) keep the global ``[E, ...]`` shapes and load onto any ``ep`` degree. Routing, the auxiliary
 loss and the dispatch order stay the model's own (meshpar/models/moe/model.py); expert parallelism
@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshpar.distributed import comm
-from meshpar.models.moe.model import Experts, swiglu_experts
+from meshpar.models.moe.model import Experts
 
 # [Note: expert-parallel dispatch]
 # ``MoE.forward`` hands the experts its slots sorted by expert, ``x[S, D]`` with ``counts[E]``. With
@@ -38,7 +38,7 @@ from meshpar.models.moe.model import Experts, swiglu_experts
 #   all-to-all counts           recv_counts[i, l] = rows rank i sends for my expert l
 #   all-to-all x rows           received = [from rank 0: expert 0 | 1 ... L-1][from rank 1: ...]...
 #   permute expert-major        [expert 0: from 0 | 1 ...][expert 1: ...]...  (stable: source order)
-#   the local experts           swiglu_experts(received, w[L, ...], counts = recv_counts.sum(0))
+#   the local experts           experts.compute(received, recv_counts.sum(0), w[L, ...])
 #   unpermute, all-to-all back  the rows in x's order, on the rank they came from
 # Splits are uneven and read on the host (one sync per layer). Backward is the same exchange
 # reversed (``comm.all_to_all_rows`` is an autograd function), so ``meshpar.distributed.comm`` counts
@@ -74,7 +74,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         if moe.n_experts % n:
             raise ValueError(f"{moe.n_experts} experts do not split over ep = {n} ranks; choose an ep degree that "
                              f"divides the expert count")
-        for name in ("w1", "w2", "w3"):
+        for name in experts.stacked:
             weight = getattr(experts, name)
             sharded = distribute_tensor(weight.detach(), mesh, [Shard(0)])
             setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
@@ -94,8 +94,8 @@ class ExpertParallelDispatch:
 
 def _dispatch(experts: Experts, mesh: DeviceMesh, layer: int, x: Tensor, counts: Tensor) -> Tensor:
     group, n, dim = mesh.get_group(), mesh.size(), (mesh.mesh_dim_names or ("ep",))[0]
-    w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1, experts.w2, experts.w3))
-    local = w1.shape[0]  # L experts on this rank
+    weights = {name: w.to_local() if isinstance(w, DTensor) else w for name, w in experts.weights().items()}
+    local = next(iter(weights.values())).shape[0]  # L experts on this rank
     recv_counts = torch.empty_like(counts)
     comm.all_to_all(recv_counts, counts, [local] * n, [local] * n, group, dim=dim).wait()
     recv_counts = recv_counts.view(n, local)  # [source rank, my expert]
@@ -106,7 +106,7 @@ def _dispatch(experts: Experts, mesh: DeviceMesh, layer: int, x: Tensor, counts:
     # expert-major order, stable in source rank: block (source i, expert l) sorts by l * n + i
     block = (torch.arange(local, device=x.device)[None, :] * n + torch.arange(n, device=x.device)[:, None]).flatten()
     order = block.repeat_interleave(recv_counts.flatten().to(x.device)).argsort(stable=True)
-    y = swiglu_experts(received[order], w1, w2, w3, recv_counts.sum(0), experts.kernel)
+    y = experts.compute(received[order], recv_counts.sum(0), weights)
     return comm.all_to_all_rows(y[order.argsort()], send_splits, recv_splits, group, dim=dim,
                                 label=f"moe.combine[{layer}]")
 

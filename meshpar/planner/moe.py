@@ -64,7 +64,7 @@ class _BalancedLocalExperts(moelib.LocalExperts):
     """``LocalExperts`` on balanced runs."""
 
     def __call__(self, experts: moelib.Experts, x: Tensor, counts: Tensor) -> Tensor:
-        return moelib.swiglu_experts(x, experts.w1, experts.w2, experts.w3, counts, experts.kernel, mm=_grouped_mm)
+        return experts.compute(x, counts, experts.weights(), mm=_grouped_mm)
 
 
 class _BalancedDispatch(eplib.ExpertParallelDispatch):
@@ -76,15 +76,14 @@ class _BalancedDispatch(eplib.ExpertParallelDispatch):
 
 def _dispatch(experts: moelib.Experts, mesh, layer: int, x: Tensor, counts: Tensor) -> Tensor:
     group, n, dim = mesh.get_group(), mesh.size(), (mesh.mesh_dim_names or ("ep",))[0]
-    w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1, experts.w2, experts.w3))
-    local = w1.shape[0]
+    weights = {name: w.to_local() if isinstance(w, DTensor) else w for name, w in experts.weights().items()}
+    local = next(iter(weights.values())).shape[0]
     recv_counts = torch.empty_like(counts)
     comm.all_to_all(recv_counts, counts, [local] * n, [local] * n, group, dim=dim).wait()
     splits = _balanced(x.shape[0], n)  # sent to each rank; received from each, as many
     received = comm.all_to_all_rows(x, splits, splits, group, dim=dim, label=f"moe.dispatch[{layer}]")
     order = torch.arange(received.shape[0], device=x.device).flip(0)  # a permutation, as the real one
-    y = moelib.swiglu_experts(received[order], w1, w2, w3, recv_counts.view(n, local).sum(0), experts.kernel,
-                                mm=_grouped_mm)
+    y = experts.compute(received[order], recv_counts.view(n, local).sum(0), weights, mm=_grouped_mm)
     return comm.all_to_all_rows(y[order.argsort()], splits, splits, group, dim=dim, label=f"moe.combine[{layer}]")
 
 

@@ -21,7 +21,7 @@ outside, through the slots ``Experts.dispatch`` and ``MoE.totals`` (meshpar/para
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,7 @@ class LocalExperts:
     """What fills ``Experts.dispatch`` by default: every expert's rows computed on this rank."""
 
     def __call__(self, experts: Experts, x: Tensor, counts: Tensor) -> Tensor:
-        return swiglu_experts(x, experts.w1, experts.w2, experts.w3, counts, experts.kernel)
+        return experts.compute(x, counts, experts.weights())
 
 
 class LocalTotals:
@@ -109,7 +109,14 @@ class Experts(nn.Module):
     """E SwiGLU experts, stacked: w1, w3[E, F, D], w2[E, D, F] (each slice is an nn.Linear weight).
 
     Slot: ``dispatch(experts, x[S, D], counts[E]) -> [S, D]`` runs the experts on rows sorted by
-    expert (``LocalExperts`` unless expert parallelism filled it)."""
+    expert (``LocalExperts`` unless expert parallelism filled it).
+
+    What a family's experts promise to expert parallelism and the planner (a family with other
+    experts subclasses this): ``stacked`` names every parameter whose dim 0 is the expert, which
+    ep shards on that dim; ``compute`` runs any run of experts from those tensors (all of them, or
+    one rank's share), with ``mm`` the per-expert matmul."""
+
+    stacked: tuple[str, ...] = ("w1", "w2", "w3")
 
     def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -121,6 +128,16 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         return self.dispatch(self, x, counts)
+
+    def weights(self) -> dict[str, Tensor]:
+        """The ``stacked`` parameters by name (DTensors under ep: ``compute`` wants their local parts)."""
+        return {name: getattr(self, name) for name in self.stacked}
+
+    def compute(self, x: Tensor, counts: Tensor, weights: Mapping[str, Tensor],
+                mm: Callable[[Tensor, Tensor, Tensor, Kernel], Tensor] = grouped_mm) -> Tensor:
+        """x[S, D] sorted by expert, counts[L] -> [S, D], for the L experts whose ``stacked`` tensors
+        ``weights`` holds ([L, ...] each)."""
+        return swiglu_experts(x, weights["w1"], weights["w2"], weights["w3"], counts, self.kernel, mm)
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         _trunc_normal(init, self.w1, std)
