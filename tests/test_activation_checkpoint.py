@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpar.models.llama import LLAMA_SIZES, Transformer
+from meshpar.models.moe.family import MOE
 from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing, not_kept
 from meshpar.profiling.memory import AllocationTracker, Category
 from tests.helpers import build_model
@@ -84,7 +85,8 @@ def test_bad_mode():
 
 def _moe_model(mode: str):
     model = build_model("qwen3_moe", n_layers=4, mlp_only_layers=(), max_seq_len=256)
-    return apply_activation_checkpointing(model, mode)
+    sparse = [i for i, _ in MOE.sparse_layers(model)]
+    return apply_activation_checkpointing(model, mode, forget=MOE.forget, leaving=sparse)
 
 
 def _moe_backward(model) -> tuple[dict[str, torch.Tensor], list, int]:

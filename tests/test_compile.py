@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from meshpar.models.llama import Transformer
 from meshpar.models.llama.args import ModelArgs
+from meshpar.models.moe.family import MOE
 from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshpar.parallel.parallelize import apply_compile
 from tests.helpers import build_model
@@ -130,7 +131,7 @@ def test_checkpointed_moe_blocks_stay_eager_and_let_go_of_their_recompute():
 
     model = build_model("qwen3_moe", n_layers=3, mlp_only_layers=(1,), max_seq_len=32)
     args = model.args
-    apply_activation_checkpointing(model, "full")
+    apply_activation_checkpointing(model, "full", forget=MOE.forget, leaving=[i for i, _ in MOE.sparse_layers(model)])
     assert [sets_side_outputs_under_checkpoint(b) for b in model.layers.values()] == [True, False, True]
     before = [b.forward for b in model.layers.values()]
     apply_compile(model)

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from meshpar.distributed import comm_record
 from meshpar.models.moe import MoEArgs, MoETransformer
+from meshpar.models.moe.family import MOE
 from meshpar.parallel.expert_parallel import apply_expert_parallel
 from meshpar.train import train
 from tests.distributed import CaseSet, run_distributed
@@ -64,7 +65,7 @@ def _case_parity(mesh) -> dict:
                for s in range(STEPS)]
     ref = _build()
     model = copy.deepcopy(ref)
-    apply_expert_parallel(model, mesh)
+    apply_expert_parallel(MOE.sparse_layers(model), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     out = {"loss": [], "ref_loss": [], "aux": [], "ref_aux": [], "counts": [], "ref_counts": [], "sent": [],
@@ -126,7 +127,7 @@ def _case_parity(mesh) -> dict:
 def _case_bad_degree(mesh):
     """6 experts over 4 ranks."""
     try:
-        apply_expert_parallel(MoETransformer(dataclasses.replace(ARGS, n_experts=6)), mesh)
+        apply_expert_parallel(MOE.sparse_layers(MoETransformer(dataclasses.replace(ARGS, n_experts=6))), mesh)
     except ValueError as e:
         return str(e)
     return None

@@ -2,7 +2,7 @@
 
 (a) the [model] keys aux_loss_coef, capacity_factor, aux_free_bias, bias_update_rate reach MoEArgs
     of both families, and bad values stop before launch with the key and the fix; (b) the expert
-    loads a step counts (meshpar.training.step.count_expert_load) against the slots the model keeps on a
+    loads a step counts (meshpar.models.moe.part.MoEPart.expert_load) against the slots the model keeps on a
     batch built to overflow two experts; (c) meshpar train's metrics.jsonl load figures against a
     direct count (each router's top-k over the same global batch, float64) on one rank and on two
     gloo ranks summed, and the logged aux_loss as coef x the layers' loss; (d) `meshpar train` for
@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from meshpar.config import recipe as recipelib
 from meshpar.data import BatchLoader
 from meshpar.models.moe import MoEArgs, MoETransformer
+from meshpar.models.moe.family import MOE
 from meshpar.train import train
 from meshpar.training.metrics import expert_load_fields, format_record
 from meshpar.training.preflight import check_model, preflight
-from meshpar.training.step import count_expert_load, sparse_layers
 from tests.distributed import run_distributed
 from tests.helpers import ROOT, SMALL, load_recipe, train_on_rank
 from tests.parity import TOL, default_dtype, in_float64
@@ -129,8 +129,8 @@ def test_dropped_slots_equal_what_capacity_implies_on_an_overflowing_batch():
     tokens = torch.randint(0, 32, (2, 8))
     with torch.no_grad():
         model(tokens)
-    assert [i for i, _ in sparse_layers(model)] == [0, 2]
-    load = count_expert_load(model, tokens.numel())
+    assert [i for i, _ in MOE.sparse_layers(model)] == [0, 2]
+    load = MOE.expert_load(model, tokens.numel())
     assert load.tolist() == [[[16, 16, 0, 0]] * 2, [[8, 8, 0, 0]] * 2]
     assert all(torch.equal(k, torch.tensor([8, 8, 0, 0])) for k in kept)
     fields = expert_load_fields([0, 2], load, dropped=True)
@@ -147,7 +147,7 @@ def test_dropped_slots_equal_what_capacity_implies_on_an_overflowing_batch():
     tokens = torch.randint(0, 32, (4, 16))
     with torch.no_grad():
         model(tokens)
-    routed, dropped = count_expert_load(model, tokens.numel())
+    routed, dropped = MOE.expert_load(model, tokens.numel())
     assert dropped.sum() > 0, "nothing dropped: the case tests nothing"
     assert torch.equal(routed - dropped, torch.stack(kept))
     assert (routed.sum(1) == tokens.numel() * 2).all()

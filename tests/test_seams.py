@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from meshpar.models.attention import CausalAttention, SequencePositions
+from meshpar.models.moe.family import MOE
 from meshpar.models.moe.model import ChosenSlots, LocalExperts, LocalTotals
 from meshpar.parallel import expert_parallel as eplib
 from meshpar.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed
@@ -72,7 +73,7 @@ def test_context_parallelism_fills_slots_and_replaces_no_method(attention):
 
 def test_expert_parallel_slots_replace_no_method():
     model = build_model("qwen3_moe")
-    eplib.route_over_sequence(model, tp=None, cp=None)
+    eplib.route_over_sequence(MOE.sparse_layers(model), tp=None, cp=None)
     for moe in model.moe_layers():
         moe.experts.dispatch = eplib.ExpertParallelDispatch(_Mesh(), 0)  # what apply_expert_parallel sets
     assert all(isinstance(m.totals, eplib.SequenceTotals) for m in model.moe_layers())

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -79,13 +79,13 @@ def _selective_contexts():
 
 
 def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | None,
-                  side_outputs: bool) -> Callable:
+                  forget: Callable[[nn.Module], None] | None) -> Callable:
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return forward(*args, **kwargs)
         extra = {"context_fn": context_fn} if context_fn is not None else {}
-        if not side_outputs:  # nothing to let go of; and compiled (apply_compile), no counter for dynamo
+        if forget is None:  # nothing to let go of; and compiled (apply_compile), no counter for dynamo
             return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
         calls = 0
 
@@ -96,7 +96,7 @@ def _checkpointed(block: nn.Module, forward: Callable, context_fn: Callable | No
                 return forward(*a, **k)
             finally:  # also when the recompute stops early (torch raises out of it)
                 if calls > 1:
-                    _drop_side_outputs(block)
+                    forget(block)
 
         return checkpoint(once_then_recompute, *args, use_reentrant=False, preserve_rng_state=False, **extra,
                           **kwargs)
@@ -110,39 +110,35 @@ def is_checkpointed(block: nn.Module) -> bool:
 
 
 def sets_side_outputs_under_checkpoint(block: nn.Module) -> bool:
-    """Whether ``block`` is checkpointed and its forward sets module attributes (an MoE layer's
-    ``aux_loss``): a side effect dynamo refuses inside checkpoint, so compiling it would graph-break
-    ([Note: a recompute's side outputs])."""
+    """Whether ``block`` is checkpointed and its forward leaves side outputs on its modules (an MoE
+    layer's routing record): a side effect dynamo refuses inside checkpoint, so compiling it would
+    graph-break ([Note: a recompute's side outputs])."""
     return (wrapped_by(block, "checkpoint") or {}).get("side_outputs", False)
 
 
 # [Note: a recompute's side outputs]
 # A block may leave results on its modules besides its return value: a mixture-of-experts layer
-# sets ``aux_loss``, a graph over the layer's input and router probabilities that the step adds
-# to the loss. The recompute in backward runs the same forward, so it sets ``aux_loss`` again,
+# keeps its ``aux_loss``, a graph over the layer's input and router probabilities that the step adds
+# to the loss. The recompute in backward runs the same forward, so it leaves ``aux_loss`` again,
 # and nothing consumes that second graph: held by the module, it would keep every recomputed
 # layer's input and probabilities alive until the step dropped it after the whole backward
-# (docs/performance.md#activation-checkpointing-of-sparse-layers). The wrapper drops them as soon
-# as the recompute returns; the forward's own (first call) stay for the loss. Under torch.compile
-# the setting of aux_loss inside checkpoint is a side effect dynamo refuses: such a block would
-# graph-break and run eagerly without this wrapper, so apply_compile leaves it uncompiled instead
-# (parallelize.py).
-_SIDE_OUTPUTS = ("aux_loss",)
+# (docs/performance.md#activation-checkpointing-of-sparse-layers). The wrapper lets go of them
+# (``forget``, the family's ``MoEPart.forget``) as soon as the recompute returns; the forward's own
+# (first call) stay for the loss. Under torch.compile the setting of aux_loss inside checkpoint is a
+# side effect dynamo refuses: such a block would graph-break and run eagerly without this wrapper,
+# so apply_compile leaves it uncompiled instead (parallelize.py).
 
 
-def _drop_side_outputs(block: nn.Module) -> None:
-    for module in block.modules():
-        for name in _SIDE_OUTPUTS:
-            if getattr(module, name, None) is not None:
-                setattr(module, name, None)
-
-
-def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, *,
+                                   forget: Callable[[nn.Module], None] | None = None,
+                                   leaving: Collection[int] = ()) -> nn.Module:
     """Checkpoint the blocks of ``model.layers`` whose global index is a multiple of ``every``.
 
     ``mode``: ``none`` (no change), ``full`` or ``selective``. Blocks are chosen by their key in
     ``model.layers`` (the index in the whole model), so a pipeline stage checkpoints the same
-    blocks the whole model would.
+    blocks the whole model would. ``forget(block)``: drops the side outputs a forward of a block
+    whose index is in ``leaving`` leaves (the family's ``MoEPart.forget`` and its sparse layers;
+    [Note: a recompute's side outputs]).
     """
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode '{mode}': choose one of {', '.join(MODES)}")
@@ -154,7 +150,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) 
     for key, block in model.layers.items():
         if int(key) % every == 0:
             # no dropout in meshpar's models, so the RNG state need not be replayed
-            side_outputs = any(hasattr(m, name) for m in block.modules() for name in _SIDE_OUTPUTS)
-            wrap_forward(block, "checkpoint", lambda forward: _checkpointed(block, forward, context_fn, side_outputs),  # noqa: B023 - called at once
-                         side_outputs=side_outputs)
+            leaves = forget if int(key) in leaving else None
+            wrap_forward(block, "checkpoint", lambda forward: _checkpointed(block, forward, context_fn, leaves),  # noqa: B023 - called at once
+                         side_outputs=leaves is not None)
     return model

@@ -1,7 +1,7 @@
 """Expert parallelism: each MoE layer's experts split over the ``ep`` ranks; token slots travel to
 the rank that holds their expert and come back, by all-to-all.
 
-    apply_expert_parallel(model, ep_mesh)   # a 1-D DeviceMesh named "ep"
+    apply_expert_parallel(family.moe.sparse_layers(model), ep_mesh)   # a 1-D DeviceMesh named "ep"
 
 Every expert weight (``Experts.stacked``: ``layers.{i}.moe.experts.{w1,w2,w3}`` ``[E, ...]``) becomes a DTensor
 ``Shard(0)`` over ``ep``: rank r holds experts ``r * E/ep ... (r + 1) * E/ep - 1``, so checkpoints
@@ -23,13 +23,15 @@ Notes: [Note: expert-parallel dispatch], [Note: the tp ranks are data-parallel f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshpar.distributed import comm
-from meshpar.models.moe.model import Experts
+from meshpar.models.moe.model import Experts, MoE
 
 # [Note: expert-parallel dispatch]
 # ``MoE.forward`` hands the experts its slots sorted by expert, ``x[S, D]`` with ``counts[E]``. With
@@ -61,15 +63,12 @@ from meshpar.models.moe.model import Experts
 # the experts over tp instead (Megatron) gathers every token to every tp rank, for weights FSDP shards.
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Split every MoE layer's experts over ``mesh`` (1-D) and route token slots by all-to-all
-    ([Note: expert-parallel dispatch]). ``model``: a MoE transformer with its values (each rank the
-    same), or on meta."""
+def apply_expert_parallel(layers: Sequence[tuple[int, MoE]], mesh: DeviceMesh) -> None:
+    """Split the experts of every ``(block index, MoE layer)`` of ``layers`` (the family's
+    ``moe.sparse_layers(model)``) over ``mesh`` (1-D) and route token slots by all-to-all ([Note:
+    expert-parallel dispatch]). The layers hold their values (each rank the same), or are on meta."""
     n = mesh.size()
-    for layer, block in model.layers.items():
-        moe = getattr(block, "moe", None)
-        if moe is None:
-            continue
+    for layer, moe in layers:
         experts = moe.experts
         if moe.n_experts % n:
             raise ValueError(f"{moe.n_experts} experts do not split over ep = {n} ranks; choose an ep degree that "
@@ -78,7 +77,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
             weight = getattr(experts, name)
             sharded = distribute_tensor(weight.detach(), mesh, [Shard(0)])
             setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
-        experts.dispatch = ExpertParallelDispatch(mesh, int(layer))
+        experts.dispatch = ExpertParallelDispatch(mesh, layer)
 
 
 class ExpertParallelDispatch:
@@ -111,11 +110,11 @@ def _dispatch(experts: Experts, mesh: DeviceMesh, layer: int, x: Tensor, counts:
                                 label=f"moe.combine[{layer}]")
 
 
-def route_over_sequence(model: nn.Module, tp: DeviceMesh | None, cp: DeviceMesh | None) -> None:
+def route_over_sequence(layers: Sequence[tuple[int, MoE]], tp: DeviceMesh | None, cp: DeviceMesh | None) -> None:
     """Each MoE layer's routing statistics over the whole sequence when tp or cp ranks hold slices
     of it: [Note: the tp ranks are data-parallel for the experts], [Note: routing statistics over
-    the whole forward]."""
-    for moe in model.moe_layers():
+    the whole forward]. ``layers``: (block index, MoE layer), the family's ``moe.sparse_layers(model)``."""
+    for _, moe in layers:
         moe.totals = SequenceTotals(tp, cp)
 
 

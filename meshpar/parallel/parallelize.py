@@ -8,12 +8,14 @@ only local shards are ever allocated. Model files hold no parallel code; this mo
 pipeline package and each family's plan table (``models/<family>/parallelize.py``, data this
 module applies: ``family.plan(args, layout.tp)``) do.
 
-    stages = build(family.model_cls, args, family.plan(args, layout.tp), mesh, recipe.parallel, device, seed)
+    stages = build(family, args, mesh, recipe.parallel, device, seed)
 
 With ``pp = 1`` there is one stage: the whole model.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,6 +35,10 @@ from meshpar.parallel.pipeline import SCHEDULES, split
 from meshpar.parallel.tensor_parallel.checks import check_fsdp_over_tp
 from meshpar.parallel.tensor_parallel.plan import TPPlan, apply_tp
 from meshpar.parallel.wrap import wrap_forward
+
+if TYPE_CHECKING:
+    from meshpar.models.family import Family
+    from meshpar.models.moe.part import MoEPart
 
 
 def mixed_precision(cfg: ParallelConfig, *, logits_out: bool) -> MixedPrecisionPolicy:
@@ -64,12 +70,13 @@ def apply_compile(model: nn.Module) -> None:
             wrap_forward(block, "compile", torch.compile)
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
+def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, moe: MoEPart | None = None) -> None:
     """One FSDP unit per block, then the stage root (embeddings, final norm, output), on the
     ``dp_shard`` mesh (``dp_replicate x dp_shard`` when hybrid; ``dp_shard`` flattened with ``cp``
     under context parallelism: ``Mesh.fsdp``) of the same parent mesh as ``tp``.
     Under pipelining units keep their parameters through backward: the schedule runs every
-    microbatch's forward before the backwards finish, so resharding would all-gather per microbatch."""
+    microbatch's forward before the backwards finish, so resharding would all-gather per microbatch.
+    ``moe``: the family's mixture-of-experts part, whose sparse layers get units of their own."""
     layout = mesh.layout
     dp_mesh = mesh.fsdp  # dp_shard (x cp), replicas outermost
     reshard = cfg.reshard_after_forward and layout.pp == 1
@@ -83,24 +90,25 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> None:
     # reshards: kept, the last block's gathered parameters sit beside the logits at the loss, and
     # every shipped single-stage recipe's planned peak rose, for one block's all-gather a step,
     # which the time model prices as overlapped (docs/performance.md#the-last-block-after-forward).
-    for block in model.layers.values():
-        moe = getattr(block, "moe", None)
-        if moe is not None and (layout.ep > 1 or layout.tp > 1):
+    sparse = dict(moe.sparse_layers(model)) if moe is not None else {}
+    for key, block in model.layers.items():
+        layer = sparse.get(int(key))
+        if layer is not None and (layout.ep > 1 or layout.tp > 1):
             # the sparse layer's own units first, over the ranks that route different tokens through
             # them (mesh.sparse): a gradient there sums every such rank's token slots, so it is
             # averaged over the ranks with a loss of their own (dp x cp), not over the ranks of its
             # mesh (the tp ranks share one loss)
             layer_mesh, experts_mesh = mesh.sparse
             if layout.ep > 1:  # the experts, over the dp_shard ranks ep leaves (their DTensors span ep)
-                fully_shard(moe.experts, mesh=experts_mesh, reshard_after_forward=reshard, mp_policy=block_mp,
+                fully_shard(layer.experts, mesh=experts_mesh, reshard_after_forward=reshard, mp_policy=block_mp,
                             **extras)
-                moe.experts.set_gradient_divide_factor(layout.dp * layout.cp)
+                layer.experts.set_gradient_divide_factor(layout.dp * layout.cp)
             if layout.tp > 1:  # router (and experts without ep) over dp_shard (x cp) x tp
-                fully_shard(moe, mesh=layer_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **extras)
-                moe.set_gradient_divide_factor(layout.dp * layout.cp)
+                fully_shard(layer, mesh=layer_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **extras)
+                layer.set_gradient_divide_factor(layout.dp * layout.cp)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=block_mp, **extras)
     # the root keeps its parameters after forward (None), backward needs them first
-    logits_out = not getattr(model, "head_in_loss", False)  # else h[B, T, D], for the head in the loss
+    logits_out = not model.head_in_loss  # else h[B, T, D], for the head in the loss (every family's slot)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False,
                 mp_policy=mixed_precision(cfg, logits_out=logits_out), **extras)
 
@@ -126,14 +134,15 @@ def check_mixed_precision(cfg: ParallelConfig, layout) -> None:
 
 
 def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, tp_plan: TPPlan, *,
-                            float8: str = "none", cp_flex: bool = False) -> nn.Module:
+                            moe: MoEPart | None = None, float8: str = "none", cp_flex: bool = False) -> nn.Module:
     """Tensor parallel -> activation checkpointing -> compile -> FSDP on one stage (or the whole
     model) built on meta. ``tp_plan`` is the family's plan table (``family.plan(args, layout.tp)``). FSDP shards
     over ``dp_shard x cp`` (``Mesh.fsdp``: the cp ranks hold the same parameters); with both 1 no
     FSDP unit is made and the training step averages gradients over ``dp_replicate``
     (meshpar.parallel.data_parallel), except on one rank with mixed precision (``one_device_fsdp``).
     ``float8``: ``model.float8`` the stage was converted with; tensorwise takes torchao's float8 TP styles.
-    ``cp_flex``: cp attention on flex_attention (``parallel.cp_flex``, on a CUDA device only)."""
+    ``cp_flex``: cp attention on flex_attention (``parallel.cp_flex``, on a CUDA device only). ``moe``: the
+    family's mixture-of-experts part (``Family.moe``), None for a dense family."""
     layout = mesh.layout
     check_fsdp_over_tp(tp_plan, layout.tp, layout.dp_shard)  # a plan that cannot be sharded yet
     if layout.tp > 1:
@@ -141,24 +150,27 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
                  restyle=float8_tp_style if float8 == "tensorwise" else None)
     if layout.cp > 1:
         apply_context_parallel(model, mesh["cp"], attention=cfg.cp_attention, tp=layout.tp, flex=cp_flex)
-    if hasattr(model, "moe_layers") and (layout.tp > 1 or layout.cp > 1):
-        route_over_sequence(model, mesh["tp"] if layout.tp > 1 else None, mesh["cp"] if layout.cp > 1 else None)
+    layers = moe.sparse_layers(model) if moe is not None else []
+    if layers and (layout.tp > 1 or layout.cp > 1):
+        route_over_sequence(layers, mesh["tp"] if layout.tp > 1 else None, mesh["cp"] if layout.cp > 1 else None)
     if layout.ep > 1:
-        apply_expert_parallel(model, mesh.ep)
-    apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every)
+        apply_expert_parallel(layers, mesh.ep)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every,
+                                   forget=moe.forget if moe is not None else None, leaving=[i for i, _ in layers])
     if cfg.compile:
         apply_compile(model)
     mixed = cfg.param_dtype != "float32" or cfg.reduce_dtype != "float32"
     if layout.dp_shard * layout.cp > 1 or (mixed and one_device_fsdp(layout)):  # Mesh.fsdp: dp_shard x cp
-        apply_fsdp(model, mesh, cfg)
+        apply_fsdp(model, mesh, cfg, moe)
     return model
 
 
-def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: ParallelConfig,
-          device: torch.device, seed: int, *, float8: str = "none", float8_emulate: bool = False,
+def build(family: Family, args, mesh: Mesh, cfg: ParallelConfig, device: torch.device, seed: int, *,
+          float8: str = "none", float8_emulate: bool = False,
           head_in_loss: bool = False) -> list[tuple[int, nn.Module]]:
     """This rank's stages of the model, parallelized and initialized: ``[(stage index, module)]``.
-    ``tp_plan``: the family's plan table, ``family.plan(args, layout.tp)``. ``float8``: ``model.float8``, its
+    ``family``: what the model is (its class, plan table ``family.plan(args, tp)`` and mixture-of-experts
+    part, meshpar/models/family.py). ``float8``: ``model.float8``, its
     linear layers converted first (meshpar/parallel/float8.py). ``head_in_loss``: the stage holding the
     output projection returns hidden states and the loss applies it (``train.loss_chunks``,
     meshpar/training/loss.py).
@@ -167,8 +179,9 @@ def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: Pa
     initialization each holds exactly the values of the same layers of the whole model.
     """
     with torch.device("meta"):
-        whole = model_cls(args)
+        whole = family.model_cls(args)
     layout = mesh.layout
+    tp_plan = family.plan(args, layout.tp)
     if layout.pp > 1:
         style = SCHEDULES[cfg.pp_schedule].style
         stages = split(whole, mesh["pp"].get_local_rank(), layout.pp, virtual=cfg.pp_virtual_stages, style=style,
@@ -182,7 +195,7 @@ def build(model_cls: type[nn.Module], args, tp_plan: TPPlan, mesh: Mesh, cfg: Pa
             apply_float8(stage, float8, emulate=float8_emulate, fsdp_all_gather=float8_all_gather(float8, layout))
         # still on meta: shards only from here on
         cp_flex = cfg.cp_flex and torch.device(device).type == "cuda"  # CPU flex has no backward for the gather
-        stage = parallelize_transformer(stage, mesh, cfg, tp_plan, float8=float8, cp_flex=cp_flex)
+        stage = parallelize_transformer(stage, mesh, cfg, tp_plan, moe=family.moe, float8=float8, cp_flex=cp_flex)
         stage.to_empty(device=device)
         torch.manual_seed(seed)
         stage.init_weights()

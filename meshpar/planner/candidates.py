@@ -47,7 +47,7 @@ from meshpar.parallel.context_parallel.apply import ATTENTIONS
 from meshpar.parallel.parallelize import check_mixed_precision
 from meshpar.parallel.pipeline import check_microbatches, stage_layers
 from meshpar.planner.cost import _stage_flops_per_token, default_efficiency, float8_rate, host_share
-from meshpar.training.preflight import check_context_parallel
+from meshpar.training.preflight import check_context_parallel, check_model
 
 AC_MODES = ("none", "selective", "full")
 GRAD_REDUCE = ("step", "microbatch")
@@ -167,8 +167,7 @@ def candidates(base: list[str], gpus: int, profile: HardwareProfile, gpus_per_no
     the ``pinned`` keys' values (``configs``), best bound first; among equal bounds, the smaller
     memory first (``memory_key``)."""
     recipe = recipelib.load(path, base)
-    family = get_family(recipe.model.family)
-    args = family.model_args(recipe.model)
+    family, args = check_model(recipe)
     t, dims = recipe.train, family.mesh_dims
     pinned = pinned or {}
     fixed = {k.split(".")[1]: v for k, v in pinned.items() if k.split(".")[1] in DEGREES}
@@ -241,7 +240,8 @@ def upper_bound(args, recipe: Recipe, pp: int, tp: int, cp: int, dp: int, n: int
     worst = 0.0
     for i, layers in enumerate(stage_layers(args.n_layers, pp)):
         _, executed, in_float8 = _stage_flops_per_token(args, layers, i == pp - 1, p.activation_checkpoint,
-                                                        p.ac_every, t.seq_len, float8=float8)
+                                                        p.ac_every, t.seq_len, float8=float8,
+                                                        sparse=get_family(recipe.model.family).moe is not None)
         compute = ((executed - in_float8) / peak + in_float8 / peak8) * t.global_batch * t.seq_len / dp / cp / tp
         compute /= efficiency
         gathered = 1 if float8 == "tensorwise" else itemsize  # tensorwise all-gathers activations in float8

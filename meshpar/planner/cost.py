@@ -25,6 +25,7 @@ import torch
 from meshpar.config.hardware import HardwareProfile
 from meshpar.config.recipe import Recipe
 from meshpar.distributed.mesh import DIMS, Layout
+from meshpar.models import get_family
 from meshpar.parallel.context_parallel import flex as flexlib
 from meshpar.training.loss import layout_chunks
 
@@ -91,10 +92,11 @@ def ring_slowdown(recipe: Recipe, cp: int, device: str) -> float:
 FLOAT8_MATMUL = {"tensorwise": 0.69, "rowwise": 0.57, "rowwise_with_gw_hp": 0.57}
 
 
-def float8_params_per_block(args) -> float:
+def float8_params_per_block(args, *, sparse: bool = False) -> float:
     """Weights per block in the linear layers ``model.float8`` converts: every block linear (all of a
-    shipped model's dims are multiples of 16), or for a mixture of experts the attention projections only."""
-    if hasattr(args, "inactive_params"):
+    shipped model's dims are multiples of 16), or for a mixture of experts (``sparse``: the family has a
+    ``moe`` part) the attention projections only."""
+    if sparse:
         d, dh = args.dim, args.resolved_head_dim
         return d * args.n_heads * dh * 2 + d * args.n_kv_heads * dh * 2  # wq, wo; wk, wv
     return (args.matmul_params() - args.vocab_size * args.dim) / args.n_layers
@@ -106,9 +108,9 @@ def float8_rate(profile: HardwareProfile, mode: str) -> float:
     return profile.peak_flops(torch.float8_e4m3fn) * FLOAT8_MATMUL[mode]
 
 
-def float8_gathered_share(args, n_params: int) -> float:
+def float8_gathered_share(args, n_params: int, *, sparse: bool = False) -> float:
     """The share of the parameters FSDP gathers in float8 under tensorwise: the converted weights."""
-    return float8_params_per_block(args) * args.n_layers / n_params
+    return float8_params_per_block(args, sparse=sparse) * args.n_layers / n_params
 
 
 def host_share(profile: HardwareProfile, world_size: int, gpus_per_node: int) -> int:
@@ -205,7 +207,7 @@ def _link(dim: str, layout: Layout, gpus_per_node: int, profile: HardwareProfile
 
 def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: int, seq_len: int, *,
                            ring: bool = False, ring_slowdown: float = 1.0, float8: str = "none",
-                           head_recomputed: bool = False) -> tuple[float, float, float]:
+                           head_recomputed: bool = False, sparse: bool = False) -> tuple[float, float, float]:
     """(model FLOPs, executed FLOPs, of those in float8) per token of one pipeline stage: [Note: the time
     model]. ``ring``: cp's attention is the ring, whose forward selective checkpointing recomputes
     ([Note: the ring's overlap]), and whose every attention FLOP costs ``ring_slowdown`` of the gather's
@@ -229,7 +231,7 @@ def _stage_flops_per_token(args, layers: range, last: bool, ac: str, ac_every: i
     if float8 != "none":  # forward (2), input gradient (2), weight gradient (2, or 0 kept in high precision)
         per_weight = 4.0 if float8 == "rowwise_with_gw_hp" else 6.0
         recomputed_forward = checkpointed * 2.0 if ac == "full" else 0.0
-        in_float8 = float8_params_per_block(args) * (per_weight * len(layers) + recomputed_forward)
+        in_float8 = float8_params_per_block(args, sparse=sparse) * (per_weight * len(layers) + recomputed_forward)
     return model, executed, in_float8
 
 
@@ -320,16 +322,18 @@ def step_time(recipe: Recipe, layout: Layout, args, profile: HardwareProfile, ra
     slowdown = ring_slowdown(recipe, layout.cp, profile.device)
     stages = []  # (compute s, critical comm s, DimComms) per stage; the step is set by the largest sum
     float8 = recipe.model.float8
+    sparse = get_family(recipe.model.family).moe is not None
     peak8 = float8_rate(profile, float8) / share if float8 != "none" else peak
     chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, args.vocab_size, layout, p.loss_parallel)
     for r in ranks:
         _, executed, in_float8 = _stage_flops_per_token(args, r.layers, r.stage == layout.pp - 1,
                                                         p.activation_checkpoint, p.ac_every, t.seq_len, ring=ring,
                                                         ring_slowdown=slowdown, float8=float8,
-                                                        head_recomputed=chunks > 1)
+                                                        head_recomputed=chunks > 1, sparse=sparse)
         compute = ((executed - in_float8) / peak + in_float8 / peak8) * tokens / layout.tp / efficiency
         comms = _stage_comms(r, recipe, layout, args, accum, gpn, profile,
-                             float8_gathered_share(args, sum(x.n_params for x in ranks)) if float8 != "none" else 0)
+                             float8_gathered_share(args, sum(x.n_params for x in ranks), sparse=sparse)
+                             if float8 != "none" else 0)
         if ring:
             comms = [dataclasses.replace(c, hidden_s=_ring_hidden(c, recipe, layout, args, len(r.layers), accum,
                                                                   peak * efficiency / slowdown)) if c.dim == "cp" else c

@@ -274,7 +274,7 @@ def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe,
     t = recipe.train  # the loss in chunks: as meshpar.parallel.parallelize.build defers the head
     chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, args.vocab_size, layout, p.loss_parallel)
     stage.head_in_loss = chunks > 1 and stage.head is not None
-    return [(index, parallelize_transformer(stage, mesh, cfg, family.plan(args, layout.tp)))]
+    return [(index, parallelize_transformer(stage, mesh, cfg, family.plan(args, layout.tp), moe=family.moe))]
 
 
 def _placements(p: torch.Tensor) -> str:

@@ -1,6 +1,6 @@
 """A mixture-of-experts step on fake tensors: balanced routing, in the planner's own model only.
 
-    balance_routing(stage)     # the planner's stage, built on meta for the simulation
+    balance_routing(family.moe.sparse_layers(stage))   # the planner's stage, built on meta
     train_step(...)            # inside simulate()'s FakeTensorMode
 
 Limits: the planned memory is a balanced step's. A real step's busiest expert holds more rows than
@@ -12,8 +12,10 @@ Notes: [Note: the planner routes tokens evenly].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from meshpar.distributed import comm
@@ -87,10 +89,11 @@ def _dispatch(experts: moelib.Experts, mesh, layer: int, x: Tensor, counts: Tens
     return comm.all_to_all_rows(y[order.argsort()], splits, splits, group, dim=dim, label=f"moe.combine[{layer}]")
 
 
-def balance_routing(stage: nn.Module) -> None:
-    """Fill the slots of ``stage``'s MoE layers for [Note: the planner routes tokens evenly]. For the
-    planner's own model: a stage built for the simulation and dropped after it."""
-    for moe in stage.moe_layers() if hasattr(stage, "moe_layers") else []:
+def balance_routing(layers: Sequence[tuple[int, moelib.MoE]]) -> None:
+    """Fill the slots of the MoE layers ``layers`` (the family's ``moe.sparse_layers(stage)``) for [Note:
+    the planner routes tokens evenly]. For the planner's own model: a stage built for the simulation
+    and dropped after it."""
+    for _, moe in layers:
         moe.slots = _BalancedSlots()
         ep = moe.experts.dispatch
         if isinstance(ep, eplib.ExpertParallelDispatch):  # as expert parallelism filled it

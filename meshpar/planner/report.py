@@ -38,8 +38,8 @@ def header(plan: Plan) -> str:
 
 def _active(plan: Plan) -> str:
     """", 3,353,032,704 active" for a mixture of experts (total less the experts a token skips)."""
-    inactive = getattr(plan.args, "inactive_params", None)
-    return f", {plan.n_params - inactive():,} active" if inactive else ""
+    moe = get_family(plan.recipe.model.family).moe
+    return f", {plan.n_params - moe.inactive_params(plan.args):,} active" if moe is not None else ""
 
 
 def params_table(r: RankPlan) -> str:

@@ -38,6 +38,7 @@ from meshpar.distributed import comm_record
 from meshpar.distributed._torch import FakeTensorMode, dtensor_shapes_in_own_fake_mode
 from meshpar.distributed.mesh import Mesh
 from meshpar.fsdp import FSDPModule
+from meshpar.models import get_family
 from meshpar.models.attention import Kernels, use_kernels
 from meshpar.parallel.context_parallel import ring as ringlib
 from meshpar.parallel.pipeline import Stage
@@ -213,11 +214,12 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
     n_run = min(accum, 3 if layout.pp > 1 else 2)
     device = torch.device("cpu")
     sync = GradSync.of(mesh, p, recipe.optim)  # flattens Mesh.replicas on real tensors: not under the fake mode
+    moe = get_family(recipe.model.family).moe
     with FakeTensorMode(allow_non_fake_inputs=True), _step_context(nccl):
         for _, stage in stages:
             stage.to_empty(device=device)  # values are never read: no init_weights
             use_kernels(stage, _kernels(nccl, flex=p.cp_flex and nccl))
-            balance_routing(stage)
+            balance_routing(moe.sparse_layers(stage) if moe is not None else [])
             _steady_prefetch(stage)
         (index, stage), = stages  # one stage per rank (checked by the planner)
         tokens = torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long)
@@ -229,7 +231,7 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
         microbatches = [(tokens, tokens)] * n_run
         chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, stage.args.vocab_size, layout, p.loss_parallel)
         loss = TokenLoss(last_head([stage]), chunks)
-        model = Model(torch.nn.ModuleList([stage]), None, layout.tp > 1 and p.loss_parallel, loss=loss)
+        model = Model(torch.nn.ModuleList([stage]), None, layout.tp > 1 and p.loss_parallel, loss=loss, moe=moe)
         pipe = None
         if layout.pp > 1:
             pipe = Stage(stage, index, layout.pp, device, mesh["pp"].get_group(), p.grad_reduce == "microbatch")

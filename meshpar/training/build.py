@@ -64,8 +64,7 @@ def build_model(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     p, m, t = recipe.parallel, recipe.model, recipe.train
     chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, checked.args.vocab_size, mesh.layout,
                            p.loss_parallel)
-    plan = checked.family.plan(checked.args, mesh.layout.tp)
-    stages = build(checked.family.model_cls, checked.args, plan, mesh, p, device, t.seed, float8=m.float8,
+    stages = build(checked.family, checked.args, mesh, p, device, t.seed, float8=m.float8,
                    float8_emulate=m.float8_emulate, head_in_loss=chunks > 1)
     loss = TokenLoss(last_head(m for _, m in stages), chunks)
     pipeline = None
@@ -77,7 +76,8 @@ def build_model(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: 
     if float8lib.float8_all_gather(m.float8, mesh.layout):
         after_step = functools.partial(float8lib.precompute_scales, modules)
     around_step = functools.partial(float8lib.around_step, m.float8, mesh["tp"] if mesh.layout.tp > 1 else None)
-    return Model(modules, pipeline, mesh.layout.tp > 1 and p.loss_parallel, after_step, around_step, loss)
+    return Model(modules, pipeline, mesh.layout.tp > 1 and p.loss_parallel, after_step, around_step, loss,
+                 checked.family.moe)
 
 
 def float8_line(recipe: Recipe, model: Model, mesh: meshlib.Mesh) -> str:
@@ -89,7 +89,7 @@ def float8_line(recipe: Recipe, model: Model, mesh: meshlib.Mesh) -> str:
         gather += (", tensor-parallel activations gathered in float8 (layers without a bias)"
                    if m.float8 == "tensorwise" else ", tensor-parallel activations gathered in high precision")
     left = [name for stage in model.stages for name, mod in stage.named_modules() if type(mod) is torch.nn.Linear]
-    experts = " | mixture-of-experts experts stay in high precision" if hasattr(model.stages[0], "moe_layers") else ""
+    experts = " | mixture-of-experts experts stay in high precision" if model.moe is not None else ""
     return (f"meshpar: float8 {m.float8}{' (emulated)' if m.float8_emulate else ''}, {gather} | left in high "
             f"precision: {', '.join(left) or 'none'}{experts}")
 

@@ -50,7 +50,6 @@ from meshpar.training.step import (
     GradSync,
     Model,
     StepResult,
-    model_sparse_layers,
     train_step,
 )
 
@@ -209,7 +208,7 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
                                                 collective_timeout(recipe.fault.timeout, device.type))
     sync = GradSync.of(mesh, recipe.parallel, recipe.optim, groups=groups, jobs=replica_jobs(recipe))
     guard = NonFiniteGuard(t.on_nonfinite, t.max_skips, model.stages)
-    moe_layers = model_sparse_layers(model.stages[0])  # block index of each, on every stage
+    moe_layers = model.moe.model_sparse_layers(checked.args) if model.moe is not None else []  # block indices
     clock = _throughput(recipe, checked, profile, info, device, start_step)
     stopped_by = None
     healed = functools.partial(_healed, clock, log, model)

@@ -12,14 +12,16 @@ nothing else of meshpar; ``check_model`` is the part that needs no world size.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from meshpar.config.keys import MOE_KEYS, ModelConfig
 from meshpar.config.recipe import Recipe, RecipeError
 from meshpar.data import BPETokenizer, ByteTokenizer, Corpus, prepare
 from meshpar.data.tokenizer import load_tokenizer
 from meshpar.distributed import mesh as meshlib
-from meshpar.models import Family, get_family
+from meshpar.models import MOE_FAMILIES, Family, get_family
 from meshpar.parallel.context_parallel.ulysses import check_heads
 from meshpar.parallel.parallelize import check_mixed_precision
 from meshpar.parallel.pipeline import SCHEDULES, check_microbatches, stage_layers
@@ -79,6 +81,12 @@ def check_model(recipe: Recipe) -> tuple[Family, Any]:
     Raises RecipeError naming the families, the sizes, or a parallel dim the family cannot run yet."""
     family = get_family(recipe.model.family)  # raises naming the families
     family.check_degrees({dim: getattr(recipe.parallel, dim) for dim in meshlib.DIMS})
+    if family.moe is None:
+        for key in MOE_KEYS:
+            value = getattr(recipe.model, key)
+            if value != getattr(ModelConfig, key):
+                raise RecipeError(f"model.{key} = {json.dumps(value)}: model family '{family.name}' has no experts "
+                                  f"(it applies to {', '.join(MOE_FAMILIES)}); remove it", f"model.{key}")
     args = family.model_args(recipe.model)  # raises naming the sizes
     return family, args
 
@@ -164,7 +172,7 @@ def _check_tokenizer_vocabulary(name: str, vocab_size: int, args: Any) -> None:
                           "data.tokenizer")
 
 
-def _check_sampling(recipe: Recipe, args: Any) -> None:
+def _check_sampling(recipe: Recipe) -> None:
     """train.sample_every: what the sampler in the loop (meshpar/inference/generate.py) runs on."""
     p = recipe.parallel
     for key, value, why in (("pp", p.pp, "a pipeline stage holds part of the model"),
@@ -179,17 +187,12 @@ def _check_sampling(recipe: Recipe, args: Any) -> None:
         raise RecipeError("train.sample_every with parallel.compile = true is not built (each new length would "
                           "recompile the blocks); set train.sample_every = 0, or sample from a checkpoint with "
                           "`meshpar generate`", "train.sample_every")
-    if hasattr(args, "n_experts"):
-        raise RecipeError(f"train.sample_every with the mixture-of-experts family '{recipe.model.family}' is not "
-                          "built (its forwards count expert loads for the step's metrics); set train.sample_every "
-                          "= 0, or sample from a checkpoint with `meshpar generate`", "train.sample_every")
-    if recipe.model.family == "hf":
-        raise RecipeError("train.sample_every with model.family = 'hf' is not built (the sampler runs meshpar's own "
-                          "KV cache; transformers' models keep theirs); set train.sample_every = 0, and sample a "
-                          "converted checkpoint with transformers' generate", "train.sample_every")
-    if not hasattr(args, "rope_theta"):
-        raise RecipeError(f"train.sample_every: model family '{recipe.model.family}' has no KV cache (learned "
-                          "positions); set train.sample_every = 0", "train.sample_every")
+    family = get_family(recipe.model.family)
+    if family.sample_refusal is not None:
+        raise RecipeError(f"train.sample_every with model family '{family.name}' is not built "
+                          f"({family.sample_refusal}); set train.sample_every = 0, or sample a checkpoint "
+                          "(`meshpar generate`, or transformers' generate after `meshpar convert --to hf`)",
+                          "train.sample_every")
 
 
 def preflight(recipe: Recipe, world_size: int) -> Preflight:
@@ -204,7 +207,7 @@ def preflight(recipe: Recipe, world_size: int) -> Preflight:
         raise RecipeError("train.eval_every > 0 needs held-out data; set data.val_fraction > 0 or "
                           "train.eval_every = 0")
     if t.sample_every:
-        _check_sampling(recipe, args)
+        _check_sampling(recipe)
     if recipe.data.tokenizer not in ("bpe", "byte", "auto"):  # a tokenizer file: its vocabulary before tokenizing
         _check_tokenizer_vocabulary(recipe.data.tokenizer, load_tokenizer(recipe.data.tokenizer).vocab_size, args)
     corpus = prepare(recipe.data, recipe.checkpoint.hf_weights)

@@ -22,25 +22,26 @@ The planner (``meshpar/planner/simulate.py``) runs this same function on fake te
 simulated step cannot drift from the real one; it passes ``phase``, a ``model.pipeline`` that runs
 one microbatch at a time, and no optimizer ([Note: what the simulation leaves to arithmetic]).
 
-Notes: [Note: losses do not depend on the layout], [Note: auxiliary losses],
-[Note: auxiliary losses under pipelining], [Note: expert load].
+A mixture-of-experts family's bookkeeping (auxiliary loss, expert loads, bias update) is
+meshpar/training/experts.py's, called where each happens.
+
+Notes: [Note: losses do not depend on the layout].
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpar.config.recipe import OptimConfig, ParallelConfig
-from meshpar.distributed import comm
 from meshpar.distributed.clip import clip_grad_norm_
 from meshpar.distributed.mesh import Mesh
 from meshpar.fsdp import FSDPModule
@@ -48,8 +49,12 @@ from meshpar.parallel.context_parallel.layout import shard_sequence
 from meshpar.parallel.data_parallel import all_reduce_gradients
 from meshpar.parallel.tensor_parallel.plan import loss_parallel_context, reduce_partial_grads
 from meshpar.profiling.capture import label
+from meshpar.training.experts import ExpertTally, update_biases
 from meshpar.training.loss import TokenLoss, plain
 from meshpar.training.nonfinite import NonFiniteGuard
+
+if TYPE_CHECKING:
+    from meshpar.models.moe.part import MoEPart
 
 # [Note: losses do not depend on the layout]
 # Batch sizes are global. Every microbatch has the same number of tokens, each rank's loss
@@ -58,41 +63,6 @@ from meshpar.training.nonfinite import NonFiniteGuard
 # any split of it across ranks and microbatches. Fine-tuning data, where only some targets
 # train, weighs each by the global count instead ([Note: the loss over trained tokens] in
 # meshpar/training/loss.py).
-
-# [Note: auxiliary losses]
-# A model may set ``aux_loss`` in its forward (mixture of experts: [Note: load-balancing loss] in
-# meshpar/models/moe/model.py). The step backpropagates cross-entropy + aux_loss, each divided by
-# ``accum``, the auxiliary loss joined through ``_JoinAux`` on the logits (a plain scalar added to
-# a tensor-parallel loss, a DTensor, would mix the two kinds in backward), and reports them apart:
-# ``loss`` is the cross-entropy alone, comparable with dense models and with validation. A
-# recompute under activation checkpointing sets each layer's ``aux_loss`` again, a graph nothing
-# consumes: the checkpoint wrapper drops it ([Note: a recompute's side outputs] in
-# meshpar/parallel/activation_checkpoint.py), and the step lets go of the layers' ``aux_loss``
-# after each backward, so nothing of a step outlives it (tests/test_moe_metrics.py). A model with
-# ``update_expert_bias`` (aux-free balancing) has it called after each optimizer step with its
-# expert loads summed over the data-parallel ranks.
-
-# [Note: auxiliary losses under pipelining]
-# A pipeline schedule backpropagates the last stage's loss and, on every other stage, the gradient
-# its output receives; a stage's ``aux_loss`` is in neither. While the schedule runs, each stage's
-# forward output passes through ``_JoinAux`` (a forward hook, ``stage_tally``): the identity in
-# forward, and in backward it also hands ``aux_loss`` the gradient 1/accum, so each microbatch's
-# auxiliary loss joins the backward that reaches its stage's output, whichever schedule (split
-# backward passes included: one graph). The hook also sums each microbatch's auxiliary loss and
-# expert loads on this rank; train.py adds them over the pp ranks (the expert loads are sized for
-# the whole model, zero for layers on other stages) before the data-parallel mean.
-
-# [Note: expert load]
-# After each microbatch's forward, each mixture-of-experts layer holds the token slots its router
-# sent to each expert (``MoE.tokens_per_expert``, before any capacity drop). The step sums them
-# over its microbatches into ``expert_load[0]`` ([L_sparse, E], this rank), and into
-# ``expert_load[1]`` the slots over each expert's capacity ceil(capacity_factor * slots / E) in
-# that forward: those the model dropped (``ChosenSlots.drop_over_capacity`` keeps counts.clamp(max=
-# capacity)). Device tensors, no host sync: train.py sums them over the data-parallel ranks and
-# reads them on the steps it logs, with the loss (meshpar.training.metrics.expert_load_fields). They are
-# counted after each forward, not read from the aux-free ``expert_load`` buffers, which activation
-# checkpointing's recompute counts twice.
-
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [micro_batch, seq_len]
 
@@ -118,6 +88,7 @@ class Model:
     around_step: Callable[[], AbstractContextManager] = contextlib.nullcontext
     # a microbatch's mean loss from the last stage's output (whole logits, or chunk by chunk: training/loss.py)
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = TokenLoss()
+    moe: MoEPart | None = None  # the family's mixture-of-experts part (training/experts.py), None when dense
 
     def state_dict(self) -> dict[str, Any]:
         """Parameter names of the whole model: stages hold disjoint blocks under their global names."""
@@ -205,8 +176,8 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
                 return StepResult(loss_sum, grad_norm, None, skipped=True, aux_loss=aux_sum, expert_load=load,
                                   trained=trained)
             lr = maybe_optimizer_step(optimizer, scheduler)
-            if optimizer is not None:
-                maybe_update_expert_bias(model.stages, sync)
+            if optimizer is not None and model.moe is not None:
+                update_biases(model.moe, model.stages, sync.dp)
                 if model.after_step is not None:
                     model.after_step()
     return StepResult(loss_sum, grad_norm, lr, aux_loss=aux_sum, expert_load=load, trained=trained)
@@ -226,18 +197,16 @@ def _forward_backward(model: Model, microbatches: Sequence[Microbatch], accum: i
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Every microbatch's forward and backward: (loss summed, auxiliary loss, expert loads) on this rank."""
     loss_sum = torch.zeros((), device=device)
-    aux_sum: torch.Tensor | None = None
-    load: torch.Tensor | None = None  # [Note: expert load]
+    tally = ExpertTally(model.moe, accum) if model.moe is not None else None
     if model.pipeline is not None:  # the schedule runs every microbatch, forward and backward
-        with stage_tally(model.pipeline.stages, accum, microbatches[0][0].numel()) as tally:
+        tokens = microbatches[0][0].numel()
+        with tally.around_schedule(model.pipeline.stages, tokens) if tally else contextlib.nullcontext():
             loss = model.pipeline.step_microbatches(microbatches)
         if loss is not None:
             loss_sum = loss_sum + plain(loss)
-        aux_sum, load = tally.aux, tally.load
     else:
         stage = model.stages[0]
         sharded = isinstance(stage, FSDPModule)
-        experts = [moe for _, moe in sparse_layers(stage)]
         for i, (inputs, targets) in enumerate(microbatches):
             if sharded:  # FSDP reduce-scatters in the last microbatch's backward (or in each)
                 stage.set_requires_gradient_sync(sync.every_microbatch or i == len(microbatches) - 1)
@@ -245,117 +214,16 @@ def _forward_backward(model: Model, microbatches: Sequence[Microbatch], accum: i
                 inputs, targets = inputs.to(device), targets.to(device)
             with phase("forward", i):
                 out = stage(inputs)
-                aux = getattr(stage, "aux_loss", None)  # [Note: auxiliary losses]
-                if aux is not None:  # its backward joins the loss's (logits may be DTensors)
-                    out = _JoinAux.apply(out, aux, 1.0 / accum)
+                if tally is not None:  # the auxiliary loss joins the backward
+                    out = tally.join(stage, out)
                 loss = model.loss(out, targets) / accum
                 del out  # the logits (or h): backward needs the loss's saved tensors only
             with phase("backward", i):
                 loss.backward()
             loss_sum += plain(loss.detach())
-            if aux is not None:
-                aux_sum = aux.detach() / accum + (0 if aux_sum is None else aux_sum)
-            if experts:
-                count = count_expert_load(stage, inputs.numel())
-                load = count if load is None else load + count
-                for moe in experts:  # [Note: auxiliary losses]: a recompute's graph, let go
-                    moe.aux_loss = None
-    return loss_sum, aux_sum, load
-
-
-def sparse_layers(stage: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    """(block index, ``MoE`` module) of each mixture-of-experts layer of ``stage``; [] for a dense model."""
-    blocks = getattr(stage, "layers", {})
-    return [(int(i), block.moe) for i, block in blocks.items() if getattr(block, "moe", None) is not None]
-
-
-class _JoinAux(torch.autograd.Function):
-    """``output`` unchanged; its backward also sends the gradient ``scale`` into ``aux`` (a scalar):
-    [Note: auxiliary losses under pipelining]."""
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale, ctx.aux = scale, (aux.dtype, aux.device)
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        dtype, device = ctx.aux
-        return grad, torch.tensor(ctx.scale, dtype=dtype, device=device), None
-
-
-@dataclass
-class StageTally:
-    """A pipeline step's auxiliary losses and expert loads on this rank, summed over its microbatches
-    and stages (``aux`` / ``load`` as ``StepResult``'s; None for a dense model)."""
-
-    aux: torch.Tensor | None = None
-    load: torch.Tensor | None = None
-
-
-@contextlib.contextmanager
-def stage_tally(runners: Sequence[Any], accum: int, tokens: int) -> Iterator[StageTally]:
-    """While a pipeline schedule runs: every stage's auxiliary loss joins its backward, and is summed
-    with its expert loads ([Note: auxiliary losses under pipelining]); ``runners``: the schedule's
-    ``meshpar.parallel.pipeline.Stage``s, ``tokens`` per microbatch."""
-    tally = StageTally()
-    moe_runners = [r for r in runners if model_sparse_layers(r.submod)]
-    moe_stages = [r.submod for r in moe_runners]
-    if moe_stages:  # zeros on a rank whose stages hold no sparse layer: train.py reduces over pp
-        first = next(iter(moe_stages[0].parameters()))
-        tally.aux = torch.zeros((), device=first.device)
-        tally.load = torch.zeros((2, len(model_sparse_layers(moe_stages[0])), moe_stages[0].args.n_experts),
-                                 device=first.device, dtype=torch.int64)
-
-    def join(stage: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
-        aux = getattr(stage, "aux_loss", None)
-        if not torch.is_grad_enabled():
-            return output
-        if sparse_layers(stage):
-            tally.load += count_expert_load(stage, tokens)
-        if aux is None:
-            return output
-        tally.aux += aux.detach().to(tally.aux.dtype) / accum
-        return _JoinAux.apply(output, aux, 1.0 / accum)
-
-    for runner in moe_runners:  # [Note: forwards outside the schedule]: only the schedule's own
-        runner.on_output = join
-    try:
-        yield tally
-    finally:
-        for runner in moe_runners:
-            runner.on_output = None
-        for stage in moe_stages:  # [Note: auxiliary losses]: a recompute's graph, let go
-            stage.aux_loss = None
-            for _, moe in sparse_layers(stage):
-                moe.aux_loss = None
-
-
-def model_sparse_layers(stage: torch.nn.Module) -> list[int]:
-    """The block index of every mixture-of-experts layer of the whole model ``stage`` is part of
-    (every pipeline stage keeps the model's args); [] for a dense model."""
-    args = getattr(stage, "args", None)
-    if not hasattr(args, "is_sparse"):
-        return []
-    return [i for i in range(args.n_layers) if args.is_sparse(i)]
-
-
-def count_expert_load(stage: torch.nn.Module, tokens: int) -> torch.Tensor:
-    """[2, L, E] after a forward of ``stage`` over ``tokens`` tokens, L the whole model's sparse
-    layers (``model_sparse_layers``): [0] the token slots each layer's router sent to each expert,
-    [1] those over the expert's capacity, dropped ([Note: expert load]). Layers on other pipeline
-    stages stay zero. The layers share one MoEArgs, so one capacity."""
-    experts = sparse_layers(stage)
-    moe = experts[0][1]
-    routed = torch.stack([m.tokens_per_expert for _, m in experts])  # [L_stage, E]
-    where = {layer: j for j, layer in enumerate(model_sparse_layers(stage))}
-    rows = [where[i] for i, _ in experts]
-    full = routed.new_zeros((2, len(where), routed.shape[1]))
-    full[0, rows] = routed
-    if moe.capacity_factor > 0:
-        capacity = moe.capacity(tokens * moe.top_k)
-        full[1, rows] = (routed - capacity).clamp(min=0)
-    return full
+            if tally is not None:
+                tally.after_backward(stage, inputs.numel())
+    return loss_sum, tally.aux if tally else None, tally.load if tally else None
 
 
 def maybe_reduce_replicas(stages: torch.nn.ModuleList, sync: GradSync) -> None:
@@ -366,18 +234,6 @@ def maybe_reduce_replicas(stages: torch.nn.ModuleList, sync: GradSync) -> None:
     all_reduce_gradients(stages, sync.replicate)
     if sync.tp:
         reduce_partial_grads(stages)
-
-
-def maybe_update_expert_bias(stages: torch.nn.ModuleList, sync: GradSync) -> None:
-    """Aux-free balancing ([Note: auxiliary losses]): sum each stage's expert loads over the
-    data-parallel ranks, so every replica moves its biases alike, then update them."""
-    for stage in stages:
-        if not getattr(getattr(stage, "args", None), "aux_free_bias", False):
-            continue
-        loads = stage.expert_loads()
-        if sync.dp is not None and sync.dp.size() > 1:
-            comm.all_reduce(loads, sync.dp.get_group(), dim="dp")
-        stage.update_expert_bias(loads)
 
 
 def maybe_optimizer_step(optimizer: torch.optim.Optimizer | None,

@@ -66,8 +66,8 @@ def run_mode(mode: str, overrides: list[str], device: torch.device, steps: int, 
     forced = contextlib.nullcontext() if mode == "alias" else comm_record.force_collectives()
     cuda = device.type == "cuda"
     with forced:
-        stages = build(family.model_cls, args, family.tp_plan, mesh, recipe.parallel, device, recipe.train.seed)
-        model = Model(torch.nn.ModuleList(m for _, m in stages), None, False)
+        stages = build(family, args, mesh, recipe.parallel, device, recipe.train.seed)
+        model = Model(torch.nn.ModuleList(m for _, m in stages), None, False, moe=family.moe)
         optimizer = build_optimizer(model.stages, recipe.optim)
         sync = GradSync.of(mesh, recipe.parallel, recipe.optim)
         gen = torch.Generator().manual_seed(0)

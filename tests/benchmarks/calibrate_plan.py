@@ -146,13 +146,14 @@ def build_training(recipe: recipelib.Recipe) -> Training:
     mesh = meshlib.build(layout, "cpu")
     device = torch.device("cpu")
     chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, args.vocab_size, layout, p.loss_parallel)
-    stages = build(family.model_cls, args, family.tp_plan, mesh, p, device, t.seed, head_in_loss=chunks > 1)
+    stages = build(family, args, mesh, p, device, t.seed, head_in_loss=chunks > 1)
     loss = TokenLoss(last_head(m for _, m in stages), chunks)
     pipeline = None
     if layout.pp > 1:
         pipeline = build_schedule(stages, layout.pp, mesh["pp"], device, p.pp_schedule, accum, loss,
                                   reduce_every_microbatch=p.grad_reduce == "microbatch")
-    model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, layout.tp > 1 and p.loss_parallel, loss=loss)
+    model = Model(torch.nn.ModuleList(m for _, m in stages), pipeline, layout.tp > 1 and p.loss_parallel, loss=loss,
+                  moe=family.moe)
     loader = _RandomBatches(accum, t.micro_batch, t.seq_len, args.vocab_size)
     return Training(layout, accum, args, mesh, pipeline, model, build_optimizer(model.stages, recipe.optim), loader,
                     GradSync.of(mesh, p, recipe.optim), device)

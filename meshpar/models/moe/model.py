@@ -10,9 +10,10 @@ Module names: ``layers.{i}.moe.router``, ``layers.{i}.moe.experts.{w1,w2,w3}`` i
 Like the dense families: no parallel code, built on meta then ``to_empty`` + ``init_weights()``,
 blocks in a ``ModuleDict`` keyed by index, forward passes through a missing embedding / norm / output.
 
-After each forward, ``model.aux_loss`` holds the weighted load-balancing loss of that forward (a
-scalar tensor in the graph) for the training step to add to the cross-entropy (meshpar/training/step.py),
-and each ``MoE`` layer's ``tokens_per_expert`` the token slots each expert received.
+After each forward, each ``MoE`` layer keeps its record of that forward: ``aux_loss``, its
+load-balancing loss (a scalar tensor in the graph), and ``tokens_per_expert``, the token slots each
+expert received. ``model.aux_loss`` weighs and sums the first; the family's ``moe`` part
+(meshpar/models/moe/part.py) is what the training step reads them through.
 
 Limits: token-choice routing only; no router jitter or z-loss. Expert parallelism is applied from
 outside, through the slots ``Experts.dispatch`` and ``MoE.totals`` (meshpar/parallel/expert_parallel.py).
@@ -255,22 +256,23 @@ class MoEBlock(TransformerBlock):
 
 
 class MoETransformer(Transformer):
-    """Decoder-only MoE language model: ``forward(tokens[B, T]) -> logits[B, T, V]``; sets
-    ``aux_loss`` (weighted, [Note: load-balancing loss]). Pipeline passthrough as the Llama family's."""
+    """Decoder-only MoE language model: ``forward(tokens[B, T]) -> logits[B, T, V]``; ``aux_loss``
+    reads the last forward's (weighted, [Note: load-balancing loss]). Pipeline passthrough as the
+    Llama family's."""
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__(args)
         self.layers = nn.ModuleDict({str(i): MoEBlock(args, i) for i in range(args.n_layers)})
-        self.aux_loss: Tensor | None = None
 
     def moe_layers(self) -> list[MoE]:
         return [layer.moe for layer in self.layers.values() if layer.moe is not None]
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        out = super().forward(tokens)
+    @property
+    def aux_loss(self) -> Tensor | None:
+        """The weighted [Note: load-balancing loss] of the last forward (a graph over its sparse
+        layers' records), or None when this model (a pipeline stage) holds no sparse layer."""
         losses = [moe.aux_loss for moe in self.moe_layers() if moe.aux_loss is not None]
-        self.aux_loss = self.args.router_aux_loss_coef * torch.stack(losses).sum() if losses else None
-        return out
+        return self.args.router_aux_loss_coef * torch.stack(losses).sum() if losses else None
 
     def update_expert_bias(self, loads: Tensor | None = None) -> None:
         """After an optimizer step, with aux-free balancing: move each sparse layer's expert bias

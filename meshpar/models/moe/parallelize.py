@@ -60,3 +60,17 @@ def check_moe_tp(args, layout: Layout) -> None:
         raise RecipeError(f"model.capacity_factor = {args.capacity_factor} with parallel.tp = {layout.tp}: the "
                           f"capacity would apply to each tp rank's slice of the sequence, which is not built; set "
                           f"capacity_factor = 0 or tp = 1", "model.capacity_factor")
+
+
+def check_moe_layout(args, layout: Layout) -> None:
+    """Tensor parallelism as this plan builds it; the capacity per call refused under cp; ep divides
+    the expert count."""
+    if layout.tp > 1:
+        check_moe_tp(args, layout)
+    if layout.cp > 1 and args.capacity_factor > 0:
+        raise RecipeError(f"model.capacity_factor = {args.capacity_factor} with parallel.cp = {layout.cp}: the "
+                          f"capacity would apply to each cp rank's slice of the sequence, which is not built; "
+                          f"set capacity_factor = 0 or cp = 1", "model.capacity_factor")
+    if layout.ep > 1 and args.n_experts % layout.ep:
+        raise RecipeError(f"parallel.ep = {layout.ep}: {args.n_experts} experts do not split over {layout.ep} "
+                          f"ranks; choose an ep that divides the expert count", "parallel.ep")
