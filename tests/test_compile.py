@@ -159,7 +159,7 @@ def _compiled_under_cp(checkpointing: str) -> dict:
     for model in (eager, compiled):
         apply_context_parallel(model, mesh)
         apply_activation_checkpointing(model, checkpointing)
-    apply_compile(compiled)
+    apply_compile(compiled, cp=True)
     counters.clear()
     out = {}
     for name, model in (("eager", eager), ("compiled", compiled)):

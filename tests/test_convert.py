@@ -407,7 +407,7 @@ def _load_sharded_job(hf_dirs: dict[str, str]) -> dict:
                 model = cls(args)
             mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=(how,))
             if how == "tp":
-                apply_tp(model, mesh, cv.ADAPTERS[family].TP_PLAN(True))
+                apply_tp(model, mesh, get_family(family).tp_plan.with_loss_parallel(True))
             else:
                 for block in model.layers.values():
                     fully_shard(block, mesh=mesh)

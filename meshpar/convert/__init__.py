@@ -33,12 +33,12 @@ from meshpar.convert.hf import SAFETENSORS_DTYPES, TORCH_DTYPES, HFSink, HFSourc
 from meshpar.convert.info import describe
 from meshpar.convert.layout import DIMS, boxes, index_lists, layout_chunks, parse_layout
 from meshpar.convert.load_hf import load_hf_weights
-from meshpar.convert.spec import ADAPTERS, ConvertError, ModelSpec, check_model_tensors, spec_from_info
+from meshpar.convert.spec import ConvertError, ModelSpec, check_model_tensors, spec_from_info
 from meshpar.convert.stream import TARGETS, Summary, convert, digest, open_checkpoint, verify
 from meshpar.convert.torch_file import TorchSink, TorchSource
 
 __all__ = [
-    "ADAPTERS", "DIMS", "SAFETENSORS_DTYPES", "TARGETS", "TORCH_DTYPES", "ConvertError", "DCPSink", "DCPSource",
+    "DIMS", "SAFETENSORS_DTYPES", "TARGETS", "TORCH_DTYPES", "ConvertError", "DCPSink", "DCPSource",
     "HFSink", "HFSource", "ModelSpec", "Summary", "TorchSink", "TorchSource", "boxes", "check_model_tensors",
     "convert", "describe", "digest", "index_lists", "layout_chunks", "load_hf_weights", "open_checkpoint",
     "parse_layout", "spec_from_info", "verify",

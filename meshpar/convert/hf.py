@@ -20,7 +20,8 @@ from torch import Tensor
 
 from meshpar.convert.files import _bytes_view, _fresh, _now, _read_json, copy_tokenizer
 from meshpar.convert.layout import parse_layout
-from meshpar.convert.spec import ADAPTERS, ConvertError, ModelSpec
+from meshpar.convert.spec import ConvertError, ModelSpec
+from meshpar.models import FAMILIES
 from meshpar.runtime.atomic import fsync
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -75,12 +76,12 @@ class HFSource:
         self.path = path
         config = _read_json(path / "config.json")
         family = config.get("model_type")
-        if family not in ADAPTERS:
+        if family not in FAMILIES:
             raise ConvertError(f"{path / 'config.json'}: model_type '{family}' is not a family meshpar converts "
-                               f"({', '.join(ADAPTERS)}); convert a Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral or "
-                               "GPT-2 model")
+                               f"({', '.join(FAMILIES)}); convert a model of one of them, or train it as "
+                               "model.family = 'hf'")
         try:
-            self.spec = ModelSpec(family, ADAPTERS[family].args_from_hf_config(family, config))
+            self.spec = ModelSpec(family, FAMILIES[family].adapter.args_from_hf_config(family, config))
             skipped = getattr(self.spec.adapter, "skipped_hf", lambda config: {})(config)
         except (KeyError, ValueError, TypeError) as e:
             raise ConvertError(f"{path / 'config.json'}: {e}") from e

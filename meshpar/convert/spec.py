@@ -16,15 +16,8 @@ import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from meshpar.models.deepseek import convert as deepseek_convert
-from meshpar.models.gpt2 import convert as gpt2_convert
-from meshpar.models.hf import convert as hf_convert
-from meshpar.models.llama import convert as llama_convert
-from meshpar.models.moe import convert as moe_convert
+from meshpar.models import FAMILIES, get_family
 from meshpar.parallel.tensor_parallel.styles import FusedColwiseParallel, VocabParallelEmbedding
-
-ADAPTERS = {"llama": llama_convert, "qwen2": llama_convert, "qwen3": llama_convert, "gpt2": gpt2_convert,
-            **moe_convert.ADAPTERS, "deepseek_v3": deepseek_convert, "hf": hf_convert}
 
 # [Note: stacked experts]
 # meshpar keeps a sparse layer's experts as one tensor per projection, layers.{i}.moe.experts.w1
@@ -68,13 +61,12 @@ class ModelSpec:
 
     @property
     def adapter(self) -> Any:
-        return ADAPTERS[self.family]
+        """The family's conversion adapter (``Family.adapter``)."""
+        return get_family(self.family).adapter
 
     @functools.cached_property
     def _meta(self) -> tuple[dict[str, torch.Size], list[str]]:
         """(state-dict shapes, tied names included; the children before ``layers``) of the model on meta."""
-        from meshpar.models import get_family
-
         with torch.device("meta"):
             model = get_family(self.family).model_cls(self.args)
         children = [name for name, _ in model.named_children()]
@@ -110,8 +102,6 @@ class ModelSpec:
 
     @property
     def size_name(self) -> str:
-        from meshpar.models import get_family
-
         return next((n for n, a in get_family(self.family).sizes.items() if a == self.args), "custom")
 
     def hf_name(self, fqn: str) -> str:
@@ -174,7 +164,8 @@ class ModelSpec:
 
     @functools.cached_property
     def plan(self) -> Any:
-        return self.adapter.TP_PLAN(True)
+        """The family's tensor-parallel plan table with vocab-sharded logits: where it places each parameter."""
+        return get_family(self.family).tp_plan.with_loss_parallel(True)
 
     def tp_placement(self, fqn: str) -> Placement:
         """How the family's tensor-parallel plan table places parameter ``fqn`` on the tp mesh."""
@@ -192,9 +183,9 @@ class ModelSpec:
 
 def spec_from_info(info: Mapping[str, Any], where: Path) -> ModelSpec:
     family = info.get("family")
-    if family not in ADAPTERS:
-        raise ConvertError(f"{where}: unknown model family '{family}'; meshpar converts {', '.join(ADAPTERS)}")
-    return ModelSpec(family, ADAPTERS[family].args_from_dict(info["model_args"]))
+    if family not in FAMILIES:
+        raise ConvertError(f"{where}: unknown model family '{family}'; meshpar converts {', '.join(FAMILIES)}")
+    return ModelSpec(family, FAMILIES[family].adapter.args_from_dict(info["model_args"]))
 
 
 def check_model_tensors(spec: ModelSpec, found: Mapping[str, Sequence[int]], where: str) -> None:

@@ -17,7 +17,7 @@ attention slots). This module imports only leaf modules of meshpar.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,9 @@ class Family:
     # why meshpar's sampler (``train.sample_every``, meshpar/inference) cannot run it, or None
     sample_refusal: str | None = None
     plan_of: Callable[[Any], TPPlan] | None = None  # a plan that depends on the args (family hf), else tp_plan
+    # (model, blocks kept, holds the input end, holds the output end) -> a pipeline stage, for a model that
+    # keeps its blocks itself (family hf); None: meshpar/parallel/pipeline/split.py copies the model
+    cut: Callable[[nn.Module, Sequence[int], bool, bool], nn.Module] | None = None
 
     def plan(self, args: Any, tp: int) -> TPPlan:
         """The tensor-parallel plan table of a model with ``args`` on ``tp`` ranks: a plan that depends on

@@ -28,7 +28,7 @@ from meshpar.parallel.activation_checkpoint import (
     is_checkpointed,
     sets_side_outputs_under_checkpoint,
 )
-from meshpar.parallel.context_parallel.apply import apply_context_parallel, attends_over_cp
+from meshpar.parallel.context_parallel.apply import apply_context_parallel
 from meshpar.parallel.expert_parallel import apply_expert_parallel, route_over_sequence
 from meshpar.parallel.float8 import apply_float8, float8_all_gather, float8_tp_style
 from meshpar.parallel.pipeline import SCHEDULES, split
@@ -51,19 +51,20 @@ def mixed_precision(cfg: ParallelConfig, *, logits_out: bool) -> MixedPrecisionP
                                 output_dtype=torch.float32 if logits_out else None)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, *, cp: bool = False) -> None:
     """Compile each block's forward (inductor), wrapped in place ([Note: wrapping a forward] in
     meshpar/parallel/wrap.py), so names are unchanged and FSDP's hooks stay outside the graph.
     A checkpointed block that sets module attributes (a mixture-of-experts layer's ``aux_loss``)
     stays eager: dynamo refuses that side effect inside checkpoint, so it would graph-break and
     run eagerly anyway, without the wrapper that lets go of its recompute ([Note: a recompute's
-    side outputs] in meshpar/parallel/activation_checkpoint.py). Under context parallelism attention runs
-    eagerly, and a checkpointed block compiles its norms and feed-forward instead ([Note:
-    compiling a block under cp] in meshpar/parallel/context_parallel/apply.py)."""
+    side outputs] in meshpar/parallel/activation_checkpoint.py). Under context parallelism (``cp``: the
+    blocks' attention slots hold cp attention) attention runs eagerly, and a checkpointed block compiles
+    its norms and feed-forward instead ([Note: compiling a block under cp] in
+    meshpar/parallel/context_parallel/apply.py)."""
     for block in model.layers.values():
         if sets_side_outputs_under_checkpoint(block):
             continue
-        if attends_over_cp(block) and is_checkpointed(block):  # [Note: compiling a block under cp]
+        if cp and is_checkpointed(block):  # [Note: compiling a block under cp]
             for part in (block.attention_norm, block.feed_forward, block.ffn_norm):
                 wrap_forward(part, "compile", torch.compile)
         else:
@@ -158,7 +159,7 @@ def parallelize_transformer(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, t
     apply_activation_checkpointing(model, cfg.activation_checkpoint, cfg.ac_every,
                                    forget=moe.forget if moe is not None else None, leaving=[i for i, _ in layers])
     if cfg.compile:
-        apply_compile(model)
+        apply_compile(model, cp=layout.cp > 1)
     mixed = cfg.param_dtype != "float32" or cfg.reduce_dtype != "float32"
     if layout.dp_shard * layout.cp > 1 or (mixed and one_device_fsdp(layout)):  # Mesh.fsdp: dp_shard x cp
         apply_fsdp(model, mesh, cfg, moe)
@@ -185,7 +186,7 @@ def build(family: Family, args, mesh: Mesh, cfg: ParallelConfig, device: torch.d
     if layout.pp > 1:
         style = SCHEDULES[cfg.pp_schedule].style
         stages = split(whole, mesh["pp"].get_local_rank(), layout.pp, virtual=cfg.pp_virtual_stages, style=style,
-                       boundaries=cfg.pp_boundaries)
+                       boundaries=cfg.pp_boundaries, cut=family.cut)
     else:
         stages = [(0, whole)]
     built = []

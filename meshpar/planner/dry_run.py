@@ -269,7 +269,7 @@ def _build(family, args, mesh: meshlib.Mesh, recipe: Recipe,
     layers = stage_layers(len(whole.layers), layout.pp, p.pp_boundaries)[index]
     if keep is not None:
         layers = [layers[j] for j in keep]
-    stage = split_model(whole, index, layout.pp, layers)  # a copy: ``whole`` is shared
+    stage = split_model(whole, index, layout.pp, layers, cut=family.cut)  # a copy: ``whole`` is shared
     cfg = dataclasses.replace(p, compile=False)  # compiled or not, eager memory is what is planned
     t = recipe.train  # the loss in chunks: as meshpar.parallel.parallelize.build defers the head
     chunks = layout_chunks(t.loss_chunks, t.micro_batch, t.seq_len, args.vocab_size, layout, p.loss_parallel)

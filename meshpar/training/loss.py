@@ -97,7 +97,7 @@ def layout_chunks(chunks: int, micro_batch: int, seq_len: int, vocab: int, layou
 
 def last_head(stages: Iterable[nn.Module]) -> nn.Module | None:
     """The output projection of the stage whose forward leaves it to the loss (``head_in_loss``), or None."""
-    return next((stage.head for stage in stages if getattr(stage, "head_in_loss", False)), None)
+    return next((stage.head for stage in stages if stage.head_in_loss), None)  # every family's slot
 
 
 @dataclass

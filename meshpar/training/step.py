@@ -154,10 +154,13 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
         with loss_parallel_context(model.loss_parallel), model.around_step():
             with phase("data"):
                 microbatches = next_batch()
-                trained = getattr(microbatches, "trained", None)  # meshpar.data.loader.Step
+                # a batch, not the model: meshpar.data.loader.Step counts trained targets; a plain list does not
+                trained = getattr(microbatches, "trained", None)
                 if sync.cp is not None:  # this cp rank's tokens of every sequence ([Note: balanced sequence split])
                     microbatches = [(shard_sequence(x, sync.cp), shard_sequence(y, sync.cp)) for x, y in microbatches]
-            weigh = getattr(model.loss, "weight", None)  # [Note: the loss over trained tokens]
+            # the loss object, not the model: TokenLoss weighs by trained targets ([Note: the loss over
+            # trained tokens]); a caller's own loss function may not
+            weigh = getattr(model.loss, "weight", None)
             with weigh(token_weight(trained, accum, sync)) if weigh is not None else contextlib.nullcontext():
                 loss_sum, aux_sum, load = _forward_backward(model, microbatches, accum, sync, device, phase)
         with phase("optimizer"):
@@ -176,8 +179,9 @@ def train_step(model: Model, next_batch: Callable[[], Sequence[Microbatch]], acc
                 return StepResult(loss_sum, grad_norm, None, skipped=True, aux_loss=aux_sum, expert_load=load,
                                   trained=trained)
             lr = maybe_optimizer_step(optimizer, scheduler)
-            if optimizer is not None and model.moe is not None:
-                update_biases(model.moe, model.stages, sync.dp)
+            if optimizer is not None:
+                if model.moe is not None:
+                    update_biases(model.moe, model.stages, sync.dp)
                 if model.after_step is not None:
                     model.after_step()
     return StepResult(loss_sum, grad_norm, lr, aux_loss=aux_sum, expert_load=load, trained=trained)

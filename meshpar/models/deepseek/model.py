@@ -199,12 +199,16 @@ class DeepSeekBlock(MoEBlock):
 
 
 class DeepSeekTransformer(MoETransformer):
-    """Decoder-only DeepSeek-V3 language model: ``forward(tokens[B, T]) -> logits[B, T, V]``; sets
-    ``aux_loss`` as the MoE families do. Pipeline passthrough as the Llama family's."""
+    """Decoder-only DeepSeek-V3 language model: ``forward(tokens[B, T]) -> logits[B, T, V]``; its
+    ``aux_loss`` as the MoE families'. Pipeline passthrough as the Llama family's."""
 
     def __init__(self, args: DeepSeekArgs) -> None:
         super().__init__(args)
         self.layers = nn.ModuleDict({str(i): DeepSeekBlock(args, i) for i in range(args.n_layers)})
+
+    def attention_slots(self) -> list[tuple[nn.Module, bool]]:
+        """Each block's MLA: its ``inner_attention`` and ``sequence_keys`` slots."""
+        return [(block.attention, True) for block in self.layers.values()]
 
     def _init_rope(self) -> None:
         if self.rope_cos.is_meta:

@@ -258,6 +258,10 @@ class HFCausalLM(nn.Module):
         self._routed_ran = False  # a forward through the filled slot has run (its failures are no refusal)
         self.ends = (True, True)  # (holds the input embedding, holds the norm and head): a pipeline stage's part
 
+    def attention_slots(self) -> list[tuple[nn.Module, bool]]:
+        """The one module whose ``inner_attention`` slot serves every layer: this model."""
+        return [(self, False)]
+
     def path_of(self, module: nn.Module | None) -> str:
         """The state-dict path of one of this model's modules ("" when it has none)."""
         return next((n for n, m in self.named_modules() if m is module), "") if module is not None else ""

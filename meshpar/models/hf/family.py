@@ -3,6 +3,7 @@ family] in meshpar/models/hf), tp by its own plan, cp through its attention inte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -23,7 +24,6 @@ class HFFamily(Family):
         if not cfg.hf_path:
             raise RecipeError("model.family = 'hf' needs the model's folder: set model.hf_path (or "
                               "checkpoint.hf_weights, which it defaults to)", "model.hf_path")
-        self.moe_overrides(cfg)  # refuses the mixture-of-experts keys
         args = HFArgs.from_folder(cfg.hf_path, cfg.n_layers, cfg.vocab_size)
         meta_model(args.config)  # built on meta once: what meshpar cannot build is refused before launch
         return args
@@ -43,6 +43,10 @@ def _model(args: HFArgs) -> nn.Module:
     return HFCausalLM(args)
 
 
+def _cut(model: HFCausalLM, keep: Sequence[int], first: bool, last: bool) -> nn.Module:
+    return model.copy_with_layers(keep, first=first, last=last)
+
+
 FAMILIES = (HFFamily("hf", _model, HFArgs, {}, TPPlan({}, {}, "model.embed_tokens", "lm_head", sequence_parallel=False),
-                     check_hf_layout, ROPE_DIMS, hf_convert, plan_of=hf_tp_plan,
+                     check_hf_layout, ROPE_DIMS, hf_convert, plan_of=hf_tp_plan, cut=_cut,
                      sample_refusal="the sampler runs meshpar's own KV cache; transformers' models keep theirs"),)

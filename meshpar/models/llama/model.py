@@ -212,6 +212,11 @@ class Transformer(nn.Module):
         self.tie_weights()
         self._init_rope()
 
+    def attention_slots(self) -> list[tuple[nn.Module, bool]]:
+        """(module, whether it also has a ``sequence_keys`` slot) for each module whose
+        ``inner_attention`` slot context parallelism fills: each block's attention."""
+        return [(block.attention, False) for block in self.layers.values()]
+
     @property
     def head(self) -> nn.Linear | None:
         """The output projection (None on a pipeline stage without it)."""

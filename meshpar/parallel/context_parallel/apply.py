@@ -79,24 +79,19 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, balanced: bool
         raise ValueError(f"cp attention {attention!r} is none of {ATTENTIONS} (parallel.cp_attention)")
     layout = SequenceLayout(mesh, balanced)
     model.positions = ContextParallelPositions(layout)
-    if hasattr(model, "inner_attention"):  # one slot for every layer's attention: [Note: routing a transformers
-        model.inner_attention = ContextParallelAttention(layout, attention)  # model's attention] (models/hf)
-        model.inner_attention.kernels = Kernels(flex=flex)
-        return
-    for block in model.layers.values():
+    for owner, has_keys in model.attention_slots():  # the family's slots: each block's, or one model-wide (hf)
         # [Note: MLA's latent gathered over cp]
-        latent = attention == "allgather" and tp == 1 and hasattr(block.attention, "sequence_keys")
+        latent = attention == "allgather" and tp == 1 and has_keys
         if latent:
-            block.attention.sequence_keys = ContextParallelKeys(layout)
-        block.attention.inner_attention = ContextParallelAttention(layout, attention, keys_gathered=latent)
+            owner.sequence_keys = ContextParallelKeys(layout)
+        owner.inner_attention = ContextParallelAttention(layout, attention, keys_gathered=latent)
         if flex:
-            block.attention.inner_attention.kernels = Kernels(flex=True)
+            owner.inner_attention.kernels = Kernels(flex=True)
 
 
 def attends_over_cp(block: nn.Module) -> bool:
     """Whether ``block``'s attention slot holds a cp attention (``apply_context_parallel``)."""
-    attention = getattr(block, "attention", None)  # family hf's blocks hold no slot (cp refuses compile there)
-    return isinstance(getattr(attention, "inner_attention", None), ContextParallelAttention)
+    return isinstance(block.attention.inner_attention, ContextParallelAttention)
 
 
 class ContextParallelPositions(SequencePositions):

@@ -20,7 +20,7 @@ stages]). Every stage needs at least one block.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -129,17 +129,24 @@ def _check_untied(model: nn.Module, first: list[str], last: list[str]) -> None:
                           f"parallel.pp = 1, or use a model with untied embeddings", "parallel.pp")
 
 
-def split_model(model: nn.Module, stage_index: int, n_stages: int, layers: Sequence[int]) -> nn.Module:
+# (model, the blocks kept, holds the input end, holds the output end) -> the stage: a family's own cut
+StageCut = Callable[[nn.Module, Sequence[int], bool, bool], nn.Module]
+
+
+def split_model(model: nn.Module, stage_index: int, n_stages: int, layers: Sequence[int], *,
+                cut: StageCut | None = None) -> nn.Module:
     """A copy of ``model`` (built on meta, not yet sharded) reduced to one stage.
 
     The copy keeps the blocks in ``layers`` under their global keys, the input end only if
     ``stage_index == 0`` and the output end only if it is the last stage. ``model`` itself
-    is not changed, so one meta model yields every stage of a rank.
+    is not changed, so one meta model yields every stage of a rank. ``cut``: the family's own
+    way to make that copy (``Family.cut``, for a model that keeps its blocks itself: family hf),
+    else the copy below.
     """
     if not 0 <= stage_index < n_stages:
         raise ValueError(f"stage_index {stage_index} is not in [0, {n_stages})")
-    if hasattr(model, "copy_with_layers"):  # a model that keeps its blocks itself (family hf)
-        return model.copy_with_layers(layers, first=stage_index == 0, last=stage_index == n_stages - 1)
+    if cut is not None:
+        return cut(model, layers, stage_index == 0, stage_index == n_stages - 1)
     first, last = _ends(model)
     if n_stages > 1:
         _check_untied(model, first, last)
@@ -164,12 +171,12 @@ def split_model(model: nn.Module, stage_index: int, n_stages: int, layers: Seque
 
 
 def split(model: nn.Module, pp_rank: int, pp: int, *, virtual: int = 1, style: str = "loop",
-          boundaries: Sequence[int] = ()) -> list[tuple[int, nn.Module]]:
+          boundaries: Sequence[int] = (), cut: StageCut | None = None) -> list[tuple[int, nn.Module]]:
     """This rank's stages of ``model`` (built on meta) as ``[(global stage index, module)]``.
 
     ``pp * virtual`` stages in all; ``boundaries`` as in ``stage_layers``; ``style`` must
-    match the schedule (``schedule.SCHEDULES[name].style``).
+    match the schedule (``schedule.SCHEDULES[name].style``); ``cut`` as ``split_model``'s.
     """
     n_stages = pp * virtual
     layers = stage_layers(len(model.layers), n_stages, boundaries)
-    return [(i, split_model(model, i, n_stages, layers[i])) for i in stage_ids(pp_rank, pp, virtual, style)]
+    return [(i, split_model(model, i, n_stages, layers[i], cut=cut)) for i in stage_ids(pp_rank, pp, virtual, style)]
