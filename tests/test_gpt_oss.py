@@ -166,6 +166,42 @@ def test_key_map_and_config_round_trip():
     assert adapter.args_from_hf_config("gpt_oss", adapter.hf_config("gpt_oss", odd, torch.float32)) == odd
 
 
+@pytest.fixture
+def registered(monkeypatch):
+    """The family in meshpar's registry (what meshpar/models/__init__.py's line for it does), for the
+    converter, which finds a family's adapter there."""
+    import meshpar.models as models
+
+    monkeypatch.setitem(models.FAMILIES, "gpt_oss", FAMILY)
+
+
+def test_hf_folder_converts_both_ways_and_loads(tmp_path, registered):
+    """A saved GptOssForCausalLM folder -> meshpar DCP -> Hugging Face folder: every tensor bit for bit and
+    the same config; ``load_hf_weights`` fills meshpar's model from the folder with transformers' logits
+    (to the fp32 bound of test_logits_equal_transformers_fp32)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from meshpar.convert import convert, load_hf_weights
+
+    hf = _random_hf()
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "dcp", to="dcp", progress=False)
+    convert(tmp_path / "dcp", tmp_path / "back", to="hf", progress=False)
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    back = {k: v for f in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert original.keys() == back.keys()
+    assert all(torch.equal(original[k], back[k]) for k in original)
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert adapter.args_from_hf_config("gpt_oss", config) == DEBUG
+    model = GptOssTransformer(DEBUG).eval()
+    assert load_hf_weights(model.state_dict(), tmp_path / "hf", "gpt_oss", DEBUG) == ""
+    tokens = _tokens()
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max() <= 2e-5
+
+
 # --- MXFP4 ---------------------------------------------------------------------------------------
 
 def _quantise_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -3,7 +3,8 @@ both ways, and whole in-memory state dicts (MXFP4 experts dequantised on the way
 
 A pure adapter with the interface of meshpar/models/moe/convert.py (see meshpar/convert/spec.py).
 transformers stores gpt-oss's experts stacked, as meshpar does (``mlp.experts.gate_up_proj``
-[E, D, 2F] ...), so every tensor converts by renaming alone: no ``EXPERT_KEYS``, nothing transposed.
+[E, D, 2F] ...), so every tensor converts by renaming alone: no ``EXPERT_KEYS``, nothing transposed;
+the streaming converter and ``load_hf_weights`` read and write such folders as they stand.
 
 Limits: folders of the published checkpoints hold the experts as MXFP4 ``*_blocks`` / ``*_scales``
 (meshpar/models/gpt_oss/mxfp4.py); ``from_hf`` dequantises them, the streaming converter
