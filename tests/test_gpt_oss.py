@@ -327,12 +327,14 @@ def test_packed_documents_equal_documents_alone():
 
 
 def test_layout_check():
-    """cp is refused with the reason (no window, no sinks in cp attention); tp must divide the heads;
-    tp needs dp_shard > 1 for the experts; ep divides the experts."""
+    """cp is refused with the reason (no window, no sinks in cp attention), and the model offers cp no
+    attention slot; tp must divide the heads; tp needs dp_shard > 1 for the experts; ep divides the experts."""
     args = GPT_OSS_SIZES["20b"]
     check_gpt_oss_layout(args, Layout(pp=2, dp_replicate=1, dp_shard=4, cp=1, tp=8, ep=4))
     with pytest.raises(RecipeError, match="sliding window nor sink"):
         check_gpt_oss_layout(args, Layout(pp=1, dp_replicate=1, dp_shard=2, cp=2, tp=1))
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        GptOssTransformer(DEBUG).attention_slots()
     for layout, key in ((Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=16), "n_kv_heads"),
                         (Layout(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=2), "dp_shard"),
                         (Layout(pp=1, dp_replicate=1, dp_shard=6, cp=1, tp=1, ep=3), "32 experts")):

@@ -230,6 +230,12 @@ class GptOssTransformer(MoETransformer):
         super().__init__(args)
         self.layers = nn.ModuleDict({str(i): GptOssBlock(args, i) for i in range(args.n_layers)})
 
+    def attention_slots(self) -> list[tuple[nn.Module, bool]]:
+        """None that context parallelism may fill: its attention has neither a window nor sinks
+        (``check_gpt_oss_layout`` refuses cp before launch; this is the same refusal, late)."""
+        raise NotImplementedError("gpt-oss has no slot for context-parallel attention, which has neither a sliding "
+                                  "window nor sink logits; run with parallel.cp = 1 (check_gpt_oss_layout)")
+
     def _init_rope(self) -> None:
         if self.rope_cos.is_meta:
             return
