@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 from meshpar.distributed import comm, comm_record
 from meshpar.fsdp import DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, fully_shard
 from meshpar.fsdp.param_group import ParamGroup
+from meshpar.fsdp.reduce import Reducer
 from meshpar.fsdp.sharded_param import ShardedParam
 from meshpar.models.gpt2.model import GPT2
 from meshpar.training.optim import ShardLocalAdamW
@@ -800,7 +801,7 @@ def _case_catches_bugs(ctx: Ctx) -> None:
         grad = take(self)
         return grad * 2 if grad is not None and ctx.rank == 1 else grad
 
-    bugs = {"no divide by the data-parallel size": mock.patch.object(ParamGroup, "_divide_factor", lambda self: 1.0),
+    bugs = {"no divide by the data-parallel size": mock.patch.object(Reducer, "_divide_factor", lambda self: 1.0),
             "rank 1's gradient doubled": mock.patch.object(ShardedParam, "take_unsharded_grad", doubled_on_rank_1)}
     for bug, patch in bugs.items():
         ref = NET.build()

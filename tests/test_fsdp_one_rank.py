@@ -37,8 +37,8 @@ def _run(mesh, steady: bool, threshold: int = 0) -> tuple[list[float], dict[str,
     served = [0]
     run = unshardlib._CastPlan.run
 
-    def counted(plan, group) -> bool:
-        done = run(plan, group)
+    def counted(plan, *args) -> bool:
+        done = run(plan, *args)
         served[0] += done
         return done
 

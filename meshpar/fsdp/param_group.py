@@ -13,9 +13,13 @@ Flat layouts, for N shard ranks and parameters p_i of padded chunk size n_i = c_
     all-gather output [rank 0: n_1 | n_2 ...][rank 1: ...] ...  = reduce-scatter input
     reduce-scatter output [n_1 | n_2 | ...]                     this rank's summed chunks
 
-This file holds the group's state, settings and layout; ``ParamGroup`` takes its all-gather side
-from unshard.py (``GroupUnshard``) and its gradient side from reduce.py (``GroupReduce``, with
-the ``ReduceQueue`` the units of one root share).
+This file holds the group: its parameters, settings and flat layout, and the order of its
+phases (unshard, reshard, post-backward, end of backward, reset). It owns two parts that do the
+work: ``unsharder`` (unshard.py: the all-gather side and the state of its unshards) and
+``reducer`` (reduce.py: the gradient side and the reductions in flight, with the ``ReduceQueue``
+the units of one root share). Each part reads the group's parameters and settings, and owns its
+own state; neither touches the other's. The unsharder hands each parameter it unshards to the
+reducer's ``hook_grad``; the reducer's hooks call the group's ``post_backward``.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from meshpar.distributed import comm, comm_record
+from meshpar.distributed import comm_record
+from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp.extensions import Extension, has_extension
 from meshpar.fsdp.policies import MixedPrecisionPolicy
-from meshpar.fsdp.reduce import GroupReduce, ReduceQueue
+from meshpar.fsdp.reduce import ReduceQueue, Reducer
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
-from meshpar.fsdp.streams import CudaStreams, _wait
-from meshpar.fsdp.unshard import GroupUnshard
+from meshpar.fsdp.streams import CudaStreams
+from meshpar.fsdp.unshard import Unsharder
 
 # [Note: one data-parallel rank]
 # With one rank in the data-parallel mesh (and no replicas) the shard is the whole parameter,
@@ -46,14 +51,16 @@ from meshpar.fsdp.unshard import GroupUnshard
 # issues none of the collective path's copies and launches (docs/performance.md#gpu-speed-against-plain-pytorch).
 
 
-class ParamGroup(GroupUnshard, GroupReduce):
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call: their flat layout, ``FSDPModule``'s settings, and
+    the phases of an iteration, done by the ``unsharder`` and the ``reducer`` it owns."""
+
     def __init__(self, params: list[ShardedParam], mesh_info: MeshInfo, mp: MixedPrecisionPolicy,
                  accumulate_dtype: torch.dtype | None = None):
         self.params = [p for p in params if p.is_sharded]
         self.replicated = [p for p in params if not p.is_sharded]
         self.mesh_info, self.mp, self.accumulate_dtype = mesh_info, mp, accumulate_dtype
         self.world = mesh_info.shard_size
-        self.state = ParamState.SHARDED
         # --- FSDPModule settings (names follow PyTorch's) ---
         self.requires_gradient_sync = True  # False: keep unsharded gradients, reduce on a later backward
         self.requires_all_reduce = True  # HSDP, False: reduce-scatter only, sum the partial results
@@ -67,26 +74,20 @@ class ParamGroup(GroupUnshard, GroupReduce):
         self.custom_all_gather = None  # FSDPModule.set_custom_all_gather
         self.custom_reduce_scatter = None
         self.reduce_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group
-        # --- in flight ---
-        self.streams: CudaStreams | None = None  # on CUDA (set at lazy init): [Note: CUDA streams in FSDP]
-        # all-gather in flight: (work, output, its world, the event that ends it on CUDA)
-        self._gather: tuple[comm.Work, torch.Tensor, int, torch.cuda.Event | None] | None = None
-        self._gather_pieces: list | None = None  # its layout when it carries extension inputs (unshard.Piece)
-        # int reshard_after_forward: (group, k, dim name) of the k-rank group backward gathers in, and
-        # this rank's 1/k of each unsharded parameter between forward and backward
+        # int reshard_after_forward: (group, k, dim name) of the k-rank group backward gathers in
         self.post_forward: tuple[dist.ProcessGroup, int, str] | None = None
-        self._post_forward_shards: list[torch.Tensor] | None = None
-        # reduction in flight: (work, output, the parameters reduced, those of them with a gradient,
-        # and on CUDA the event that ends it and the input, kept until the compute stream waited on it)
-        self._reduce: tuple[comm.Work, torch.Tensor, list[ShardedParam], list[ShardedParam],
-                            torch.cuda.Event | None, comm.ReduceScatterInput | None] | None = None
-        self._partial: torch.Tensor | None = None  # HSDP without all-reduce: summed reduce-scatter outputs
-        self._partial_params: list[ShardedParam] | None = None
-        self._partial_with_grad: set[int] = set()
-        self.reduce_queue: ReduceQueue | None = None  # shared by the units of one root (set at lazy init)
-        self._grads_ready: set[int] = set()
-        self._grads_expected = 0  # trainable parameters, counted at each backward's first gradient
+        # --- shared with the other units of one root (set at lazy init) ---
+        self.streams: CudaStreams | None = None  # on CUDA: [Note: CUDA streams in FSDP]
+        self.reduce_queue: ReduceQueue | None = None
+        # --- the parts that do the work, each owning its state in flight ---
+        self.reducer = Reducer(self)
+        self.unsharder = Unsharder(self, hook_grad=self.reducer.hook_grad)
         self.refresh_layout()
+
+    @property
+    def state(self) -> ParamState:
+        """Whether the unsharded parameters are registered on the modules (the unsharder's)."""
+        return self.unsharder.state
 
     # --- sizes and dtypes --------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -102,7 +103,7 @@ class ParamGroup(GroupUnshard, GroupReduce):
         bf16 unit) travel as bytes in one collective, each segment 8-byte aligned so it can be
         viewed back as its own dtype."""
         self.all_params = self.params + self.replicated
-        self._cast_plan = None  # unshard.py [Note: the steady cast]
+        self.unsharder.layout_changed()
         self._refresh_extensions()
         # [Note: forcing the collectives of one rank]; an extension's hooks run at one rank too, as PyTorch's
         self.single = (self.world == 1 and self.mesh_info.replicate_size == 1 and self.custom_all_gather is None
@@ -111,11 +112,11 @@ class ParamGroup(GroupUnshard, GroupReduce):
         dtypes = {self.compute_dtype(p) for p in self.params}
         if len(dtypes) <= 1:
             segments = [p.padded_numel for p in self.params]
-            self._layout = (dtypes.pop() if dtypes else torch.float32, segments)
+            self.layout = (dtypes.pop() if dtypes else torch.float32, segments)
         else:
-            self._layout = (torch.uint8, [-(-p.padded_numel * self.compute_dtype(p).itemsize // 8) * 8
-                                          for p in self.params])
-        self.per_rank_numel = sum(self._layout[1])
+            self.layout = (torch.uint8, [-(-p.padded_numel * self.compute_dtype(p).itemsize // 8) * 8
+                                         for p in self.params])
+        self.per_rank_numel = sum(self.layout[1])
 
     def _refresh_extensions(self) -> None:
         """Which shards define the all-gather extension (extensions.py), looked up again after their
@@ -139,18 +140,46 @@ class ParamGroup(GroupUnshard, GroupReduce):
     def compute_dtype(self, p: ShardedParam) -> torch.dtype:
         return self.mp.param_dtype or p.orig_dtype
 
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in (the reducer's)."""
+        return self.reducer.reduce_dtype()
+
+    # --- phases: the order between the two parts ------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Start the all-gather (``async_op``) or complete the unshard."""
+        self.unsharder.unshard(async_op)
+
+    def wait_for_gather(self) -> None:
+        """Finish an all-gather in flight (``UnshardHandle.wait``)."""
+        self.unsharder.wait()
+
+    def reshard(self, after_forward: bool = False) -> None:
+        """Swap the sharded parameters back in and free the unsharded storage (``Unsharder.reshard``)."""
+        self.unsharder.reshard(after_forward)
+
+    def post_backward(self) -> None:
+        """After this unit's backward: reduce (or keep, without sync) its gradients; reshard."""
+        with trace_range("meshpar::fsdp.post_backward"):
+            if self.reshard_after_backward:  # first: the gradients outlive the parameters, and the
+                self.reshard()  # reduction's buffers then take the unsharded parameters' place
+            if self.requires_gradient_sync:
+                self.reducer.reduce()
+            else:
+                self.reducer.accumulate()
+
+    def finish_backward(self) -> None:
+        """End of a backward, or ``FSDPModule.reduce_grads``: reduce what no hook reduced (unused
+        parameters, gradients accumulated without sync or written outside the hooks), wait, reshard."""
+        if self.reducer.has_unreduced():
+            self.post_backward()
+        self.reducer.wait()
+        if self.reshard_after_backward:
+            self.reshard()
+
     def reset(self) -> None:
         """``FSDPModule.reset_iter_state``: after a forward or backward that raised, drop what the
         failed iteration left (collectives in flight are finished and discarded, with every gradient
         not yet handed to the sharded parameters) and reshard."""
-        if self._reduce is not None:
-            _wait(self._reduce[0], self._reduce[4])
-            self._reduce = None
-        self._partial = self._partial_params = None
-        self._grads_ready.clear()
-        self._post_forward_shards = None
-        for p in self.all_params:
-            p.accumulated_grad = None
-            if p.unsharded is not None:
-                p.unsharded.grad = None
+        self.reducer.drop()
+        self.unsharder.drop_post_forward()
         self.reshard()

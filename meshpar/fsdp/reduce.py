@@ -7,26 +7,52 @@ parameters when awaited. Parameters below ``shard_threshold`` share one all-redu
 data-parallel mesh. Without gradient sync the unsharded gradients are summed across microbatches
 instead. The units of one root share a ``ReduceQueue`` that bounds the reductions in flight.
 
-Mixed into ``ParamGroup`` (param_group.py), whose ``__init__`` sets the attributes used here;
-the flat layout is described there.
+``Reducer`` is the part of a ``ParamGroup`` (param_group.py) that does this: it reads the group's
+parameters and settings (``ReducedGroup``) and owns the reductions' state; the flat layout is
+described in param_group.py.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from meshpar.distributed import comm
 from meshpar.distributed.comm_record import gradient_buffers
 from meshpar.distributed.tracing import trace_range
-from meshpar.fsdp.sharded_param import ShardedParam
-from meshpar.fsdp.streams import _wait
+from meshpar.fsdp.policies import MixedPrecisionPolicy
+from meshpar.fsdp.sharded_param import MeshInfo, ShardedParam
+from meshpar.fsdp.streams import CudaStreams, _wait
 
-if TYPE_CHECKING:
-    from meshpar.fsdp.param_group import ParamGroup
+
+class ReducedGroup(Protocol):
+    """What a ``Reducer`` reads of its group (``ParamGroup``), which sets all of it; the settings
+    are ``FSDPModule``'s (module.py)."""
+
+    params: list[ShardedParam]  # sharded ones, reduce-scattered in this order
+    replicated: list[ShardedParam]  # below shard_threshold: all-reduced
+    all_params: list[ShardedParam]
+    mesh_info: MeshInfo
+    mp: MixedPrecisionPolicy
+    accumulate_dtype: torch.dtype | None  # [Note: accumulating in reduce_dtype]
+    world: int
+    single: bool  # [Note: one data-parallel rank]
+    requires_all_reduce: bool
+    reduce_unused: bool
+    max_in_flight: int
+    divide_factor: float | None
+    all_reduce_hook: tuple[Callable[[torch.Tensor], None], object] | None
+    custom_reduce_scatter: object | None
+    reduce_group: dist.ProcessGroup | None
+    streams: CudaStreams | None
+    reduce_queue: ReduceQueue | None
+
+    def post_backward(self) -> None: ...  # when the last gradient of a backward has accumulated
 
 # [Note: one reduction in flight]
 # A unit's reduce-scatter holds up to two buffers of the unit's full gradient size until it is
@@ -45,13 +71,13 @@ class ReduceQueue:
     see [Note: one reduction in flight])."""
 
     def __init__(self) -> None:
-        self.pending: deque[ParamGroup] = deque()
+        self.pending: deque[Reducer] = deque()
 
-    def admit(self, group: ParamGroup) -> None:
-        """Make room for ``group``'s reduction: finish the oldest ones beyond its limit."""
-        while len(self.pending) >= group.max_in_flight:
-            self.pending.popleft().wait_for_reduce()
-        self.pending.append(group)
+    def admit(self, reducer: Reducer) -> None:
+        """Make room for ``reducer``'s reduction: finish the oldest ones beyond its group's limit."""
+        while len(self.pending) >= reducer.group.max_in_flight:
+            self.pending.popleft().wait()
+        self.pending.append(reducer)
 
     def clear(self) -> None:
         self.pending.clear()
@@ -76,12 +102,30 @@ class ReduceQueue:
 # reduce-scatters each microbatch instead and keeps only sharded fp32 gradients.
 
 
-class GroupReduce:
-    """A parameter group's gradient side: hooks, ``post_backward``, the reduction and its wait,
-    ``finish_backward``."""
 
-    def _hook_grad(self, p: ShardedParam) -> None:
-        """Count accumulated gradients; the last one of the group starts its reduction.
+class Reducer:
+    """A parameter group's gradient side: the hooks that count its gradients, the reduction and its
+    wait, the sum kept without gradient sync.
+
+    Owns the reductions' state: the gradients counted in the current backward, the reduction in
+    flight, and under HSDP without all-reduce the summed reduce-scatter outputs. Each backward's
+    last gradient calls the group's ``post_backward``, which reshards and then calls ``reduce`` or
+    ``accumulate`` here."""
+
+    def __init__(self, group: ReducedGroup) -> None:
+        self.group = group
+        self._grads_ready: set[int] = set()  # ids of the parameters whose gradient accumulated
+        self._grads_expected = 0  # trainable parameters, counted at each backward's first gradient
+        # reduction in flight: (work, output, the parameters reduced, those of them with a gradient,
+        # and on CUDA the event that ends it and the input, kept until the compute stream waited on it)
+        self._reduce: tuple[comm.Work, torch.Tensor, list[ShardedParam], list[ShardedParam],
+                            torch.cuda.Event | None, comm.ReduceScatterInput | None] | None = None
+        self._partial: torch.Tensor | None = None  # HSDP without all-reduce: summed reduce-scatter outputs
+        self._partial_params: list[ShardedParam] | None = None
+        self._partial_with_grad: set[int] = set()
+
+    def hook_grad(self, p: ShardedParam) -> None:
+        """Count accumulated gradients; the last one of the group calls its ``post_backward``.
 
         [Note: hook the object, not its id]
         A new unsharded parameter is made whenever the old one cannot serve (``model.to(dtype)``,
@@ -94,21 +138,21 @@ class GroupReduce:
         if not p.requires_grad or (p.hooked is not None and p.hooked() is p.unsharded):
             return
         p.hooked = weakref.ref(p.unsharded)
-        # the hook holds its group weakly: the parameter's hook dict -> this closure -> the group -> the
-        # parameter is a cycle through a tensor, which Python's collector cannot see into while C++ also
-        # holds the tensor, so a strong reference would keep every model alive after its last use (one
-        # fp32 copy of the parameters per model built)
-        group = weakref.ref(self)
+        # the hook holds its reducer weakly: the parameter's hook dict -> this closure -> the reducer -> its
+        # group -> the parameter is a cycle through a tensor, which Python's collector cannot see into while
+        # C++ also holds the tensor, so a strong reference would keep every model alive after its last use
+        # (one fp32 copy of the parameters per model built)
+        reducer = weakref.ref(self)
 
         def on_grad(_: torch.Tensor, key: int = id(p)) -> None:
-            self = group()
+            self = reducer()
             if self is None:
                 return
             if not self._grads_ready:  # this backward's first: how many to wait for (requires_grad_ may change)
-                self._grads_expected = sum(q.requires_grad for q in self.all_params)
+                self._grads_expected = sum(q.requires_grad for q in self.group.all_params)
             self._grads_ready.add(key)
             if len(self._grads_ready) == self._grads_expected:
-                self.post_backward()
+                self.group.post_backward()
 
         p.unsharded.register_post_accumulate_grad_hook(on_grad)
 
@@ -116,35 +160,45 @@ class GroupReduce:
         # the parameters' own dtype unless reduce_dtype / param_dtype say otherwise (a unit whose
         # parameters are all below shard_threshold has only replicated ones: those set it too, else
         # a float64 unit would reduce in float32)
-        dtype = self.mp.reduce_dtype or self.mp.param_dtype
+        g = self.group
+        dtype = g.mp.reduce_dtype or g.mp.param_dtype
         if dtype is not None:
             return dtype
-        trainable = [p for p in self.all_params if p.requires_grad] or self.all_params
+        trainable = [p for p in g.all_params if p.requires_grad] or g.all_params
         return trainable[0].orig_dtype if trainable else torch.float32
 
-    def post_backward(self) -> None:
-        """After this unit's backward: reduce (or keep, without sync) its gradients; reshard."""
+    def has_unreduced(self) -> bool:
+        """Whether a gradient waits that no hook reduced: counted in a backward not yet complete (unused
+        parameters), summed without sync, or written outside the hooks."""
+        return bool(self._grads_ready) or any(
+            p.accumulated_grad is not None or (p.unsharded is not None and p.unsharded.grad is not None)
+            for p in self.group.all_params)
+
+    def reduce(self) -> None:
+        """Start this backward's reduction, after finishing this group's one in flight (at most one per
+        group) and making room in the queue (across groups: [Note: one reduction in flight])."""
         self._grads_ready.clear()
-        with trace_range("meshpar::fsdp.post_backward"):
-            if self.reshard_after_backward:  # first: the gradients outlive the parameters, and the
-                self.reshard()  # reduction's buffers then take the unsharded parameters' place
-            if self.requires_gradient_sync:
-                self.wait_for_reduce()  # at most one reduction in flight per group
-                if self.reduce_queue is not None:  # and across groups: [Note: one reduction in flight]
-                    self.reduce_queue.admit(self)
-                self._start_reduce()
-            else:  # no sync: sum the unsharded gradients, in reduce_dtype ([Note: accumulating in reduce_dtype])
-                dtype = self.accumulate_dtype or self.reduce_dtype()
-                for p in self.all_params:
-                    grad = p.take_unsharded_grad()
-                    if grad is not None:
-                        with gradient_buffers():
-                            p.accumulated_grad = grad if grad.dtype == dtype else grad.to(dtype)
+        self.wait()
+        if self.group.reduce_queue is not None:
+            self.group.reduce_queue.admit(self)
+        self._start_reduce()
+
+    def accumulate(self) -> None:
+        """No gradient sync: sum the unsharded gradients, in reduce_dtype ([Note: accumulating in
+        reduce_dtype])."""
+        self._grads_ready.clear()
+        dtype = self.group.accumulate_dtype or self.reduce_dtype()
+        for p in self.group.all_params:
+            grad = p.take_unsharded_grad()
+            if grad is not None:
+                with gradient_buffers():
+                    p.accumulated_grad = grad if grad.dtype == dtype else grad.to(dtype)
 
     def _divide_factor(self) -> float:
-        if self.divide_factor is not None:
-            return self.divide_factor
-        return self.world * self.mesh_info.replicate_size
+        g = self.group
+        if g.divide_factor is not None:
+            return g.divide_factor
+        return g.world * g.mesh_info.replicate_size
 
     def _divide_factors(self) -> tuple[float, float]:
         """(before, after) the collectives: [Note: dividing before and after the sum]."""
@@ -157,14 +211,15 @@ class GroupReduce:
         return before, factor / before
 
     def _start_reduce(self) -> None:
-        if self.single:  # [Note: one data-parallel rank]: the gradient is already the reduced one
+        g = self.group
+        if g.single:  # [Note: one data-parallel rank]: the gradient is already the reduced one
             self._hand_over()
-            if not self.replicated:
+            if not g.replicated:
                 return
         # the single path handed its sharded parameters over; the replicated ones are all-reduced below
-        params = self.replicated if self.single else self.all_params
+        params = g.replicated if g.single else g.all_params
         grads = {id(p): p.take_unsharded_grad() for p in params if p.requires_grad}
-        if self.reduce_unused:  # PyTorch: zeros for trainable parameters that got no gradient
+        if g.reduce_unused:  # PyTorch: zeros for trainable parameters that got no gradient
             for p in params:
                 if id(p) in grads and grads[id(p)] is None:
                     grads[id(p)] = torch.zeros(p.shape, dtype=self.reduce_dtype(), device=p.compute_device)
@@ -172,12 +227,12 @@ class GroupReduce:
         # the parameters reduce-scattered: trainable ones, a zero row for those without a gradient on this
         # rank (the collective's size must not depend on what one rank used); only those with a gradient
         # get one back
-        trainable = [p for p in self.params if id(p) in grads]  # none on the single path
+        trainable = [p for p in g.params if id(p) in grads]  # none on the single path
         if trainable and (any(grads[id(p)] is not None for p in trainable) or self._partial is not None):
-            group = self.reduce_group or self.mesh_info.shard_group
+            group = g.reduce_group or g.mesh_info.shard_group
             with trace_range("meshpar::fsdp.reduce_copy_in"):
                 buffer = comm.ReduceScatterInput(sum(p.padded_numel for p in trainable), group, dtype=reduce_dtype,
-                                                 device=trainable[0].compute_device, custom=self.custom_reduce_scatter)
+                                                 device=trainable[0].compute_device, custom=g.custom_reduce_scatter)
                 if not self._copy_in_at_once(buffer, trainable, grads):
                     offset = 0
                     for p in trainable:
@@ -185,30 +240,30 @@ class GroupReduce:
                         if grad is None:
                             buffer.zero_rows(offset, p.padded_numel)
                         else:
-                            buffer.copy_rows(offset, p.rows_of(grad, self.world))  # cast by the copy
+                            buffer.copy_rows(offset, p.rows_of(grad, g.world))  # cast by the copy
                         offset += p.padded_numel
                 before = self._divide_factors()[0]
                 if before != 1:
                     buffer.div_(before)
-            dim = self.mesh_info.shard_dim_name
-            if self.streams is None:
+            dim = g.mesh_info.shard_dim_name
+            if g.streams is None:
                 work, event, keep = comm.reduce_scatter_rows(buffer, group, async_op=True, dim=dim), None, None
             else:  # stream-ordered; the buffers live until the compute stream waited: [Note: CUDA streams in FSDP]
-                with self.streams.reduce_scatter_after_compute():
+                with g.streams.reduce_scatter_after_compute():
                     work = comm.reduce_scatter_rows(buffer, group, async_op=False, dim=dim)
-                    event, keep = self.streams.reduce_scatter.record_event(), buffer
+                    event, keep = g.streams.reduce_scatter.record_event(), buffer
             with_grad = [p for p in trainable if grads[id(p)] is not None]
             self._reduce = (work, buffer.output, trainable, with_grad, event, keep)
-        replicated = [(p, grads[id(p)]) for p in self.replicated if grads.get(id(p)) is not None]
+        replicated = [(p, grads[id(p)]) for p in g.replicated if grads.get(id(p)) is not None]
         if replicated:  # one all-reduce over the whole dp mesh for all small parameters
-            flat = torch.cat([g.reshape(-1).to(reduce_dtype) for _, g in replicated])
+            flat = torch.cat([grad.reshape(-1).to(reduce_dtype) for _, grad in replicated])
             before, after = self._divide_factors()
             if before != 1:
                 flat.div_(before)
-            for dim in filter(lambda d: d is not None, (self.mesh_info.replicate_dim, self.mesh_info.shard_dim)):
-                comm.all_reduce(flat, self.mesh_info.mesh.get_group(dim), dim=self.mesh_info.dim_name(dim))
+            for dim in filter(lambda d: d is not None, (g.mesh_info.replicate_dim, g.mesh_info.shard_dim)):
+                comm.all_reduce(flat, g.mesh_info.mesh.get_group(dim), dim=g.mesh_info.dim_name(dim))
             flat.div_(after)
-            for (p, _), piece in zip(replicated, flat.split([g.numel() for _, g in replicated]), strict=True):
+            for (p, _), piece in zip(replicated, flat.split([grad.numel() for _, grad in replicated]), strict=True):
                 p.add_sharded_grad(piece.view(p.shape))
 
     # [Note: the gradients copied in at once]
@@ -229,12 +284,13 @@ class GroupReduce:
         """[Note: one data-parallel rank]: each trainable sharded parameter's gradient, taken in one
         pass (zeros for one that got none when ``reduce_unused``), is already the reduced one: cast
         to ``reduce_dtype``, divided, the hook run, added to ``sharded.grad``."""
-        reduce_dtype, factor, hooked = self.reduce_dtype(), self._divide_factor(), self.all_reduce_hook is not None
-        for p in self.params:
+        reduce_dtype, factor = self.reduce_dtype(), self._divide_factor()
+        hooked, reduce_unused = self.group.all_reduce_hook is not None, self.group.reduce_unused
+        for p in self.group.params:
             if not p.sharded.requires_grad:
                 continue
             grad = p.take_unsharded_grad()
-            if grad is None and self.reduce_unused:
+            if grad is None and reduce_unused:
                 grad = torch.zeros(p.shape, dtype=reduce_dtype, device=p.compute_device)
             if grad is not None:
                 if grad.dtype != reduce_dtype:
@@ -247,9 +303,9 @@ class GroupReduce:
 
     def _call_hook(self, output: torch.Tensor) -> None:
         """``FSDPModule.set_all_reduce_hook``: the user's hook on the reduced output, in place."""
-        if self.all_reduce_hook is None:
+        if self.group.all_reduce_hook is None:
             return
-        hook, stream = self.all_reduce_hook
+        hook, stream = self.group.all_reduce_hook
         with trace_range("meshpar::fsdp.all_reduce_hook"):
             if stream is not None:
                 with torch.cuda.stream(stream):
@@ -258,15 +314,16 @@ class GroupReduce:
             else:
                 hook(output)
 
-    def wait_for_reduce(self) -> None:
+    def wait(self) -> None:
         """Finish the reduction in flight, if any, and hand the sharded gradients to the parameters."""
         if self._reduce is None:
             return
+        g = self.group
         work, recv, params, with_grad, event, _ = self._reduce
         self._reduce = None  # the input is freed here, after the compute stream waited on it
         with trace_range("meshpar::fsdp.reduce_scatter_wait"):
             _wait(work, event)
-        if self.mesh_info.replicate_dim is not None:
+        if g.mesh_info.replicate_dim is not None:
             if self._partial is not None:  # an earlier microbatch's reduce-scatter without the all-reduce
                 if self._partial_params != params:
                     raise RuntimeError("the trainable parameters of an FSDP unit changed between microbatches "
@@ -276,13 +333,12 @@ class GroupReduce:
                 with_grad = self._partial_with_grad | {id(p) for p in with_grad}
                 with_grad = [p for p in params if id(p) in with_grad]
                 self._partial = self._partial_params = None
-            if not self.requires_all_reduce:  # keep the shard's sum for the microbatch that all-reduces
+            if not g.requires_all_reduce:  # keep the shard's sum for the microbatch that all-reduces
                 self._partial, self._partial_params = recv, params
                 self._partial_with_grad = {id(p) for p in with_grad}
                 return
             with trace_range("meshpar::fsdp.all_reduce_replicas"):
-                comm.all_reduce(recv, self.mesh_info.replicate_group,
-                                dim=self.mesh_info.dim_name(self.mesh_info.replicate_dim))
+                comm.all_reduce(recv, g.mesh_info.replicate_group, dim=g.mesh_info.dim_name(g.mesh_info.replicate_dim))
         recv.div_(self._divide_factors()[1])
         self._call_hook(recv)
         offset, assign = 0, {id(p) for p in with_grad}
@@ -291,14 +347,15 @@ class GroupReduce:
                 p.add_sharded_grad(p.local_of(recv[offset:offset + p.padded_numel]))
             offset += p.padded_numel
 
-    def finish_backward(self) -> None:
-        """End of a backward, or ``FSDPModule.reduce_grads``: reduce what no hook reduced (unused
-        parameters, gradients accumulated without sync or written outside the hooks), wait, reshard."""
-        if self._grads_ready or any(p.accumulated_grad is not None or (p.unsharded is not None
-                                                                      and p.unsharded.grad is not None)
-                                    for p in self.all_params):
-            self.post_backward()
-        self.wait_for_reduce()
+    def drop(self) -> None:
+        """After a forward or backward that raised (``ParamGroup.reset``): finish and discard the
+        reduction in flight, and drop every gradient not yet handed to the sharded parameters."""
+        if self._reduce is not None:
+            _wait(self._reduce[0], self._reduce[4])
+            self._reduce = None
+        self._partial = self._partial_params = None
         self._grads_ready.clear()
-        if self.reshard_after_backward:
-            self.reshard()
+        for p in self.group.all_params:
+            p.accumulated_grad = None
+            if p.unsharded is not None:
+                p.unsharded.grad = None

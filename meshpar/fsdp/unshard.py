@@ -6,14 +6,17 @@ parameter's rows from every rank into its unsharded buffer. Replicated parameter
 parameter on one data-parallel rank, are cast or viewed from their local tensor instead.
 Reshard swaps the sharded parameters back in and frees the unsharded storage.
 
-Mixed into ``ParamGroup`` (param_group.py), whose ``__init__`` sets the attributes used here;
-the flat layout is described there.
+``Unsharder`` is the part of a ``ParamGroup`` (param_group.py) that does this: it reads the
+group's parameters, flat layout and settings (``UnshardedGroup``) and owns the state of its
+unshards; the flat layout is described in param_group.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,8 +26,28 @@ from meshpar.distributed import comm
 from meshpar.distributed._torch import foreach_copy_, local_tensor, module_parameters, preserve_version_counter
 from meshpar.distributed.comm_record import comm_buffers
 from meshpar.distributed.tracing import trace_range
-from meshpar.fsdp.sharded_param import ParamState, ShardedParam
-from meshpar.fsdp.streams import _wait
+from meshpar.fsdp.policies import MixedPrecisionPolicy
+from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
+from meshpar.fsdp.streams import CudaStreams, _wait
+
+
+class UnshardedGroup(Protocol):
+    """What an ``Unsharder`` reads of its group (``ParamGroup``), which sets all of it."""
+
+    params: list[ShardedParam]  # sharded ones, in the flat buffer's order
+    replicated: list[ShardedParam]  # below shard_threshold: cast or viewed, never gathered
+    all_params: list[ShardedParam]
+    mesh_info: MeshInfo
+    mp: MixedPrecisionPolicy
+    world: int
+    single: bool  # [Note: one data-parallel rank]
+    extended: list[ShardedParam]  # those with an all-gather extension (extensions.py)
+    layout: tuple[torch.dtype, list[int]]  # the flat buffer's dtype and per-parameter segments
+    custom_all_gather: object | None
+    streams: CudaStreams | None
+    post_forward: tuple[dist.ProcessGroup, int, str] | None  # int reshard_after_forward's group
+
+    def compute_dtype(self, p: ShardedParam) -> torch.dtype: ...
 
 
 def _is_float8(dtype: torch.dtype) -> bool:
@@ -55,7 +78,7 @@ def _write_from_local(params: list[ShardedParam], dtypes: list[torch.dtype]) -> 
 class _CastPlan:
     """What a steady unshard of a cast group repeats ([Note: the steady cast])."""
 
-    def __init__(self, group: GroupUnshard, params: list[ShardedParam]) -> None:
+    def __init__(self, group: UnshardedGroup, params: list[ShardedParam]) -> None:
         self.params = params
         self.kept = [(p.sharded, p.local, p.unsharded, p.unsharded_padded) for p in params]
         self.mp = group.mp  # frozen: the compute dtypes are this policy's and the parameters' (kept below)
@@ -67,9 +90,10 @@ class _CastPlan:
         self.unsharded = tuple(p.unsharded for p in params)
 
     @classmethod
-    def of(cls, group: GroupUnshard) -> _CastPlan | None:
+    def of(cls, group: UnshardedGroup) -> _CastPlan | None:
+        """After a full unshard: the plan, or None where it cannot serve."""
         params = group.replicated + (group.params if group.single else [])
-        if not params or len(params) != len(group.all_params) or group._gather is not None:
+        if not params or len(params) != len(group.all_params):
             return None  # the group's every parameter cast from its whole local tensor, or the full path
         if any(p.extension is not None or isinstance(p.unsharded, DTensor) or p.unsharded_padded is None
                or p.local.device != p.compute_device or p.local.dtype == group.compute_dtype(p)
@@ -77,15 +101,13 @@ class _CastPlan:
             return None
         return cls(group, params)
 
-    def run(self, group: GroupUnshard) -> bool:
-        """The steady unshard, or False (nothing done) when something kept has changed."""
+    def run(self, mp: MixedPrecisionPolicy, hook_grad: Callable[[ShardedParam], None]) -> bool:
+        """The steady unshard, or False (nothing done, the plan stale) when something kept has changed."""
         for p, (sharded, local, unsharded, padded) in zip(self.params, self.kept, strict=True):
             if p.sharded is not sharded or p.unsharded is not unsharded or p.unsharded_padded is not padded \
                     or local_tensor(sharded) is not local:
-                group._cast_plan = None
                 return False
-        if group.mp is not self.mp:  # a parameter's own dtype changed with its sharded tensor (above)
-            group._cast_plan = None
+        if mp is not self.mp:  # a parameter's own dtype changed with its sharded tensor (above)
             return False
         with trace_range("meshpar::fsdp.cast"), torch.no_grad():
             for storage, nbytes in self.storages:
@@ -102,7 +124,7 @@ class _CastPlan:
             p.state = ParamState.UNSHARDED
             hooked = p.hooked
             if wanted and (hooked is None or hooked() is not unsharded):
-                group._hook_grad(p)
+                hook_grad(p)
         return True
 
     def reshard(self) -> None:
@@ -131,40 +153,62 @@ class Piece:
         self.seg = self.seg or self.numel
 
 
-class GroupUnshard:
-    """A parameter group's all-gather side: ``unshard``, ``wait_for_gather``, ``reshard``."""
+class Unsharder:
+    """A parameter group's all-gather side: ``unshard``, ``wait``, ``reshard``.
+
+    Owns the state of its group's unshards: ``state`` (the group's parameters sharded or unsharded),
+    the all-gather in flight, the shards an int ``reshard_after_forward`` keeps for backward, and the
+    steady cast's plan. Every parameter it unshards is handed to ``hook_grad`` (the reducing part's:
+    reduce.py), which hooks its gradient once."""
+
+    def __init__(self, group: UnshardedGroup, hook_grad: Callable[[ShardedParam], None]) -> None:
+        self.group, self.hook_grad = group, hook_grad
+        self.state = ParamState.SHARDED
+        # all-gather in flight: (work, output, its world, the event that ends it on CUDA), and its
+        # layout when it carries extension inputs
+        self._gather: tuple[comm.Work, torch.Tensor, int, torch.cuda.Event | None] | None = None
+        self._gather_pieces: list[Piece] | None = None
+        # int reshard_after_forward: this rank's 1/k of each unsharded parameter between forward and
+        # backward (backward gathers them within the group's ``post_forward`` group)
+        self._post_forward_shards: list[torch.Tensor] | None = None
+        self._cast_plan: _CastPlan | None = None  # [Note: the steady cast]
+
+    def layout_changed(self) -> None:
+        """The group's parameters or layout may have changed: the next unshard takes the full path."""
+        self._cast_plan = None
 
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gather (``async_op``) or complete the unshard."""
         if self.state is ParamState.UNSHARDED:
             return
-        if self._gather is None and self.params and not self.single:
+        g = self.group
+        if self._gather is None and g.params and not g.single:
             custom = None
             if self._post_forward_shards is not None:  # backward after an int reshard_after_forward
-                group, world, dim = self.post_forward
+                group, world, dim = g.post_forward
                 rank, shards = dist.get_rank(group), self._post_forward_shards
                 n, dtype = sum(t.numel() for t in shards), shards[0].dtype
                 fill = lambda send: torch.cat(shards, out=send)
             else:
-                group, world, dim = self.mesh_info.shard_group, self.world, self.mesh_info.shard_dim_name
-                rank, custom = self.mesh_info.shard_rank, self.custom_all_gather
-                if self.extended:  # what each extension's fsdp_pre_all_gather returns: extensions.py
+                group, world, dim = g.mesh_info.shard_group, g.world, g.mesh_info.shard_dim_name
+                rank, custom = g.mesh_info.shard_rank, g.custom_all_gather
+                if g.extended:  # what each extension's fsdp_pre_all_gather returns: extensions.py
                     dtype, pieces = self._extension_pieces()
                     n = sum(piece.seg for piece in pieces)
                     fill = lambda send: self._copy_in_pieces(send, pieces)
                 else:
-                    dtype, segments = self._layout
+                    dtype, segments = g.layout
                     n = sum(segments)
                     fill = lambda send: self._copy_in(send, segments)
             # in place: this rank's input is its own slot of the output, so no separate send buffer
             # (one shard fewer at the peak; PyTorch's engine does the same)
-            streams = self.streams
+            streams = g.streams
             with streams.copy_in_after_compute() if streams else contextlib.nullcontext():
                 with comm_buffers():
                     if custom is not None:
-                        recv = custom.allocate((world * n,), dtype=dtype, device=self.params[0].compute_device)
+                        recv = custom.allocate((world * n,), dtype=dtype, device=g.params[0].compute_device)
                     else:
-                        recv = torch.empty(world * n, dtype=dtype, device=self.params[0].compute_device)
+                        recv = torch.empty(world * n, dtype=dtype, device=g.params[0].compute_device)
                 send = recv[rank * n:(rank + 1) * n]
                 fill(send)
             if streams is None:
@@ -174,26 +218,27 @@ class GroupUnshard:
                     work = comm.all_gather(recv, send, group, async_op=False, dim=dim, custom=custom)
                     event = streams.all_gather.record_event()
             self._gather = (work, recv, world, event)
-            self._gather_pieces = pieces if self.extended and self._post_forward_shards is None else None
+            self._gather_pieces = pieces if g.extended and self._post_forward_shards is None else None
         if not async_op:
             self._finish_unshard()
 
     def _copy_in(self, send: torch.Tensor, segments: list[int]) -> None:
         """This rank's chunks of every parameter, cast to param_dtype, into the flat ``send``."""
+        params = self.group.params
         with trace_range("meshpar::fsdp.copy_in"):
-            if send.dtype != torch.uint8 and all(p.local.device == send.device for p in self.params):
+            if send.dtype != torch.uint8 and all(p.local.device == send.device for p in params):
                 # [Note: a unit's copies in one call]: each chunk, then its padding, left as it is
-                sizes = [k for p, seg in zip(self.params, segments, strict=True)
+                sizes = [k for p, seg in zip(params, segments, strict=True)
                          for k in (p.local_shape.numel(), seg - p.local_shape.numel())]
-                foreach_copy_(list(send.split(sizes)[::2]), [p.local.reshape(-1) for p in self.params],
+                foreach_copy_(list(send.split(sizes)[::2]), [p.local.reshape(-1) for p in params],
                               non_blocking=True)
                 return
             offset = 0
-            for p, seg in zip(self.params, segments, strict=True):
+            for p, seg in zip(params, segments, strict=True):
                 n = p.local_shape.numel()  # elements past n are padding
                 dst = send[offset:offset + seg]
                 if send.dtype == torch.uint8:
-                    dst = dst.view(self.compute_dtype(p))
+                    dst = dst.view(self.group.compute_dtype(p))
                 dst[:n].copy_(p.local.reshape(-1), non_blocking=True)
                 offset += seg
 
@@ -208,25 +253,26 @@ class GroupUnshard:
     def _copy_out(self, rows: torch.Tensor, sizes: list[int]) -> None:
         """``rows`` ([world, sum(sizes)]): column block i into parameter i's unsharded storage,
         viewed ``[world, sizes[i]]`` (dim 0 split: rank r's chunk is rows r * c to (r + 1) * c)."""
-        world = rows.shape[0]
+        world, params = rows.shape[0], self.group.params
         outs = [p.alloc_unsharded(rows.dtype, p.n).view(world, size)
-                for p, size in zip(self.params, sizes, strict=True)]
-        with preserve_version_counter(tuple(p.unsharded for p in self.params)):
+                for p, size in zip(params, sizes, strict=True)]
+        with preserve_version_counter(tuple(p.unsharded for p in params)):
             torch.split_with_sizes_copy(rows, sizes, dim=1, out=outs)
 
     def _extension_pieces(self) -> tuple[torch.dtype, list[Piece]]:
         """The flat buffer's layout when some parameters define the all-gather extension: each such
         parameter's inputs (from its ``fsdp_pre_all_gather``), the others' padded chunks, in order.
         One dtype, or bytes with every piece 8-byte aligned, as ``refresh_layout`` lays out mixed dtypes."""
-        mesh = self.mesh_info.mesh
-        shard_mesh = mesh if mesh.ndim == 1 else mesh[self.mesh_info.shard_dim_name]
+        g = self.group
+        mesh = g.mesh_info.mesh
+        shard_mesh = mesh if mesh.ndim == 1 else mesh[g.mesh_info.shard_dim_name]
         pieces = []
-        for p in self.params:
+        for p in g.params:
             if p.extension is None:
-                pieces.append(Piece(p, None, None, self.compute_dtype(p), p.padded_numel))
+                pieces.append(Piece(p, None, None, g.compute_dtype(p), p.padded_numel))
                 continue
             local = p.local if p.local.device == p.compute_device else p.local.to(p.compute_device)
-            for i, t in enumerate(p.extension.inputs(p, local, shard_mesh, p.places[0][0], self.mp)):
+            for i, t in enumerate(p.extension.inputs(p, local, shard_mesh, p.places[0][0], g.mp)):
                 pieces.append(Piece(p, i, t, t.dtype, t.numel()))
         dtypes = {piece.dtype for piece in pieces}
         # one dtype a backend reduces is gathered as itself; float8 (which gloo refuses: PyTorch's engine
@@ -267,14 +313,15 @@ class GroupUnshard:
                 dtypes = [q.dtype for q in pieces if q.param is p]
                 outputs[id(p)] = p.extension.output_buffers(dtypes, world, block.device)
             outputs[id(p)][piece.index].view(world, -1).copy_(block)
-        for p in self.extended:
-            param_dtype = self.mp.param_dtype or p.orig_dtype
+        for p in self.group.extended:
+            param_dtype = self.group.mp.param_dtype or p.orig_dtype
             with trace_range("meshpar::fsdp.post_all_gather"):
                 tensor = p.extension.unsharded(p.local, param_dtype, p.unsharded, p.shape[0])
             if tensor is not None:
                 p.unsharded = p.as_unsharded_param(tensor)
 
     def _finish_unshard(self) -> None:
+        g = self.group
         if self._gather is not None:
             work, recv, world, event = self._gather
             self._gather = None
@@ -288,27 +335,29 @@ class GroupUnshard:
                     self._copy_out_pieces(recv, world, extension_pieces)
                 else:
                     # recv[world, sum_i size_i]; parameter i's padded chunks, in order, are its column block
-                    segments = [p.padded_numel for p in self.params] if post_forward else self._layout[1]
-                    sizes = [seg * self.world // world for seg in segments]
-                    if recv.dtype != torch.uint8 and not any(p.shard_dim for p in self.params):
+                    segments = [p.padded_numel for p in g.params] if post_forward else g.layout[1]
+                    sizes = [seg * g.world // world for seg in segments]
+                    if recv.dtype != torch.uint8 and not any(p.shard_dim for p in g.params):
                         self._copy_out(recv.view(world, -1), sizes)
                     else:
                         pieces = recv.view(world, -1).split(sizes, dim=1)
-                        for p, piece in zip(self.params, pieces, strict=True):
+                        for p, piece in zip(g.params, pieces, strict=True):
                             if recv.dtype == torch.uint8:
-                                piece = piece.view(self.compute_dtype(p))[:, :p.padded_numel]
+                                piece = piece.view(g.compute_dtype(p))[:, :p.padded_numel]
                             p.write_unsharded(piece, world)
         # the local tensor is the whole parameter: replicated ones, and all on one rank ([Note: one
         # data-parallel rank]); [Note: the unsharded parameter keeps its identity] in sharded_param.py
         plan = self._cast_plan
-        if plan is not None and plan.run(self):
-            self.state = ParamState.UNSHARDED
-            return
+        if plan is not None:
+            if plan.run(g.mp, self.hook_grad):
+                self.state = ParamState.UNSHARDED
+                return
+            self._cast_plan = None
         with trace_range("meshpar::fsdp.cast"), torch.no_grad():
             cast: list[ShardedParam] = []
             dtypes: list[torch.dtype] = []
-            for p in self.replicated + (self.params if self.single else []):
-                dtype = self.compute_dtype(p)
+            for p in g.replicated + (g.params if g.single else []):
+                dtype = g.compute_dtype(p)
                 if p.local.device != p.compute_device or p.local.dtype != dtype:
                     cast.append(p)  # cast, or copied from CPU (offload), in place
                     dtypes.append(dtype)
@@ -318,13 +367,13 @@ class GroupUnshard:
                     p.unsharded, p.unsharded_padded = p.as_unsharded_param(p.local), None  # a view of the shard
             if cast:
                 _write_from_local(cast, dtypes)
-        for p in self.all_params:
+        for p in g.all_params:
             p.to_unsharded()
-            self._hook_grad(p)
+            self.hook_grad(p)
         self.state = ParamState.UNSHARDED
-        self._cast_plan = _CastPlan.of(self)
+        self._cast_plan = _CastPlan.of(g)
 
-    def wait_for_gather(self) -> None:
+    def wait(self) -> None:
         """Finish an all-gather in flight (``UnshardHandle.wait``): the unsharded parameters are then
         registered on the module."""
         if self._gather is not None:
@@ -333,22 +382,27 @@ class GroupUnshard:
     def reshard(self, after_forward: bool = False) -> None:
         """Swap the sharded parameters back in and free the unsharded storage. ``after_forward``
         with an int ``reshard_after_forward`` first keeps this rank's 1/k of each parameter, so
-        backward all-gathers within the k-rank group (see ``post_forward``)."""
+        backward all-gathers within the k-rank group (the group's ``post_forward``)."""
         if self._gather is not None:  # a prefetch nobody used: finish it so the buffers are consistent
             work, _, _, event = self._gather
             _wait(work, event)  # on CUDA its buffer may then be reused: [Note: CUDA streams in FSDP]
             self._gather = None
         if self.state is ParamState.SHARDED:
             return
-        if after_forward and self.post_forward is not None and self.params and not self.single:
-            group, k, _ = self.post_forward
+        g = self.group
+        if after_forward and g.post_forward is not None and g.params and not g.single:
+            group, k, _ = g.post_forward
             rank = dist.get_rank(group)
-            self._post_forward_shards = [p.post_forward_piece(k, rank) for p in self.params]
+            self._post_forward_shards = [p.post_forward_piece(k, rank) for p in g.params]
         plan = self._cast_plan
         if plan is not None:
             plan.reshard()
         else:
-            for p in self.all_params:
+            for p in g.all_params:
                 p.to_sharded()
                 p.free_unsharded()  # a view of the shard has no storage of its own: nothing to free
         self.state = ParamState.SHARDED
+
+    def drop_post_forward(self) -> None:
+        """Forget the shards kept for a backward that will not come (``ParamGroup.reset``)."""
+        self._post_forward_shards = None
