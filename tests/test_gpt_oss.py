@@ -166,16 +166,7 @@ def test_key_map_and_config_round_trip():
     assert adapter.args_from_hf_config("gpt_oss", adapter.hf_config("gpt_oss", odd, torch.float32)) == odd
 
 
-@pytest.fixture
-def registered(monkeypatch):
-    """The family in meshpar's registry (what meshpar/models/__init__.py's line for it does), for the
-    converter, which finds a family's adapter there."""
-    import meshpar.models as models
-
-    monkeypatch.setitem(models.FAMILIES, "gpt_oss", FAMILY)
-
-
-def test_hf_folder_converts_both_ways_and_loads(tmp_path, registered):
+def test_hf_folder_converts_both_ways_and_loads(tmp_path):
     """A saved GptOssForCausalLM folder -> meshpar DCP -> Hugging Face folder: every tensor bit for bit and
     the same config; ``load_hf_weights`` fills meshpar's model from the folder with transformers' logits
     (to the fp32 bound of test_logits_equal_transformers_fp32)."""

@@ -11,6 +11,7 @@ from meshpar.config.errors import RecipeError
 from meshpar.models.deepseek import family as deepseek
 from meshpar.models.family import NOT_BUILT, Family
 from meshpar.models.gpt2 import family as gpt2
+from meshpar.models.gpt_oss import family as gpt_oss
 from meshpar.models.hf import family as hf
 from meshpar.models.llama import family as llama
 from meshpar.models.moe import family as moe
@@ -20,6 +21,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     *gpt2.FAMILIES,
     *moe.FAMILIES,
     *deepseek.FAMILIES,
+    *gpt_oss.FAMILIES,
     *hf.FAMILIES,
 )}
 
