@@ -90,7 +90,7 @@ def sample(model: torch.nn.Module, tokenizer: Any, recipe: Recipe, step: int, in
     t = recipe.train
     prompt = prompt_ids(tokenizer, t.sample_prompt)
     out = generate(model, prompt, max(1, min(t.sample_tokens, t.seq_len - len(prompt))),
-                   stop=getattr(tokenizer, "eos_id", None))
+                   stop=tokenizer.eos_id)  # None for the byte tokenizer: no end token
     if info.is_rank0:
         text = tokenizer.decode(out)
         with (output_dir / "samples.jsonl").open("a") as f:

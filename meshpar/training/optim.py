@@ -68,6 +68,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         options = {k: group[k] for k in ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable",
                                          "differentiable", "fused", "decoupled_weight_decay")}
+        # torch's GradScaler sets grad_scale / found_inf on the optimizer it steps (fused AdamW's contract)
         adam(*lists, has_complex=has_complex, beta1=beta1, beta2=beta2, grad_scale=getattr(self, "grad_scale", None),
              found_inf=getattr(self, "found_inf", None), **options)
 
