@@ -70,31 +70,31 @@ def train(recipe: Recipe, *, return_state: bool = False) -> RunResult:
     profile = load_profile(recipe.metrics.hardware, device.type)
     timeout = collective_timeout(recipe.fault.timeout, device.type)
     init_process_group(device, info, timeout)
-    comm_record.set_flight_recorder(recipe.fault.flight_recorder)
+    comms = comm_record.CommRecord(flight_size=recipe.fault.flight_recorder)  # this run's collectives
     signals = StopSignals(recipe.fault.signals)
     try:
-        mesh = meshlib.build(replicas.group_layout(recipe, checked.layout), device.type)
-        model, optimizer, records, stopped_by = train_loop(recipe, checked, mesh, device, profile, info, signals,
-                                                         load_hf_weights=load_hf_weights)
-        result = RunResult(records, None, stopped_by=stopped_by)
-        if return_state:  # gathered: a collective per DTensor, for tests only; this rank's stages
-            result.state_dict = {k: _full(v) for k, v in model.state_dict().items()}
-            result.optim_state = {f"{name}.{k}": _full(v) for name, state in
-                                  optimizer_state(optimizer, param_names(model.stages)).items()
-                                  for k, v in state.items()}
-        dist.barrier()  # gloo groups torn down while a peer still talks can abort at exit
+        with comms.active():
+            mesh = meshlib.build(replicas.group_layout(recipe, checked.layout), device.type)
+            model, optimizer, records, stopped_by = train_loop(recipe, checked, mesh, device, profile, info, signals,
+                                                             load_hf_weights=load_hf_weights, comms=comms)
+            result = RunResult(records, None, stopped_by=stopped_by)
+            if return_state:  # gathered: a collective per DTensor, for tests only; this rank's stages
+                result.state_dict = {k: _full(v) for k, v in model.state_dict().items()}
+                result.optim_state = {f"{name}.{k}": _full(v) for name, state in
+                                      optimizer_state(optimizer, param_names(model.stages)).items()
+                                      for k, v in state.items()}
+            dist.barrier()  # gloo groups torn down while a peer still talks can abort at exit
         return result
     except NonFiniteError:
         dist.barrier()  # every rank raised it at the same step: meet before tearing gloo down
         raise
     except Exception as e:
         if is_collective_failure(e):  # name the op, dim, step and the ranks that did not come, then fail
-            report_collective_failure(e, rank=info.rank, world=info.world_size, step=comm_record.current_step(),
-                                      timeout=timeout)
+            report_collective_failure(e, rank=info.rank, world=info.world_size, step=comms.step, timeout=timeout,
+                                      record=comms)
         raise
     finally:
         signals.close()
-        comm_record.set_step(None)
         dist.destroy_process_group()
 
 

@@ -29,17 +29,23 @@ TIMEOUT_S = 10
 def _rank1_absent(tmp: str) -> str | None:
     """Rank 0 all-reduces over a 4 s timeout while rank 1 sleeps (never joins); rank 0 returns its report."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=4))
-    comm_record.set_step(7)
-    t = torch.ones(1000)
-    comm.all_reduce(t, group, dim="dp_shard").wait()  # both ranks: a completed one in the record
-    if dist.get_rank() == 1:
-        time.sleep(15)
-        return None
-    try:
-        comm.all_reduce(t, group, dim="dp_shard", async_op=True).wait()
-    except Exception as e:  # noqa: BLE001 - the timeout under test
-        return report_collective_failure(e, rank=0, world=2, step=7, timeout=datetime.timedelta(seconds=4))
-    raise AssertionError("the all-reduce with a sleeping peer did not time out")
+    record = comm_record.CommRecord()  # as a run's (meshpar/train.py)
+    with record.active():
+        record.step = 7
+        t = torch.ones(1000)
+        comm.all_reduce(t, group, dim="dp_shard").wait()  # both ranks: a completed one in the record
+        if dist.get_rank() == 1:
+            time.sleep(15)
+            return None
+        try:
+            comm.all_reduce(t, group, dim="dp_shard", async_op=True).wait()
+        except Exception as e:  # noqa: BLE001 - the timeout under test
+            failure = e
+        else:
+            raise AssertionError("the all-reduce with a sleeping peer did not time out")
+    # outside the block, as meshpar/train.py reports: the run's record is passed
+    return report_collective_failure(failure, rank=0, world=2, step=record.step, timeout=datetime.timedelta(seconds=4),
+                                     record=record)
 
 
 @pytest.mark.timeout(90)

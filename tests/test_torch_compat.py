@@ -40,7 +40,8 @@ def test_every_private_torch_name_meshpar_uses_exists():
 
 
 def test_the_lookup_names_what_is_missing(monkeypatch):
-    monkeypatch.setitem(_torch.REQUIRED, "torch.distributed.tensor.placement_types._NoSuchShard", "a made-up feature")
+    made_up = {"torch.distributed.tensor.placement_types._NoSuchShard": "a made-up feature"}
+    monkeypatch.setattr(_torch, "REQUIRED", {**_torch.REQUIRED, **made_up})  # REQUIRED itself is read-only
     assert any("_NoSuchShard" in m and "a made-up feature" in m for m in _missing())
 
 

@@ -26,8 +26,10 @@ inherited private state (``self._WINFO``). Those names are in ``REQUIRED`` all t
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 from collections.abc import Callable, Iterator
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -61,7 +63,7 @@ __all__ = [
     "attention_ops",
     "profiler_enabled", "record_function_enter", "record_function_exit", "record_cuda_memory_history",
     "dump_cuda_memory_snapshot", "attach_cuda_oom_observer", "schedule_p2p", "set_schedule_p2p",
-    "clear_dtensor_caches", "stop_dcp_save_process", "resolve",
+    "backward_launch_context", "clear_dtensor_caches", "stop_dcp_save_process", "resolve",
 ]
 
 
@@ -193,6 +195,17 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     last reduce-scatters, reshard). Public alternative: none in 2.13 (a hook on the root's inputs
     misses parameters whose gradients land later)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def backward_launch_context() -> contextvars.Context | None:
+    """In a backward, a copy of the context of the thread that launched it, else None. On CUDA autograd
+    runs hooks and ``backward`` functions on a device thread of its own, outside that context, and keeps
+    this copy for them in its thread-local state (for compiled backwards' configuration): context
+    variables the caller set can be read from it ([Note: the active record] in comm_record.py). Public
+    alternative: none in 2.13 (``AutogradContextVar`` is proposed upstream)."""
+    if torch._C._is_key_in_tls("context"):
+        return torch._C._get_obj_in_tls("context")
+    return None
 
 
 def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list[Callable[[torch.Tensor], None]]:
@@ -372,7 +385,7 @@ def dtensor_shapes_in_own_fake_mode() -> Iterator[None]:
 #   which fake mode is running. Public alternative: none.
 # - FakeStore: ``meshpar plan``'s dry run joins a "fake" process group, whose collectives return at
 #   once. Public alternative: none outside torch.testing.
-_LAZY: dict[str, tuple[str, str | None]] = {
+_LAZY: MappingProxyType[str, tuple[str, str | None]] = MappingProxyType({
     "MemTracker": ("torch.distributed._tools.mem_tracker", "MemTracker"),
     "MemRefType": ("torch.distributed._tools.mem_tracker", "_MemRefType"),
     "RefType": ("torch.distributed._tools.mem_tracker", "_RefType"),
@@ -385,7 +398,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     # A mode seeing every op a thread runs (float8 collectives over gloo: meshpar/parallel/float8.py).
     # Public alternative: none (``torch.utils._python_dispatch`` is the only home of the base class).
     "TorchDispatchMode": ("torch.utils._python_dispatch", "TorchDispatchMode"),
-}
+})
 
 
 def __getattr__(name: str) -> Any:
@@ -403,6 +416,23 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
+# --- the classes of a DCP checkpoint's metadata ------------------------------------------------------------
+# (module, name) of every class torch 2.13's FileSystemWriter pickles into ``.metadata`` (beside
+# torch dtypes, layouts and ``torch.Size``, and the ``pathlib`` path of ``StorageMeta.checkpoint_id``):
+# the allow-list of meshpar's restricted unpickler ([Note: loading never runs code from the file] in
+# meshpar/checkpoint/format.py). Two are private; REQUIRED checks that they still exist. Public
+# alternative: none (DCP's own reader unpickles without restriction).
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+DCP_METADATA_GLOBALS = frozenset({
+    *((_DCP_MD, name) for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
+                                   "TensorStorageMetadata", "BytesStorageMetadata", "StorageMeta",
+                                   "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+})
+
+
 # --- what the installed torch must provide -----------------------------------------------------------------
 _MT = "torch.distributed._tools.mem_tracker"
 _MEMORY = "tensor memory by category ([profile] profile_memory, meshpar plan's memory simulation)"
@@ -413,7 +443,7 @@ _PIPELINE_LABELS = "pipeline transfers labelled in traces (meshpar/parallel/pipe
 # Every private (or non-public) torch name meshpar uses, dotted from an importable module, ->
 # the meshpar feature that needs it. ``X()`` instantiates X (instance attributes).
 # tests/test_torch_compat.py resolves each one.
-REQUIRED: dict[str, str] = {
+REQUIRED: MappingProxyType[str, str] = MappingProxyType({
     "torch.distributed.tensor.placement_types._StridedShard":
         "FSDP over tensor parallel, GPT-2's fused q|k|v (tensor_parallel/styles.py, fsdp/sharded_param.py, "
         "checkpoints, init, clipping, conversion)",
@@ -437,6 +467,8 @@ REQUIRED: dict[str, str] = {
     "torch.distributed.tensor.parallel.ParallelStyle._apply":
         "meshpar's tensor-parallel styles: vocab-parallel embedding, fused and replicated parallel",
     "torch.autograd.Variable._execution_engine": "FSDP's end-of-backward callback (fsdp/state.py)",
+    "torch._C._is_key_in_tls": "the run's comm record in a backward on CUDA (distributed/comm_record.py)",
+    "torch._C._get_obj_in_tls": "the run's comm record in a backward on CUDA (distributed/comm_record.py)",
     "torch.autograd._unsafe_preserve_version_counter": "FSDP's all-gather copy-out (fsdp/param_group.py)",
     "torch.nn.Parameter()._post_accumulate_grad_hooks":
         "optimizer-in-backward hooks on fully-sharded parameters (fsdp/sharded_param.py)",
@@ -507,7 +539,9 @@ REQUIRED: dict[str, str] = {
     f"{_MT}.MemTracker()._peak_mem": _MEMORY,
     f"{_MT}.MemTracker()._peak_mem_snap": _MEMORY,
     f"{_MT}.MemTracker()._curr_mem_snap": _MEMORY,
-}
+    **{f"{module}.{name}": "loading DCP checkpoints: the allow-list of .metadata's unpickler (checkpoint/format.py)"
+       for module, name in DCP_METADATA_GLOBALS if name.startswith("_")},
+})
 
 CUDA_ONLY = frozenset({"torch._C._cuda_attach_out_of_memory_observer"})  # absent from CPU-only builds
 
@@ -529,25 +563,6 @@ def resolve(dotted: str) -> Any:
         if call:
             obj = obj()
     return obj
-
-
-# --- the classes of a DCP checkpoint's metadata ------------------------------------------------------------
-# (module, name) of every class torch 2.13's FileSystemWriter pickles into ``.metadata`` (beside
-# torch dtypes, layouts and ``torch.Size``, and the ``pathlib`` path of ``StorageMeta.checkpoint_id``):
-# the allow-list of meshpar's restricted unpickler ([Note: loading never runs code from the file] in
-# meshpar/checkpoint/format.py). Two are private; REQUIRED checks that they still exist. Public
-# alternative: none (DCP's own reader unpickles without restriction).
-_DCP_MD = "torch.distributed.checkpoint.metadata"
-DCP_METADATA_GLOBALS = frozenset({
-    *((_DCP_MD, name) for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
-                                   "TensorStorageMetadata", "BytesStorageMetadata", "StorageMeta",
-                                   "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
-})
-REQUIRED.update({f"{module}.{name}": "loading DCP checkpoints: the allow-list of .metadata's unpickler "
-                 "(checkpoint/format.py)" for module, name in DCP_METADATA_GLOBALS if name.startswith("_")})
 
 
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:

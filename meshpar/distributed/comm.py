@@ -1,8 +1,9 @@
 """Collectives behind one function each, chosen per backend, with per-mesh-dim accounting.
 
 Every collective meshpar issues goes through here, so one place decides how it runs on
-each backend and one place counts it: each call reports its op, mesh dim and bytes to
-meshpar/distributed/comm_record.py (``comm_record.count()`` blocks, the flight recorder).
+each backend and one place counts it: each call reports its op, mesh dim and bytes to a
+``CommRecord`` (meshpar/distributed/comm_record.py: ``count()`` blocks, the flight recorder):
+the one passed as ``record=``, else the active one ([Note: the active record]), else none.
 
 Notes: [Note: reduce-scatter on gloo], [Note: bytes counted].
 """
@@ -17,7 +18,16 @@ import torch
 import torch.distributed as dist
 
 from meshpar.distributed._torch import chunk_cat
-from meshpar.distributed.comm_record import FlightEntry, comm_buffers, forced, native_layout, record_collective
+from meshpar.distributed.comm_record import (
+    CommRecord,
+    FlightEntry,
+    active,
+    comm_buffers,
+    forced,
+    native_layout,
+    record_collective,
+    resolve,
+)
 from meshpar.distributed.tracing import trace_range
 
 # [Note: reduce-scatter on gloo]
@@ -39,8 +49,6 @@ from meshpar.distributed.tracing import trace_range
 # torch 2.13 renamed the tensor-in / tensor-out collectives; older releases have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 
 
 class Work:
@@ -69,16 +77,16 @@ def _is_gloo(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, dim: str,
-               async_op: bool = False, custom: Callable | None = None) -> Work:
+               async_op: bool = False, custom: Callable | None = None, record: CommRecord | None = None) -> Work:
     """``output[N * n] <- concat over ranks of input[n]`` along dim 0. ``custom``: a user's
     all-gather (``FSDPModule.set_custom_all_gather``), called as PyTorch's engine calls it."""
-    n = dist.get_world_size(group)
-    entry = record_collective("all_gather", dim, output.numel() * output.element_size() * (n - 1) / n)
+    n, record = dist.get_world_size(group), resolve(record)
+    entry = record_collective("all_gather", dim, output.numel() * output.element_size() * (n - 1) / n, record)
     with trace_range(f"meshpar::comm.all_gather[{dim}]"):
         if custom is not None:
             return Work(custom(output_tensor=output, input_tensor=input, group=group, async_op=async_op),
                         entry=entry)
-        if n == 1 and not forced():
+        if n == 1 and not forced(record):
             output.copy_(input)
             return Work(None, entry=entry)
         return Work(_all_gather_single(output, input, group=group, async_op=async_op), entry=entry)
@@ -92,18 +100,19 @@ class ReduceScatterInput:
     own row is written straight into ``output`` and only the ``n - 1`` others are buffered: see
     [Note: reduce-scatter on gloo] and, for the switch to the native layout, [Note: the native
     reduce-scatter layout]. Fill with ``copy_rows``, then call
-    ``reduce_scatter_rows``; the summed chunk lands in ``output``.
+    ``reduce_scatter_rows``; the summed chunk lands in ``output``. Laid out under ``record`` (else
+    the active one), which ``reduce_scatter_rows`` then reports to unless given another.
     """
 
     def __init__(self, per_rank: int, group: dist.ProcessGroup, *, dtype: torch.dtype, device: torch.device,
-                 custom: Any = None):
+                 custom: Any = None, record: CommRecord | None = None):
         """``custom``: a user's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``); it allocates
         both buffers and gets the plain ``[n, per_rank]`` layout."""
         self.n, self.rank, self.per_rank = dist.get_world_size(group), dist.get_rank(group), per_rank
-        self.custom = custom
-        self.exchange = custom is None and self.n > 1 and not native_layout() and (
+        self.custom, self.record = custom, resolve(record)
+        self.exchange = custom is None and self.n > 1 and not native_layout(self.record) and (
             dist.get_backend(group) == "gloo" or torch.device(device).type == "cpu")
-        self.shortcut = self.n == 1 and custom is None and not forced()  # the row is the output
+        self.shortcut = self.n == 1 and custom is None and not forced(self.record)  # the row is the output
         rows = self.n - 1 if self.exchange else self.n
         with comm_buffers():
             if custom is not None:
@@ -164,10 +173,10 @@ class ReduceScatterInput:
 
 @torch.no_grad()
 def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, dim: str,
-                        async_op: bool = False) -> Work:
+                        async_op: bool = False, record: CommRecord | None = None) -> Work:
     """``input.output <- sum over ranks of row (this rank)``; see [Note: reduce-scatter on gloo]."""
     n = input.n
-    entry = record_collective("reduce_scatter", dim, input.nbytes * (n - 1) / n)
+    entry = record_collective("reduce_scatter", dim, input.nbytes * (n - 1) / n, record or input.record)
     with trace_range(f"meshpar::comm.reduce_scatter[{dim}]"):
         if input.custom is not None:
             return Work(input.custom(output_tensor=input.output, input_tensor=input.send.view(-1), group=group,
@@ -202,15 +211,15 @@ def reduce_scatter_rows(input: ReduceScatterInput, group: dist.ProcessGroup, *, 
 
 @torch.no_grad()
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
-               group: dist.ProcessGroup, *, dim: str, async_op: bool = False) -> Work:
+               group: dist.ProcessGroup, *, dim: str, async_op: bool = False, record: CommRecord | None = None) -> Work:
     """Rows of ``input`` in runs of ``input_splits[j]`` go to rank j; ``output`` receives runs of
     ``output_splits[i]`` rows from rank i, in rank order (uneven splits). Counted as the bytes this
     rank sends to other ranks (its own run stays local)."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    n, rank, record = dist.get_world_size(group), dist.get_rank(group), resolve(record)
     row = input[0].numel() * input.element_size() if input.shape[0] else 0
-    entry = record_collective("all_to_all", dim, row * (sum(input_splits) - input_splits[rank]))
+    entry = record_collective("all_to_all", dim, row * (sum(input_splits) - input_splits[rank]), record)
     with trace_range(f"meshpar::comm.all_to_all[{dim}]"):
-        if n == 1 and not forced():
+        if n == 1 and not forced(record):
             output.copy_(input)
             return Work(None, entry=entry)
         return Work(dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
@@ -219,15 +228,17 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
 
 class _AllToAllRows(torch.autograd.Function):
     """``all_to_all`` as an autograd function: backward sends the gradients back along the same
-    splits swapped (and is counted the same way)."""
+    splits swapped (and is counted the same way, in the record forward reported to)."""
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
                 group: dist.ProcessGroup, dim: str, label: str | None) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.dim, ctx.label = (output_splits, input_splits), group, dim, label
+        ctx.record = active()
         output = input.new_empty((sum(output_splits), *input.shape[1:]))
         with _labelled(label):
-            all_to_all(output, input.contiguous(), output_splits, input_splits, group, dim=dim).wait()
+            all_to_all(output, input.contiguous(), output_splits, input_splits, group, dim=dim,
+                       record=ctx.record).wait()
         return output
 
     @staticmethod
@@ -235,7 +246,8 @@ class _AllToAllRows(torch.autograd.Function):
         output_splits, input_splits = ctx.splits
         grad_input = grad.new_empty((sum(input_splits), *grad.shape[1:]))
         with _labelled(ctx.label):
-            all_to_all(grad_input, grad.contiguous(), input_splits, output_splits, ctx.group, dim=ctx.dim).wait()
+            all_to_all(grad_input, grad.contiguous(), input_splits, output_splits, ctx.group, dim=ctx.dim,
+                       record=ctx.record).wait()
         return grad_input, None, None, None, None, None
 
 
@@ -252,36 +264,37 @@ def all_to_all_rows(input: torch.Tensor, output_splits: list[int], input_splits:
     return _AllToAllRows.apply(input, output_splits, input_splits, group, dim, label)
 
 
-def world_max(value: int) -> int:
+def world_max(value: int, *, record: CommRecord | None = None) -> int:
     """The largest of every rank's ``value``: one all-reduce of one int64 over the world, on the CPU
     group (no device sync). How ranks agree on a decision (a stop signal, a non-finite step)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     t = torch.tensor([value])
-    all_reduce(t, dist.group.WORLD, dim="world", op=dist.ReduceOp.MAX).wait()
+    all_reduce(t, dist.group.WORLD, dim="world", op=dist.ReduceOp.MAX, record=record).wait()
     return int(t.item())
 
 
 @torch.no_grad()
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: str, async_op: bool = False,
-               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Work:
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, record: CommRecord | None = None) -> Work:
     """Reduce ``tensor`` over ``group`` in place (a sum unless ``op`` says otherwise)."""
-    n = dist.get_world_size(group)
-    entry = record_collective("all_reduce", dim, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
+    n, record = dist.get_world_size(group), resolve(record)
+    entry = record_collective("all_reduce", dim, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n, record)
     with trace_range(f"meshpar::comm.all_reduce[{dim}]"):
-        if n == 1 and not forced():
+        if n == 1 and not forced(record):
             return Work(None, entry=entry)
         return Work(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), entry=entry)
 
 
 @torch.no_grad()
 def send_recv(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, *, to: int, frm: int, dim: str,
-              tag: int = 0) -> Work:
+              tag: int = 0, record: CommRecord | None = None) -> Work:
     """One hop of a ring: ``send`` to group rank ``to`` while ``recv`` fills from group rank ``frm``, both
     in flight until ``wait()`` (ring attention posts a hop, then computes). Counted as the bytes sent."""
-    entry = record_collective("send_recv", dim, send.numel() * send.element_size())
+    record = resolve(record)
+    entry = record_collective("send_recv", dim, send.numel() * send.element_size(), record)
     with trace_range(f"meshpar::comm.send_recv[{dim}]"):
-        if dist.get_world_size(group) == 1 and not forced():
+        if dist.get_world_size(group) == 1 and not forced(record):
             recv.copy_(send)
             return Work(None, entry=entry)
         sent = dist.isend(send, dist.get_global_rank(group, to), group=group, tag=tag)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 from torch.autograd.profiler import record_function
 
@@ -27,21 +28,22 @@ def trace_range(name: str) -> contextlib.AbstractContextManager:
     return record_function(name) if profiler_enabled() else _NOTHING
 
 
-_LISTENERS: list[Callable[[str], None]] = []
+# the listeners of this thread's open ``listen`` blocks, innermost last (a tuple: each block sets its own)
+_LISTENERS: ContextVar[tuple[Callable[[str], None], ...]] = ContextVar("meshpar_mark_listeners", default=())
 
 
 def mark(name: str) -> None:
     """Tell the listeners that the work named ``name`` starts: the planner's memory tracker labels
-    its stretches by these (meshpar/planner/tracker.py). One list check without listeners."""
-    for listener in _LISTENERS:
+    its stretches by these (meshpar/planner/tracker.py). One lookup without listeners."""
+    for listener in _LISTENERS.get():
         listener(name)
 
 
 @contextlib.contextmanager
 def listen(listener: Callable[[str], None]) -> Iterator[None]:
-    """``listener(name)`` on every ``mark(name)`` in this context."""
-    _LISTENERS.append(listener)
+    """``listener(name)`` on every ``mark(name)`` in this block, on this thread."""
+    token = _LISTENERS.set((*_LISTENERS.get(), listener))
     try:
         yield
     finally:
-        _LISTENERS.remove(listener)
+        _LISTENERS.reset(token)

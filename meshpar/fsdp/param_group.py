@@ -79,6 +79,9 @@ class ParamGroup:
         # --- shared with the other units of one root (set at lazy init) ---
         self.streams: CudaStreams | None = None  # on CUDA: [Note: CUDA streams in FSDP]
         self.reduce_queue: ReduceQueue | None = None
+        # what this iteration's collectives report to, in forward and backward alike, set at the root's
+        # forward (None: the active record): [Note: the active record] in meshpar/distributed/comm_record.py
+        self.record: comm_record.CommRecord | None = None
         # --- the parts that do the work, each owning its state in flight ---
         self.reducer = Reducer(self)
         self.unsharder = Unsharder(self, hook_grad=self.reducer.hook_grad)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar.distributed import comm
-from meshpar.distributed.comm_record import gradient_buffers
+from meshpar.distributed.comm_record import CommRecord, gradient_buffers
 from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ShardedParam
@@ -51,6 +51,7 @@ class ReducedGroup(Protocol):
     reduce_group: dist.ProcessGroup | None
     streams: CudaStreams | None
     reduce_queue: ReduceQueue | None
+    record: CommRecord | None  # what its collectives report to: [Note: the active record]
 
     def post_backward(self) -> None: ...  # when the last gradient of a backward has accumulated
 
@@ -232,7 +233,8 @@ class Reducer:
             group = g.reduce_group or g.mesh_info.shard_group
             with trace_range("meshpar::fsdp.reduce_copy_in"):
                 buffer = comm.ReduceScatterInput(sum(p.padded_numel for p in trainable), group, dtype=reduce_dtype,
-                                                 device=trainable[0].compute_device, custom=g.custom_reduce_scatter)
+                                                 device=trainable[0].compute_device, custom=g.custom_reduce_scatter,
+                                                 record=g.record)
                 if not self._copy_in_at_once(buffer, trainable, grads):
                     offset = 0
                     for p in trainable:
@@ -261,7 +263,7 @@ class Reducer:
             if before != 1:
                 flat.div_(before)
             for dim in filter(lambda d: d is not None, (g.mesh_info.replicate_dim, g.mesh_info.shard_dim)):
-                comm.all_reduce(flat, g.mesh_info.mesh.get_group(dim), dim=g.mesh_info.dim_name(dim))
+                comm.all_reduce(flat, g.mesh_info.mesh.get_group(dim), dim=g.mesh_info.dim_name(dim), record=g.record)
             flat.div_(after)
             for (p, _), piece in zip(replicated, flat.split([grad.numel() for _, grad in replicated]), strict=True):
                 p.add_sharded_grad(piece.view(p.shape))
@@ -338,7 +340,8 @@ class Reducer:
                 self._partial_with_grad = {id(p) for p in with_grad}
                 return
             with trace_range("meshpar::fsdp.all_reduce_replicas"):
-                comm.all_reduce(recv, g.mesh_info.replicate_group, dim=g.mesh_info.dim_name(g.mesh_info.replicate_dim))
+                comm.all_reduce(recv, g.mesh_info.replicate_group, dim=g.mesh_info.dim_name(g.mesh_info.replicate_dim),
+                                record=g.record)
         recv.div_(self._divide_factors()[1])
         self._call_hook(recv)
         offset, assign = 0, {id(p) for p in with_grad}

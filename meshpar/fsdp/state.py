@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshpar.distributed import comm_record
 from meshpar.distributed._torch import queue_backward_callback
 from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp.param_group import ParamGroup
@@ -80,10 +81,22 @@ class Iteration:
         self.callback_queued = False
         self.states: list[FSDPState] = []
         self.comm_ctx = comm_ctx
+        self.record: comm_record.CommRecord | None = None  # the one active at the root's last forward
 
     @property
     def reduce_queue(self) -> ReduceQueue:
         return self.comm_ctx.reduce_queue
+
+    def use_record(self, record: comm_record.CommRecord | None) -> None:
+        """Every unit's collectives report to ``record``, the one active where the root's forward runs,
+        until the next forward; its backward may run on another thread: [Note: the active record]
+        (meshpar/distributed/comm_record.py)."""
+        if record is self.record:
+            return
+        self.record = record
+        for state in self.states:
+            if state.group is not None:
+                state.group.record = record
 
 
 class FSDPState:
@@ -129,7 +142,7 @@ class FSDPState:
             state.iteration = self.iteration
             self.iteration.states.append(state)
             if state.group is not None:
-                state.group.reduce_queue = self.iteration.reduce_queue
+                state.group.reduce_queue, state.group.record = self.iteration.reduce_queue, None
                 params = state.group.all_params
                 state.group.streams = self.iteration.comm_ctx.streams(params[0].compute_device) if params else None
                 state.group.refresh()
@@ -143,6 +156,8 @@ class FSDPState:
         if self.is_root is None:
             self._lazy_init()
         it = self.iteration
+        if self.is_root and not self._in_backward:
+            it.use_record(comm_record.active())
         with trace_range("meshpar::fsdp.pre_forward"):
             if self.post_optim_event is not None:  # the all-gathers wait for the optimizer step
                 self.post_optim_event.wait()

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from meshpar.distributed import comm
 from meshpar.distributed._torch import foreach_copy_, local_tensor, module_parameters, preserve_version_counter
-from meshpar.distributed.comm_record import comm_buffers
+from meshpar.distributed.comm_record import CommRecord, comm_buffers
 from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp.policies import MixedPrecisionPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ParamState, ShardedParam
@@ -46,6 +46,7 @@ class UnshardedGroup(Protocol):
     custom_all_gather: object | None
     streams: CudaStreams | None
     post_forward: tuple[dist.ProcessGroup, int, str] | None  # int reshard_after_forward's group
+    record: CommRecord | None  # what its collectives report to: [Note: the active record]
 
     def compute_dtype(self, p: ShardedParam) -> torch.dtype: ...
 
@@ -212,10 +213,11 @@ class Unsharder:
                 send = recv[rank * n:(rank + 1) * n]
                 fill(send)
             if streams is None:
-                work, event = comm.all_gather(recv, send, group, async_op=True, dim=dim, custom=custom), None
+                work = comm.all_gather(recv, send, group, async_op=True, dim=dim, custom=custom, record=g.record)
+                event = None
             else:  # stream-ordered: [Note: CUDA streams in FSDP]
                 with streams.all_gather_after_copy_in():
-                    work = comm.all_gather(recv, send, group, async_op=False, dim=dim, custom=custom)
+                    work = comm.all_gather(recv, send, group, async_op=False, dim=dim, custom=custom, record=g.record)
                     event = streams.all_gather.record_event()
             self._gather = (work, recv, world, event)
             self._gather_pieces = pieces if g.extended and self._post_forward_shards is None else None

@@ -150,14 +150,15 @@ def _kernels(nccl: bool, flex: bool = False) -> Kernels:
 
 
 @contextlib.contextmanager
-def _step_context(nccl: bool) -> Iterator[None]:
-    """NCCL's reduce-scatter buffers when ``nccl`` ([Note: the native reduce-scatter layout] in
-    meshpar/distributed/comm_record.py); DTensor's shape propagation in a fake mode of its own
-    ([Note: DTensor's shape propagation is not memory])."""
-    with comm_record.native_reduce_scatter(nccl), dtensor_shapes_in_own_fake_mode(), warnings.catch_warnings():
+def _step_context(nccl: bool) -> Iterator[comm_record.CommRecord]:
+    """The simulation's own comm record, with NCCL's reduce-scatter buffers when ``nccl`` ([Note: the
+    native reduce-scatter layout] in meshpar/distributed/comm_record.py); DTensor's shape propagation in
+    a fake mode of its own ([Note: DTensor's shape propagation is not memory])."""
+    with comm_record.CommRecord(native_layout=nccl).active() as record, dtensor_shapes_in_own_fake_mode(), \
+            warnings.catch_warnings():
         # MemTracker on ops that return None among their outputs
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
-        yield
+        yield record
 
 
 def _steady_prefetch(stage: torch.nn.Module) -> None:
@@ -215,7 +216,7 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
     device = torch.device("cpu")
     sync = GradSync.of(mesh, p, recipe.optim)  # flattens Mesh.replicas on real tensors: not under the fake mode
     moe = get_family(recipe.model.family).moe
-    with FakeTensorMode(allow_non_fake_inputs=True), _step_context(nccl):
+    with FakeTensorMode(allow_non_fake_inputs=True), _step_context(nccl) as record:
         for _, stage in stages:
             stage.to_empty(device=device)  # values are never read: no init_weights
             use_kernels(stage, _kernels(nccl, flex=p.cp_flex and nccl))
@@ -236,7 +237,7 @@ def simulate(stages: list[tuple[int, torch.nn.Module]], mesh: Mesh, recipe: Reci
         if layout.pp > 1:
             pipe = Stage(stage, index, layout.pp, device, mesh["pp"].get_group(), p.grad_reduce == "microbatch")
         phases: dict[str, Phase] = {}
-        with StepTracker(stage, groups=groups_by_name(mesh)) as tracker, label_blocks(stage, tracker):
+        with StepTracker(stage, groups=groups_by_name(mesh), record=record) as tracker, label_blocks(stage, tracker):
             phase = priced(tracker, phases)
             if pipe is not None:
                 model.pipeline = _OneAtATime(pipe, accum, received, grads, phase, loss)

@@ -1,6 +1,6 @@
 """The simulated step's memory tracker: live bytes per phase and per stretch, collectives by mesh dim.
 
-    with StepTracker(stage, groups=groups_by_name(mesh)) as tracker, label_blocks(stage, tracker):
+    with StepTracker(stage, groups=groups_by_name(mesh), record=record) as tracker, label_blocks(stage, tracker):
         train_step(..., phase=priced(tracker, phases))   # phases["B0"].peak, .segments, .comm
 
 meshpar's ``AllocationTracker`` (torch's MemTracker) keeping only the peaks the planner reads:
@@ -63,9 +63,10 @@ class StepTracker(AllocationTracker):
 
     supports_higher_order_operators = True
 
-    def __init__(self, *tracked: Any, groups: dict[str, tuple[str, int]]) -> None:
+    def __init__(self, *tracked: Any, groups: dict[str, tuple[str, int]], record: comm_record.CommRecord) -> None:
         super().__init__(*tracked)
         self._groups = groups  # process group name -> (mesh dim, size)
+        self._record = record  # the simulation's: meshpar.distributed.comm's collectives per phase
         self.current_phase: Phase | None = None
         self.segment: Hashable = "start"  # the label of the stretch running now (label_blocks)
 
@@ -156,7 +157,7 @@ class StepTracker(AllocationTracker):
         self.segment = "start"
         ph.segments["start"] = (ph.start, before)
         self.current_phase = ph
-        with comm_record.count() as counted:
+        with self._record.count() as counted:
             yield ph
         self.current_phase = None
         after = self.current()

@@ -93,9 +93,9 @@ class StepProfiler:
     Use as a context manager around the loop and call ``step()`` after every optimizer step.
     """
 
-    def __init__(self, cfg: ProfileConfig, output_dir: Path, mesh: Mesh, *, first_step: int = 1,
-                 tracked: tuple[Any, ...] = ()):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, cfg: ProfileConfig, output_dir: Path, mesh: Mesh, *, record: comm_record.CommRecord,
+                 first_step: int = 1, tracked: tuple[Any, ...] = ()):
+        self.cfg, self.mesh, self.record = cfg, mesh, record  # record: the run's, counted per step
         rank, world = dist.get_rank(), dist.get_world_size()
         coords = _coordinates(mesh)
         stages = _all_stages(mesh, world)
@@ -151,7 +151,7 @@ class StepProfiler:
         self._begin_step()
 
     def _begin_step(self) -> None:
-        self._counter_cm = comm_record.count()
+        self._counter_cm = self.record.count()
         self._counts[self.step_no + 1] = self._counter_cm.__enter__()
         recording = self._prof.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
         if recording and self.cfg.profile_memory and self._tracker is None:

@@ -127,18 +127,19 @@ def absent_ranks(rank: int, world: int, wait_s: float = 3.0) -> list[int] | None
 
 
 def report_collective_failure(e: BaseException, *, rank: int, world: int, step: int | None,
-                              timeout: datetime.timedelta) -> str:
-    """The lines a rank prints when a collective failed: what, where, who did not come."""
+                              timeout: datetime.timedelta, record: comm_record.CommRecord | None = None) -> str:
+    """The lines a rank prints when a collective failed: what, where, who did not come. ``record``: the
+    run's comm record, whose flight recorder is printed (else the active one's)."""
     now = time.time()
-    record = comm_record.flight_record()
-    stuck = next((x for x in record if not x.done), None)
+    entries = comm_record.flight_record(record)
+    stuck = next((x for x in entries if not x.done), None)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     where = f"step {step}" if step is not None else "before the first step"
     if stuck is not None:
         what = f"in {stuck.op} over {stuck.dim} (#{stuck.seq}, {stuck.nbytes / 2**20:,.3f} MiB, issued " \
                f"{now - stuck.issued:.1f} s ago)"
-    elif record:
-        last = record[-1]
+    elif entries:
+        last = entries[-1]
         what = f"in a collective not issued through meshpar.distributed.comm (pipeline send/recv, DTensor, DCP) " \
                f"after {last.op} over {last.dim} (#{last.seq})"
     else:
@@ -149,8 +150,8 @@ def report_collective_failure(e: BaseException, *, rank: int, world: int, step: 
            "the rank that stopped)")
     lines = [f"meshpar: rank {rank}: a collective failed at {where} {what}; timeout {timeout.total_seconds():g} s "
              f"(fault.timeout). {who}.", f"meshpar: rank {rank}: {type(e).__name__}: {first}",
-             f"meshpar: rank {rank}: last {len(record)} collectives (flight recorder, oldest first):"]
-    lines += [_format_entry(x, now) for x in record]
+             f"meshpar: rank {rank}: last {len(entries)} collectives (flight recorder, oldest first):"]
+    lines += [_format_entry(x, now) for x in entries]
     text = "\n".join(lines)
     print(text, file=sys.stderr, flush=True)
     return text

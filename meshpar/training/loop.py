@@ -159,11 +159,12 @@ def step_record(step: int, done: StepResult, lr: float, sync: GradSync, clock: T
 
 # --- the loop -----------------------------------------------------------------------------------------
 def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: torch.device,
-               profile: HardwareProfile, info: RankInfo, signals: StopSignals, *,
-               load_hf_weights: HFLoader) -> tuple[Model, torch.optim.Optimizer, list[dict[str, Any]], str | None]:
+               profile: HardwareProfile, info: RankInfo, signals: StopSignals, *, load_hf_weights: HFLoader,
+               comms: comm_record.CommRecord) -> tuple[Model, torch.optim.Optimizer, list[dict[str, Any]], str | None]:
     """Build the run and train it from its checkpoint (or step 0) to ``train.steps``, or until
     every rank agrees on a stop signal, which saves first. Returns the model, the optimizer, the
-    metrics records (the same on every rank) and the signal that stopped the run, or None."""
+    metrics records (the same on every rank) and the signal that stopped the run, or None.
+    ``comms``: the run's comm record, active around the call; each step's collectives carry its number."""
     t, corpus = recipe.train, checked.corpus
     output_dir = Path(t.output_dir)
     if info.is_rank0:
@@ -214,7 +215,7 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
     healed = functools.partial(_healed, clock, log, model)
     # the checkpointer is closed however the loop ends: an async save's writer process must not outlive it
     with StepProfiler(recipe.profile, output_dir, mesh, first_step=start_step + 1,
-                      tracked=(model.stages, optimizer)) as profiler, \
+                      tracked=(model.stages, optimizer), record=comms) as profiler, \
             contextlib.closing(ckpt) if ckpt is not None else contextlib.nullcontext(), \
             contextlib.closing(groups) if groups is not None else contextlib.nullcontext():
         step, saved = start_step, False
@@ -224,7 +225,7 @@ def train_loop(recipe: Recipe, checked: Preflight, mesh: meshlib.Mesh, device: t
             except replicas.QuorumLost as lost:
                 stopped_by = _quorum_lost(lost, ckpt, run, step, start_step, saved, info)
                 break
-            comm_record.set_step(step)
+            comms.step = step
             guard.step = step
             position = loader.state_dict() if groups is not None else None
             done = train_step(model, loader.next_step, checked.accum, sync, device, optimizer, scheduler, guard=guard)
