@@ -186,6 +186,51 @@ def test_layout_chunks_match_dtensor_placements():
     assert [off for off, _, _ in cv.boxes(idx)] == [(2, 0), (6, 0), (10, 0)]
 
 
+def _placement_mismatches() -> tuple[dict[tuple[str, str], tuple[str, str]], set]:
+    """Every family's debug model (but hf's, whose plan transformers' model makes) on meta under its
+    tensor-parallel plan on a 2-rank tp mesh of a fake process group (no peers): {(family, state-dict
+    name): (converter's placement, the tensor's)} where ``ModelSpec.tp_placement`` differs from the
+    placement the tensor gets (Replicate: a plain tensor the plan leaves alone); and every (family,
+    placement) seen."""
+    from meshpar.distributed._torch import FakeStore
+    from meshpar.models import FAMILIES as REGISTRY
+    from meshpar.parallel.tensor_parallel.plan import apply_tp
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        mismatches, seen = {}, set()
+        for name, family in REGISTRY.items():
+            if name == "hf":
+                continue
+            args = family.sizes["debug"]
+            with torch.device("meta"):
+                model = family.model_cls(args)
+            apply_tp(model, mesh, family.tp_plan.with_loss_parallel(True))
+            spec = cv.ModelSpec(name, args)
+            for fqn, value in model.state_dict().items():
+                actual = value.placements[0] if isinstance(value, torch.distributed.tensor.DTensor) else Replicate()
+                seen.add((name, actual))
+                if spec.tp_placement(fqn) != actual:
+                    mismatches[name, fqn] = (repr(spec.tp_placement(fqn)), repr(actual))
+        return mismatches, seen
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_placements_are_those_the_plans_give():
+    """For every family (but hf) and every state-dict tensor of its debug model, the placement the converter
+    lays a tp > 1 checkpoint out with (``ModelSpec.tp_placement``) is the one the family's plan gives the
+    tensor in training: a DCP checkpoint converted for tp = 2 loads as training saves it. Among them:
+    gpt-oss's sinks Shard(0) (``ShardedByHead``), GPT-2's fused q|k|v _StridedShard(0, 3)."""
+    (mismatches, seen), = run_distributed(_placement_mismatches, 1, timeout=120, init_process_group=False)
+    assert mismatches == {}
+    assert {("gpt_oss", Shard(0)), ("gpt2", _StridedShard(0, split_factor=3)), ("llama", Shard(1)),
+            ("llama", Replicate())} <= seen
+    assert cv.ModelSpec("gpt_oss", get_family("gpt_oss").sizes["debug"]).tp_placement(
+        "layers.0.attention.sinks.weight") == Shard(0)
+
+
 def test_pipeline_layout_puts_each_tensor_in_its_stage_files(ckpts, tmp_path):
     src, state = ckpts["llama"]
     cv.convert(src, tmp_path / "pp", "dcp", layout={"pp": 2, "dp_shard": 2}, progress=False)

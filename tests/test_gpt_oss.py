@@ -1,7 +1,9 @@
 """The gpt-oss family (meshpar/models/gpt_oss): logits equal to transformers' GptOssForCausalLM in fp32
 and float64, the key map and config both ways, MXFP4 dequantisation against a reference quantiser and
-transformers' own, a backward pass, construction on meta, the published sizes, document-causal
-attention, the layout check, and the attention's tensor-parallel plan on 2 ranks in float64."""
+transformers' own, folders with MXFP4 experts converted and loaded (on 2 ep ranks too), a backward
+pass, construction on meta, the published sizes, document-causal attention, the layout check and
+context parallelism refused with its reason, and the attention's tensor-parallel plan and expert
+parallelism on 2 ranks in float64."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from meshpar.models.gpt_oss import convert as adapter
 from meshpar.models.gpt_oss.family import FAMILIES
 from meshpar.models.gpt_oss.model import rope_tables, sink_mask, yarn_frequencies
 from meshpar.models.gpt_oss.mxfp4 import dequantize_mxfp4, e2m1_values
-from meshpar.models.gpt_oss.parallelize import GPT_OSS_TP_PLAN, check_gpt_oss_layout
+from meshpar.models.gpt_oss.parallelize import GPT_OSS_TP_PLAN
 from meshpar.parallel.expert_parallel import apply_expert_parallel
 from tests.distributed import CaseSet
 from tests.parity import TOL, default_dtype, in_float64
@@ -255,6 +257,88 @@ def test_from_hf_reads_mxfp4_experts():
     GptOssTransformer(DEBUG).load_state_dict(mine)
 
 
+_MXFP4 = ("gate_up_proj", "down_proj")  # the experts' matrices a published folder stores as MXFP4
+
+
+def _mxfp4_folder(folder) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A saved random GptOssForCausalLM folder as the published ones hold it: every layer's experts'
+    matrices replaced by MXFP4 ``_blocks`` and ``_scales`` quantised the published way (of the
+    checkpoint's [E, rows, input] orientation), biases plain, config.json with its quantization_config.
+    Returns transformers' model holding the quantised values (the dequantised model) and, by meshpar
+    name, ``dequantize_mxfp4`` of each blocks and scales in float32."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hf = _random_hf()
+    tensors = {k: v.clone() for k, v in hf.state_dict().items()}  # as save_pretrained writes them (on rank 0 only)
+    want = {}
+    params = dict(hf.named_parameters())
+    for i in range(DEBUG.n_layers):
+        for p in _MXFP4:
+            name = f"model.layers.{i}.mlp.experts.{p}"
+            blocks, scales, q = _quantise_mxfp4(tensors.pop(name).transpose(1, 2))
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            with torch.no_grad():
+                params[name].copy_(q.transpose(1, 2))
+            want[f"layers.{i}.moe.experts.{p}"] = dequantize_mxfp4(blocks, scales, torch.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = hf.config.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return hf, want
+
+
+def test_mxfp4_folder_converts_and_loads(tmp_path):
+    """A folder with MXFP4 experts, as published: ``meshpar convert`` to DCP gives each expert tensor as
+    ``dequantize_mxfp4`` of its blocks and scales bit for bit (in config.json's dtype) and every other
+    tensor as stored; back to Hugging Face the experts are written plain; ``load_hf_weights`` fills
+    meshpar's model with the same values and transformers' logits of the dequantised model (to the fp32
+    bound of test_logits_equal_transformers_fp32)."""
+    from safetensors.torch import load_file
+
+    from meshpar.convert import convert, load_hf_weights, open_checkpoint
+
+    hf, want = _mxfp4_folder(tmp_path / "hf")
+    want.update((k, v) for k, v in adapter.from_hf(hf.state_dict(), DEBUG).items() if k not in want)
+    convert(tmp_path / "hf", tmp_path / "dcp", to="dcp", progress=False)
+    dcp = open_checkpoint(tmp_path / "dcp")
+    assert set(dcp.tensors) == {f"model.{k}" for k in want}
+    for name, value in want.items():
+        got = dcp.read(f"model.{name}")
+        assert got.dtype == torch.float32 and torch.equal(got, value), name
+    convert(tmp_path / "dcp", tmp_path / "back", to="hf", progress=False)
+    back = {k: v for f in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert back.keys() == adapter.to_hf(want, DEBUG).keys()  # plain gate_up_proj and down_proj, no blocks
+    assert all(torch.equal(back[k], v) for k, v in adapter.to_hf(want, DEBUG).items())
+    model = GptOssTransformer(DEBUG).eval()
+    assert load_hf_weights(model.state_dict(), tmp_path / "hf", "gpt_oss", DEBUG) == ""
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, want[name]), name
+    tokens = _tokens()
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max() <= 2e-5
+
+
+def test_mxfp4_folder_missing_scales_names_them(tmp_path):
+    """An MXFP4 folder lacking one ``_scales`` tensor: converting and loading it fail naming that tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from meshpar.convert import ConvertError, convert, load_hf_weights
+
+    _mxfp4_folder(tmp_path / "hf")
+    tensors = {k: v.clone() for k, v in load_file(tmp_path / "hf" / "model.safetensors").items()}
+    missing = "model.layers.1.mlp.experts.down_proj_scales"
+    del tensors[missing]
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConvertError, match=f"tensor '{missing}' is missing"):
+        convert(tmp_path / "hf", tmp_path / "dcp", to="dcp", progress=False)
+    with pytest.raises(ConvertError, match=f"tensor '{missing}' is missing"):
+        load_hf_weights(GptOssTransformer(DEBUG).state_dict(), tmp_path / "hf", "gpt_oss", DEBUG)
+
+
 # --- the model on its own ------------------------------------------------------------------------
 
 def test_meta_init_and_a_backward_pass():
@@ -318,19 +402,30 @@ def test_packed_documents_equal_documents_alone():
 
 
 def test_layout_check():
-    """cp is refused with the reason (no window, no sinks in cp attention), and the model offers cp no
-    attention slot; tp must divide the heads; tp needs dp_shard > 1 for the experts; ep divides the experts."""
+    """tp must divide the heads; tp needs dp_shard > 1 for the experts; ep divides the experts; the model
+    offers context parallelism no attention slot."""
     args = GPT_OSS_SIZES["20b"]
-    check_gpt_oss_layout(args, Layout(pp=2, dp_replicate=1, dp_shard=4, cp=1, tp=8, ep=4))
-    with pytest.raises(RecipeError, match="sliding window nor sink"):
-        check_gpt_oss_layout(args, Layout(pp=1, dp_replicate=1, dp_shard=2, cp=2, tp=1))
+    FAMILY.check_layout(args, Layout(pp=2, dp_replicate=1, dp_shard=4, cp=1, tp=8, ep=4))
     with pytest.raises(NotImplementedError, match="sliding window"):
         GptOssTransformer(DEBUG).attention_slots()
     for layout, key in ((Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=16), "n_kv_heads"),
                         (Layout(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=2), "dp_shard"),
                         (Layout(pp=1, dp_replicate=1, dp_shard=6, cp=1, tp=1, ep=3), "32 experts")):
         with pytest.raises(RecipeError, match=key):
-            check_gpt_oss_layout(args, layout)
+            FAMILY.check_layout(args, layout)
+
+
+def test_context_parallelism_refused_saying_why():
+    """A recipe with parallel.cp = 2 fails preflight's ``check_model`` with the family's reason (cp's attention
+    has no sliding window and no sinks), the key and the fix; ep and tp pass it."""
+    from meshpar.config import recipe as recipelib
+    from meshpar.training.preflight import check_model
+
+    family = ["--model.family=gpt_oss", "--model.size=debug"]
+    with pytest.raises(RecipeError, match=r"parallel\.cp = 2: context parallelism is not built yet for model family "
+                                          r"'gpt_oss': .*neither a sliding window nor sink logits.*set parallel\.cp = 1"):
+        check_model(recipelib.load(None, [*family, "--parallel.cp=2"]))
+    assert check_model(recipelib.load(None, [*family, "--parallel.tp=2", "--parallel.ep=2"]))[1] == DEBUG
 
 
 # --- tensor and expert parallelism on 2 ranks, float64 --------------------------------------------
@@ -402,7 +497,26 @@ def _case_ep():
     return in_float64(_expert_grads, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
 
 
-JOBS = CaseSet({"tp_attention": (_case_tp_attention, 2), "ep": (_case_ep, 2)}, timeout=180)
+def _case_ep_mxfp4():
+    """Each rank loads an MXFP4 folder (built alike on every rank) into a model whose experts are split
+    over 2 ep ranks: its local experts, and the dequantised values it should hold, by meshpar name."""
+    import tempfile
+    from pathlib import Path
+
+    from meshpar.convert import load_hf_weights
+
+    with tempfile.TemporaryDirectory() as folder:
+        _, want = _mxfp4_folder(Path(folder))
+        with torch.device("meta"):
+            model = GptOssTransformer(DEBUG)
+        apply_expert_parallel(FAMILY.moe.sparse_layers(model), init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
+        model.to_empty(device="cpu")
+        load_hf_weights(model.state_dict(), folder, "gpt_oss", DEBUG)
+    return {name: model.get_parameter(name).to_local() for name in want}, want
+
+
+JOBS = CaseSet({"tp_attention": (_case_tp_attention, 2), "ep": (_case_ep, 2), "ep_mxfp4": (_case_ep_mxfp4, 2)},
+               timeout=180)
 
 
 @pytest.mark.parity
@@ -428,3 +542,13 @@ def test_expert_parallel_equals_one_process():
     for name, grad in want.items():
         torch.testing.assert_close(torch.cat([grads[name] for _, grads in ranks]), grad, rtol=TOL, atol=TOL,
                                    msg=name)
+
+
+@pytest.mark.parity
+def test_mxfp4_folder_loads_into_expert_parallel_shards():
+    """``load_hf_weights`` from an MXFP4 folder into experts split over 2 ep ranks: rank r holds experts
+    r * E/2 .. (r + 1) * E/2 of each dequantised tensor, bit for bit (it reads and decodes only those)."""
+    ranks = JOBS.check("ep_mxfp4", 2)
+    for name, whole in ranks[0][1].items():
+        for r, (local, _) in enumerate(ranks):
+            assert torch.equal(local[name], whole.chunk(2)[r]), (name, r)

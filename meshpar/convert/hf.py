@@ -2,7 +2,8 @@
 readinto() straight into place, and a sink that writes each shard's header first and the tensors'
 bytes as they come ([Note: streaming conversion]), then the config and the model's tokenizer. A
 stacked expert tensor is read from, and written as, one Hugging Face tensor per expert
-([Note: stacked experts])."""
+([Note: stacked experts]); a tensor the folder stores quantised is decoded on the way in and written
+plain ([Note: quantised tensors on import])."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from meshpar.convert.files import _bytes_view, _fresh, _now, _read_json, copy_tokenizer
 from meshpar.convert.layout import parse_layout
-from meshpar.convert.spec import ConvertError, ModelSpec
+from meshpar.convert.spec import ConvertError, Decode, ModelSpec
 from meshpar.models import FAMILIES
 from meshpar.runtime.atomic import fsync
 
@@ -67,7 +68,11 @@ class HFSource:
     adapter's ``IGNORED_HF`` (buffers and copies that carry nothing) and the tensors its optional
     ``skipped_hf(config)`` names for this config.json ({pattern: what they are}: weights the model
     does not build, such as DeepSeek-V3's multi-token-prediction layer), which are dropped from the
-    folder's view and reported in ``note``, one line ("" when none)."""
+    folder's view and reported in ``note``, one line ("" when none).
+
+    A parameter the folder holds quantised (the adapter's ``QUANTIZED``, e.g. gpt-oss's MXFP4 experts)
+    is read from its sources and decoded one dim-0 row at a time, in config.json's ``torch_dtype``
+    (transformers 5: ``dtype``; float32 where it names none): [Note: quantised tensors on import]."""
 
     kind = "hf"
     byte_keys: list[str] = []
@@ -85,16 +90,29 @@ class HFSource:
             skipped = getattr(self.spec.adapter, "skipped_hf", lambda config: {})(config)
         except (KeyError, ValueError, TypeError) as e:
             raise ConvertError(f"{path / 'config.json'}: {e}") from e
+        # what quantised tensors are decoded into: config.json's dtype; None where it names no floating dtype
+        self.dtype_name = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+        dtype = getattr(torch, self.dtype_name, None)
+        self.dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
         self.where_hf: dict[str, tuple[Path, dict[str, Any], int]] = {}  # hf name -> (file, entry, data start)
         for file in self._files():
             header, start = _st_header(file)
             self.where_hf.update({name: (file, entry, start) for name, entry in header.items()})
         self.note = self._skip(skipped)
         self._check_expert_count()
-        self.names: dict[str, list[str]] = {}  # fqn -> the hf names it is read from (one per expert if stacked)
+        # fqn -> the hf names it is read from (one per expert if stacked; its sources if quantised)
+        self.names: dict[str, list[str]] = {}
         self.tensors: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self.quantized: dict[str, Decode] = {}  # fqn -> decode, where the folder holds fqn quantised
         for fqn, shape in self.spec.shapes.items():
-            self.names[fqn] = names = self._find(self.spec.tied.get(fqn, fqn))
+            source = self.spec.tied.get(fqn, fqn)
+            quantized = self.spec.quantized(source)
+            if (quantized and not self._present(self.spec.hf_name(source))
+                    and any(self._present(name) for name in quantized[0])):
+                self.names[fqn], self.quantized[fqn] = self._sources(fqn, shape, *quantized), quantized[1]
+                self.tensors["model." + fqn] = (shape, self.dtype)
+                continue
+            self.names[fqn] = names = self._find(source)
             want = self.spec.hf_shape(fqn, shape)
             for name in names:
                 entry = self.where_hf[name][1]
@@ -125,15 +143,50 @@ class HFSource:
                 said.append(f"{len(names)} tensors, {what}")
         return f"meshpar: {self.path}: skipped {'; '.join(said)}" if said else ""
 
-    def _find(self, fqn: str) -> list[str]:
+    def _present(self, name: str) -> str | None:
+        """The folder's name for Hugging Face tensor ``name`` (it may lack the adapter's ``HF_PREFIX``), or None."""
         prefix = getattr(self.spec.adapter, "HF_PREFIX", "")
+        return next((c for c in (name, name.removeprefix(prefix)) if c in self.where_hf), None)
+
+    def _find(self, fqn: str) -> list[str]:
         found = []
         for name in self.spec.hf_names(fqn):
-            hit = next((c for c in (name, name.removeprefix(prefix)) if c in self.where_hf), None)
+            hit = self._present(name)
             if hit is None:
                 raise self._missing(fqn, name)
             found.append(hit)
         return found
+
+    def _sources(self, fqn: str, shape: torch.Size, sources: list[str], decode: Decode) -> list[str]:
+        """The folder's names of the tensors ``fqn`` is decoded from, checked by decoding their first
+        dim-0 rows on meta: ConvertError naming a source missing or one that does not decode to ``shape``
+        ([Note: quantised tensors on import])."""
+        names = [self._present(source) for source in sources]
+        if None in names:
+            missing = sources[names.index(None)]
+            raise ConvertError(f"{self.path}: tensor '{missing}' is missing: meshpar '{fqn}' is stored quantised "
+                               f"as {', '.join(sources)}, and the folder holds only some of them, so it is incomplete; "
+                               "download its safetensors files again")
+        entries = [self.where_hf[name][1] for name in names]
+        stored = ", ".join(f"'{n}' {e['dtype']} {e['shape']}" for n, e in zip(names, entries, strict=True))
+        if any(e["shape"][:1] != list(shape[:1]) for e in entries):
+            raise ConvertError(f"{self.path}: meshpar '{fqn}' {list(shape)} is decoded row by row along dim 0 from "
+                               f"{stored}, whose dim 0 differs: the weights do not match config.json")
+        if self.dtype is None:
+            raise ConvertError(f"{self.path / 'config.json'}: torch_dtype '{self.dtype_name}' is not a floating-point "
+                               f"torch dtype, which meshpar '{fqn}', stored quantised, is decoded into; set it to "
+                               "bfloat16 or float32")
+        rows = [torch.empty([1, *e["shape"][1:]], dtype=TORCH_DTYPES[e["dtype"]], device="meta") for e in entries]
+        try:
+            got = list(decode(*rows, dtype=self.dtype).shape[1:])
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise ConvertError(f"{self.path}: meshpar '{fqn}' cannot be decoded from {stored} ({e}); the weights do "
+                               "not match config.json") from e
+        if got != list(shape[1:]):
+            raise ConvertError(f"{self.path}: meshpar '{fqn}' decoded from {stored} has shape "
+                               f"{[shape[0], *got]}, but config.json's model needs {list(shape)}; the weights do not "
+                               "match config.json")
+        return names
 
     def _folder_experts(self) -> int:
         """How many experts per layer the folder's tensor names hold (0 for a dense model)."""
@@ -174,17 +227,33 @@ class HFSource:
     def where(self, key: str) -> str:
         return ", ".join(sorted({self.where_hf[n][0].name for n in self.names[key.removeprefix("model.")]}))
 
-    def _read_into(self, name: str, t: Tensor) -> None:
+    def _read_into(self, name: str, t: Tensor, row: int = 0) -> None:
+        """Tensor ``name``'s bytes into ``t``: the whole of it, or its dim-0 rows from ``row`` on."""
         file, entry, start = self.where_hf[name]
         begin, end = entry["data_offsets"]
+        if row:
+            begin += row * (end - begin) // entry["shape"][0]
         with open(file, "rb") as f:
             f.seek(start + begin)
-            if f.readinto(_bytes_view(t)) != end - begin:
+            if f.readinto(_bytes_view(t)) != t.nbytes:
                 raise ConvertError(f"{file}: ends inside tensor '{name}'; the file is truncated, download it again")
+
+    def _rows(self, name: str, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` (dim 0) of the folder's tensor ``name``, read alone."""
+        entry = self.where_hf[name][1]
+        t = torch.empty([stop - start, *entry["shape"][1:]], dtype=TORCH_DTYPES[entry["dtype"]])
+        self._read_into(name, t, start)
+        return t
 
     def read(self, key: str) -> Tensor:
         fqn = key.removeprefix("model.")
         names = self.names[fqn]
+        if fqn in self.quantized:  # [Note: quantised tensors on import]: one row (expert) decoded at a time
+            shape, dtype = self.tensors[key]
+            t = torch.empty(shape, dtype=dtype)
+            for j in range(shape[0]):
+                t[j:j + 1] = self.quantized[fqn](*(self._rows(name, j, j + 1) for name in names), dtype=dtype)
+            return t
         if self.spec.stacked(fqn):  # [Note: stacked experts]: expert j's bytes straight into t[j]
             shape, dtype = self.tensors[key]
             t = torch.empty(shape, dtype=dtype)
@@ -202,7 +271,9 @@ class HFSink:
     ([Note: streaming conversion]), then model.safetensors.index.json, config.json and the
     tokenizer of folder ``tokenizer`` (a checkpoint's, or a Hugging Face folder's), if it has one:
     ``note`` says so when it has none. A stacked expert tensor is written as its experts' entries,
-    adjacent in one shard ([Note: stacked experts])."""
+    adjacent in one shard ([Note: stacked experts]). Every tensor is written plain, under its own
+    Hugging Face name and in the dtype it has: a parameter the adapter's ``QUANTIZED`` lets a folder
+    store quantised (gpt-oss's MXFP4 experts) is not quantised again ([Note: quantised tensors on import])."""
 
     takes_bytes = False
 

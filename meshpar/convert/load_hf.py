@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from meshpar.convert.hf import HFSource
 from meshpar.convert.layout import boxes, index_lists
-from meshpar.convert.spec import ConvertError, ModelSpec
+from meshpar.convert.spec import ConvertError, Decode, ModelSpec
 
 
 @torch.no_grad()
@@ -27,7 +27,9 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
     any mesh, e.g. after tensor parallelism and ``meshpar.fully_shard``): each rank reads only
     the rows and columns of its local shard (``safe_open(...).get_slice``), so no rank ever
     holds a whole tensor; a stacked expert tensor reads only the experts of the shard
-    ([Note: stacked experts]). ``config.json`` must describe the same model as ``family``/``args``
+    ([Note: stacked experts]), and a tensor the folder stores quantised (gpt-oss's MXFP4 experts) only
+    the dim-0 rows (experts) of the shard, decoded in the value's dtype ([Note: quantised tensors on
+    import]). ``config.json`` must describe the same model as ``family``/``args``
     (``max_seq_len`` and the adapter's ``TRAINING_ONLY`` args may differ; entries it marks
     ``ZERO_INIT``, which no Hugging Face folder holds, are zeroed); a missing tensor or a wrong
     shape raises ConvertError naming it. Returns a line on what the folder holds that was skipped (the
@@ -59,7 +61,10 @@ def load_hf_weights(state_dict: Mapping[str, Tensor], hf_dir: str | os.PathLike,
                 raise ConvertError(f"state dict entry '{fqn}' is not a parameter of the {family} model; "
                                    "load_hf_weights takes model.state_dict()")
             pieces = [handles[hf.where_hf[name][0]].get_slice(name) for name in hf.names[fqn]]
-            _load_one(value, pieces, spec.stacked(fqn), spec.transposed(fqn))
+            if fqn in hf.quantized:
+                _fill(value, _decoded(pieces, hf.quantized[fqn], value.dtype))
+            else:
+                _load_one(value, pieces, spec.stacked(fqn), spec.transposed(fqn))
     return hf.note
 
 
@@ -161,6 +166,16 @@ def _load_one(value: Tensor, pieces: list[Any], stacked: bool, transposed: bool)
         return pieces[0][tuple(reversed(where))].t() if transposed else pieces[0][where]  # Conv1D
 
     _fill(value, read)
+
+
+def _decoded(sources: list[Any], decode: Decode, dtype: torch.dtype) -> Callable[[tuple[slice, ...]], Tensor]:
+    """``read`` for ``_fill`` of a tensor decoded from ``sources`` (safetensors slices): only the box's
+    dim-0 rows are read and decoded, the rest of the box cut from them ([Note: quantised tensors on import])."""
+
+    def read(where: tuple[slice, ...]) -> Tensor:
+        return decode(*(source[where[0]] for source in sources), dtype=dtype)[(slice(None), *where[1:])]
+
+    return read
 
 
 def _fill(value: Tensor, read: Callable[[tuple[slice, ...]], Tensor]) -> None:

@@ -1,13 +1,14 @@
 """A model family seen by the converter: meshpar's names and shapes, the Hugging Face names and
 transposes (from ``meshpar/models/<family>/convert.py``), the experts stacked from one Hugging Face
-tensor each ([Note: stacked experts]), the tensor-parallel placement of every parameter, and the
+tensor each ([Note: stacked experts]), the parameters a folder may hold quantised
+([Note: quantised tensors on import]), the tensor-parallel placement of every parameter, and the
 check that a checkpoint's tensors fit the model its meshpar.json describes."""
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from meshpar.models import FAMILIES, get_family
-from meshpar.parallel.tensor_parallel.styles import FusedColwiseParallel, VocabParallelEmbedding
+from meshpar.parallel.tensor_parallel.styles import VocabParallelEmbedding
 
 # [Note: stacked experts]
 # meshpar keeps a sparse layer's experts as one tensor per projection, layers.{i}.moe.experts.w1
@@ -34,14 +35,37 @@ from meshpar.parallel.tensor_parallel.styles import FusedColwiseParallel, VocabP
 # hf_layout lists their Hugging Face names in the order of their bytes ([Note: transformers'
 # conversion run lazily], meshpar/models/hf/experts.py).
 
+# [Note: quantised tensors on import]
+# A folder may store a parameter quantised, as several tensors of other names and dtypes (gpt-oss's
+# experts: MXFP4 ``..._blocks`` and ``..._scales``, uint8). An adapter's optional ``QUANTIZED``,
+# {meshpar name ({i} a block): (source Hugging Face names ({i} likewise), decode)}, says so;
+# ``decode(*sources, dtype=...)`` returns the parameter in meshpar's layout (nothing transposed) and
+# in ``dtype``. A folder holding the parameter's own name (``KEYS``) is read as it stands; one holding
+# any of its sources instead is decoded, and every source must be there. Invariant the readers rely
+# on: dim 0 of every source and of the result is one index (an expert), so decoding sources[a:b]
+# gives result[a:b]: HFSource.read decodes one dim-0 row at a time into the result (the peak stays
+# one meshpar tensor, [Note: streaming conversion]), and load_hf_weights reads and decodes only the
+# rows of a rank's shard. A parameter is either quantised or stacked per expert, not both. Export
+# (``--to hf``) writes the plain tensor under its own name, in the dtype it has: quantising is the
+# publisher's choice, and decoding back what was written gives the same values.
+
+
+# (*sources, dtype=) -> the parameter: an adapter's QUANTIZED decoder ([Note: quantised tensors on import])
+Decode = Callable[..., torch.Tensor]
+
 
 class ConvertError(Exception):
     """A checkpoint problem; the message names the folder, file or tensor, and the fix."""
 
 
+def _pattern(name: str) -> re.Pattern:
+    """A name with {i} (a block index) as a pattern whose group ``i`` is the index."""
+    return re.compile("^" + re.escape(name).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+
+
 def _compile(patterns: Mapping[str, str] | frozenset[str]) -> list[tuple[re.Pattern, str]]:
     items = patterns.items() if isinstance(patterns, Mapping) else ((p, p) for p in patterns)
-    return [(re.compile("^" + re.escape(src).replace(r"\{i\}", r"(?P<i>\d+)") + "$"), dst) for src, dst in items]
+    return [(_pattern(src), dst) for src, dst in items]
 
 
 def _match(table: list[tuple[re.Pattern, str]], name: str) -> str | None:
@@ -61,7 +85,13 @@ class ModelSpec:
 
     @property
     def adapter(self) -> Any:
-        """The family's conversion adapter (``Family.adapter``)."""
+        """The family's conversion adapter (``Family.adapter``): a module with ``KEYS`` (meshpar name ->
+        Hugging Face name, {i} a block), ``TRANSPOSED``, ``IGNORED_HF``, ``tied(args)``, ``config.json``
+        both ways (``hf_config``, ``args_from_hf_config``, ``args_from_dict``) and, optionally,
+        ``EXPERT_KEYS`` with ``EXPERTS_KEY`` ([Note: stacked experts]), ``QUANTIZED``
+        ([Note: quantised tensors on import]), ``HF_PREFIX``, ``skipped_hf(config)``,
+        ``hf_export_error(args)``, ``TRAINING_ONLY``, ``ZERO_INIT``, ``IDENTITY`` and ``hf_layout(args)``
+        (family hf)."""
         return get_family(self.family).adapter
 
     @functools.cached_property
@@ -112,6 +142,20 @@ class ModelSpec:
             where = getattr(self.adapter, "__name__", None) or type(self.adapter).__module__
             raise ConvertError(f"tensor '{fqn}' has no Hugging Face name in {where}.KEYS; add it there")
         return name
+
+    @functools.cached_property
+    def _quantized(self) -> list[tuple[re.Pattern, tuple[Sequence[str], Decode]]]:
+        return [(_pattern(fqn), entry) for fqn, entry in getattr(self.adapter, "QUANTIZED", {}).items()]
+
+    def quantized(self, fqn: str) -> tuple[list[str], Decode] | None:
+        """(the Hugging Face tensors a folder may store ``fqn`` as, decode), where the adapter's ``QUANTIZED``
+        names it, else None: [Note: quantised tensors on import]."""
+        for pattern, (sources, decode) in self._quantized:
+            m = pattern.match(fqn)
+            if m:
+                i = m.group("i") if "i" in pattern.groupindex else ""
+                return [source.replace("{i}", i) for source in sources], decode
+        return None
 
     def stacked(self, fqn: str) -> bool:
         """Whether ``fqn`` stacks one Hugging Face tensor per expert along dim 0: [Note: stacked experts]."""
@@ -168,12 +212,16 @@ class ModelSpec:
         return get_family(self.family).tp_plan.with_loss_parallel(True)
 
     def tp_placement(self, fqn: str) -> Placement:
-        """How the family's tensor-parallel plan table places parameter ``fqn`` on the tp mesh."""
+        """How the family's tensor-parallel plan table places parameter ``fqn`` on the tp mesh: as its
+        module's style declares, where the style places every parameter of its module one way and says
+        so in ``placement`` (FusedColwiseParallel's StridedShard(0, 3), [Note: fused projections];
+        gpt-oss's ShardedByHead), else as torch's column- and row-wise styles place a Linear's."""
         module, _, param = fqn.rpartition(".")
         m = re.match(r"layers\.\d+\.(.+)", module)
         style = self.plan.block.get(m.group(1)) if m else self.plan.root.get(module)
-        if isinstance(style, FusedColwiseParallel):
-            return style.placement  # StridedShard(0, 3): [Note: fused projections]
+        declared = getattr(style, "placement", None)
+        if isinstance(declared, Placement):
+            return declared
         if isinstance(style, (ColwiseParallel, VocabParallelEmbedding)):
             return Shard(0)  # Linear weight [out/tp, in] and bias [out/tp]; embedding rows [V/tp, D]
         if isinstance(style, RowwiseParallel):

@@ -65,6 +65,9 @@ class Family:
     # (model, blocks kept, holds the input end, holds the output end) -> a pipeline stage, for a model that
     # keeps its blocks itself (family hf); None: meshpar/parallel/pipeline/split.py copies the model
     cut: Callable[[nn.Module, Sequence[int], bool, bool], nn.Module] | None = None
+    # dim -> why the family lacks it, for a dim outside ``mesh_dims`` that a reader would expect to run
+    # (gpt-oss's cp); ``check_degrees`` quotes it
+    not_built: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def plan(self, args: Any, tp: int) -> TPPlan:
         """The tensor-parallel plan table of a model with ``args`` on ``tp`` ranks: a plan that depends on
@@ -87,11 +90,13 @@ class Family:
         return {} if self.moe is None else self.moe.overrides(cfg)
 
     def check_degrees(self, degrees: Mapping[str, int]) -> None:
-        """Refuse parallel dims (degree > 1) this family cannot run with yet, naming the key."""
+        """Refuse parallel dims (degree > 1) this family cannot run with yet, naming the key and, where
+        the family gives one (``not_built``), the reason."""
         for dim, degree in degrees.items():
             if degree > 1 and dim not in self.mesh_dims:
+                why = f": {self.not_built[dim]}" if dim in self.not_built else ""
                 raise RecipeError(f"parallel.{dim} = {degree}: {NOT_BUILT[dim]} is not built yet for model family "
-                                  f"'{self.name}' (built: {', '.join(sorted(self.mesh_dims)) or 'none'}); "
+                                  f"'{self.name}'{why} (built: {', '.join(sorted(self.mesh_dims)) or 'none'}); "
                                   f"set parallel.{dim} = 1", f"parallel.{dim}")
 
     def chunked_loss_refusal(self, args: Any) -> str | None:

@@ -6,16 +6,20 @@ transformers stores gpt-oss's experts stacked, as meshpar does (``mlp.experts.ga
 [E, D, 2F] ...), so every tensor converts by renaming alone: no ``EXPERT_KEYS``, nothing transposed;
 the streaming converter and ``load_hf_weights`` read and write such folders as they stand.
 
-Limits: folders of the published checkpoints hold the experts as MXFP4 ``*_blocks`` / ``*_scales``
-(meshpar/models/gpt_oss/mxfp4.py); ``from_hf`` dequantises them, the streaming converter
-(meshpar/convert/hf.py) does not read them yet. The aux-free routing bias has no Hugging Face
-equivalent, so such a model is refused for export (``hf_export_error``).
+Folders of the published checkpoints (openai/gpt-oss-20b, -120b) hold the experts' two matrices as
+MXFP4 ``*_blocks`` / ``*_scales`` (meshpar/models/gpt_oss/mxfp4.py); ``QUANTIZED`` says so, and the
+streaming converter and ``load_hf_weights`` decode them ([Note: quantised tensors on import] in
+meshpar/convert/spec.py), in config.json's dtype and the parameter's respectively; ``from_hf`` in the
+dtype of their bias. Export (``--to hf``, ``to_hf``) writes them plain, in the checkpoint's dtype.
+
+Limits: the aux-free routing bias has no Hugging Face equivalent, so such a model is refused for
+export (``hf_export_error``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -43,6 +47,13 @@ KEYS: dict[str, str] = {
     **{f"layers.{{i}}.moe.experts.{p}": f"model.layers.{{i}}.mlp.experts.{p}" for p in _EXPERTS},
 }
 EXPERT_KEYS: dict[str, str] = {}  # stacked in Hugging Face folders too: renamed like any tensor
+# meshpar name -> (the MXFP4 tensors a published folder stores it as, their decoder): blocks [E, R, G, 16]
+# and scales [E, R, G], dim 0 the expert as the parameter's ([Note: quantised tensors on import])
+QUANTIZED: dict[str, tuple[tuple[str, str], Callable[..., Tensor]]] = {
+    f"layers.{{i}}.moe.experts.{p}": ((f"model.layers.{{i}}.mlp.experts.{p}_blocks",
+                                       f"model.layers.{{i}}.mlp.experts.{p}_scales"), dequantize_mxfp4)
+    for p in ("gate_up_proj", "down_proj")
+}
 EXPERTS_KEY = "num_local_experts"
 TRANSPOSED: frozenset[str] = frozenset()
 IGNORED_HF: tuple[str, ...] = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)

@@ -21,7 +21,7 @@ Like every family: no parallel code, built on meta then ``to_empty`` + ``init_we
 passes through a missing embedding / norm / output (pipeline stages).
 
 Limits: context parallelism and KV-cache generation fill ``inner_attention`` with attention that
-has neither a window nor sinks, so neither runs gpt-oss (the layout check refuses cp).
+has neither a window nor sinks, so neither runs gpt-oss (preflight refuses cp, saying so).
 """
 
 from __future__ import annotations
@@ -232,9 +232,9 @@ class GptOssTransformer(MoETransformer):
 
     def attention_slots(self) -> list[tuple[nn.Module, bool]]:
         """None that context parallelism may fill: its attention has neither a window nor sinks
-        (``check_gpt_oss_layout`` refuses cp before launch; this is the same refusal, late)."""
+        (preflight refuses cp before launch, quoting the family's reason; this is the same refusal, late)."""
         raise NotImplementedError("gpt-oss has no slot for context-parallel attention, which has neither a sliding "
-                                  "window nor sink logits; run with parallel.cp = 1 (check_gpt_oss_layout)")
+                                  "window nor sink logits; run with parallel.cp = 1")
 
     def _init_rope(self) -> None:
         if self.rope_cos.is_meta:

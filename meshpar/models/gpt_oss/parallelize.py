@@ -1,4 +1,5 @@
-"""Tensor-parallel plan for the gpt-oss family, as a table, and the check of a layout.
+"""Tensor-parallel plan for the gpt-oss family, as a table (its layout check is the mixture-of-experts
+families' ``check_moe_layout``).
 
 Embedding, output, norms and the sparse blocks' ``moe``: the mixture-of-experts plan's
 (meshpar/models/moe/parallelize.py: each tp rank routes its own slice of the sequence through whole
@@ -12,25 +13,20 @@ experts, which FSDP shards over dp_shard x tp). Attention is the Llama family's,
     wo row-wise (bias added once)         -> partial [B, T, D] -> reduce-scatter -> [B, T/tp, D]
 
 Limits: n_heads, n_kv_heads, the experts' width and vocab_size divide by tp, the sparse layers need
-dp_shard > 1 (``check_moe_layout``); no context parallelism (``check_gpt_oss_layout`` says why).
+dp_shard > 1 (``check_moe_layout``); no context parallelism (refused before launch with the reason the
+family gives, meshpar/models/gpt_oss/family.py).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from meshpar.config.errors import RecipeError
 from meshpar.models.llama.parallelize import LLAMA_TP_PLAN, colwise, rowwise
-from meshpar.models.moe.parallelize import MOE_TP_PLAN, check_moe_layout, tokens_stay_on_their_rank
+from meshpar.models.moe.parallelize import MOE_TP_PLAN, tokens_stay_on_their_rank
 from meshpar.parallel.tensor_parallel.plan import TPPlan
-
-if TYPE_CHECKING:
-    from meshpar.distributed.mesh import Layout
 
 
 class ShardedByHead(ParallelStyle):
@@ -73,17 +69,3 @@ def gpt_oss_tp_plan(loss_parallel: bool = True) -> TPPlan:
     """``GPT_OSS_TP_PLAN`` with logits vocab-sharded (``loss_parallel``) or gathered."""
     return GPT_OSS_TP_PLAN.with_loss_parallel(loss_parallel)
 
-
-def check_gpt_oss_layout(args, layout: Layout) -> None:
-    """Before launch: no context parallelism (below), then the mixture-of-experts families' checks
-    (tp divides heads, kv heads, the experts' width and the vocabulary; dp_shard > 1 under tp; ep
-    divides the experts)."""
-    if layout.cp > 1:
-        raise RecipeError(
-            f"parallel.cp = {layout.cp}: context parallelism is not built for gpt-oss. It fills every layer's "
-            f"attention slot with meshpar's context-parallel attention (meshpar/parallel/context_parallel/), "
-            f"causal attention over the whole sequence with neither a sliding window nor sink logits: gpt-oss's "
-            f"sliding layers would attend to every earlier token instead of the last {args.sliding_window}, and "
-            f"each head's learned sink would drop out of its softmax. Set parallel.cp = 1 (tp's sequence "
-            f"parallelism still splits activations over the sequence)", "parallel.cp")
-    check_moe_layout(args, layout)
