@@ -1,7 +1,8 @@
 """No process-wide switches: two runs, or a run and a simulation, in one process never see each other's
 collective counts, flight records, steps, forced collectives or reduce-scatter layout
-(meshpar/distributed/comm_record.py [Note: the active record]), and meshpar/distributed and
-meshpar/fsdp hold no module-level mutable state but the caches allowed below."""
+(meshpar/distributed/comm_record.py [Note: the active record]), torch's pipeline p2p issue is replaced
+only inside the block that asked for it, and meshpar/distributed and meshpar/fsdp hold no module-level
+mutable state but the caches allowed below."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from meshpar.distributed import comm, comm_record
+from meshpar.distributed._torch import schedule_p2p_through
 from meshpar.distributed.comm_record import CommRecord
 from meshpar.fsdp import fully_shard
 
@@ -154,6 +156,28 @@ def test_a_backward_on_a_cuda_device_thread_reports_to_the_callers_record(one_ra
         Reduced.apply(x).sum().backward()
     assert threads == [False]  # it did run on another thread
     assert counted.calls == {("all_reduce", "backward"): 1}
+
+
+def test_torch_pipeline_p2p_is_routed_inside_the_block_only():
+    from torch.distributed.pipelining import schedules
+
+    torch_issue, calls = schedules._batch_p2p, []
+
+    def issue(name: str):
+        def call(torch_fn, ops, desc):
+            calls.append((name, torch_fn is torch_issue, threading.current_thread() is threading.main_thread()))
+            return torch_fn(ops, desc)
+        return call
+
+    with schedule_p2p_through(issue("outer")):
+        assert schedules._batch_p2p is not torch_issue
+        schedules._batch_p2p([])
+        with schedule_p2p_through(issue("inner")):
+            schedules._batch_p2p([])
+        schedules._batch_p2p([])
+        assert _in_threads(lambda: schedules._batch_p2p([])) == [[]]  # another thread: torch's own, untouched
+    assert schedules._batch_p2p is torch_issue
+    assert calls == [("outer", True, True), ("inner", True, True), ("outer", True, True)]
 
 
 # --- no module-level mutable state ---------------------------------------------------------------------

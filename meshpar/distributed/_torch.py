@@ -62,7 +62,7 @@ __all__ = [
     "queue_backward_callback", "post_accumulate_grad_hooks", "preserve_version_counter", "c10d_functional_ops",
     "attention_ops",
     "profiler_enabled", "record_function_enter", "record_function_exit", "record_cuda_memory_history",
-    "dump_cuda_memory_snapshot", "attach_cuda_oom_observer", "schedule_p2p", "set_schedule_p2p",
+    "dump_cuda_memory_snapshot", "attach_cuda_oom_observer", "schedule_p2p_through",
     "backward_launch_context", "clear_dtensor_caches", "stop_dcp_save_process", "resolve",
 ]
 
@@ -298,21 +298,44 @@ def attach_cuda_oom_observer(observer: Callable[[int, int, int, int], None]) -> 
 
 
 # --- pipeline schedules ----------------------------------------------------------------------------------
+# [Note: torch's pipeline p2p issue, replaced for a block]
+# torch's pipeline schedules issue every batch of point-to-point ops through one module-level function,
+# ``schedules._batch_p2p``, and offer no hook for it. ``schedule_p2p_through(issue)`` routes it for the
+# block that asks (a pipeline's step): while the block runs, the module's function is a router that
+# calls the ``issue`` of the caller's context (a context variable: another thread's schedule, or one
+# outside any block, goes straight to torch's function), and the block that installed the router puts
+# torch's function back as it ends. A block nested in another, or beside it on another thread, finds
+# the router in place and sets only its own ``issue``; one that outlives the installing block issues
+# its remaining batches through torch's function. Public alternative: none.
+_P2P_ISSUE: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("meshpar_schedule_p2p", default=None)
 
-def schedule_p2p() -> Callable:
-    """The function torch's pipeline schedules issue point-to-point ops through (``schedules._batch_p2p``).
-    Public alternative: none; meshpar wraps it to label transfers in a trace
-    ([Note: labelling collectives meshpar does not issue])."""
+
+@contextlib.contextmanager
+def schedule_p2p_through(issue: Callable[[Callable, list, str | None], list]) -> Iterator[None]:
+    """In this block (on this thread) torch's pipeline schedules issue each batch of point-to-point ops
+    as ``issue(torch_issue, p2p_ops, desc)``: [Note: torch's pipeline p2p issue, replaced for a block]."""
     from torch.distributed.pipelining import schedules
 
-    return schedules._batch_p2p
+    token = _P2P_ISSUE.set(issue)
+    found, router = schedules._batch_p2p, None
+    if not hasattr(found, "meshpar_routes"):
+        router = _p2p_router(found)
+        schedules._batch_p2p = router
+    try:
+        yield
+    finally:
+        _P2P_ISSUE.reset(token)
+        if router is not None and schedules._batch_p2p is router:
+            schedules._batch_p2p = found
 
 
-def set_schedule_p2p(fn: Callable) -> None:
-    """Make torch's pipeline schedules issue point-to-point ops through ``fn``."""
-    from torch.distributed.pipelining import schedules
+def _p2p_router(torch_issue: Callable) -> Callable:
+    def routed(p2p_ops: list, desc: str | None = None) -> list:
+        issue = _P2P_ISSUE.get()
+        return torch_issue(p2p_ops, desc) if issue is None else issue(torch_issue, p2p_ops, desc)
 
-    schedules._batch_p2p = fn
+    routed.meshpar_routes = torch_issue
+    return routed
 
 
 # --- DCP's background save process ------------------------------------------------------------------------

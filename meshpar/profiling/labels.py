@@ -2,6 +2,7 @@
 
     label_new_hooks(module, before, "tp", "layers.0.attention.wq")  # after parallelize_module
     label_p2p_ops(ops, "pp.recv_forward[1,3]")                      # in the pipeline Stage
+    with p2p_labels(): schedule.step(...)                           # around the schedule's step
 
 Tensor-parallel redistributions and pipeline transfers run inside ``meshpar::tp.*`` and
 ``meshpar::pp.*`` ranges, forward and backward, so that ``meshpar profile summarize`` can put every
@@ -16,6 +17,7 @@ Notes: [Note: labelling collectives meshpar does not issue].
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,8 +31,7 @@ from meshpar.distributed._torch import (
     profiler_enabled,
     record_function_enter,
     record_function_exit,
-    schedule_p2p,
-    set_schedule_p2p,
+    schedule_p2p_through,
     tree_leaves,
 )
 
@@ -43,9 +44,10 @@ from meshpar.distributed._torch import (
 #   the last closes it). The graph is untouched, so gradients are bit-identical with and without
 #   the profiler; with it off the wrapper costs one check per call.
 # - Pipeline transfers: ``torch.distributed.pipelining`` issues point-to-point ops through a private
-#   module-level function (``_torch.schedule_p2p``). ``Stage`` tags its ops (``label_p2p_ops``), and
-#   ``install_p2p_labels`` (called by ``build_schedule``, once per process; importing meshpar changes
-#   nothing in torch) replaces it: tagged ops are issued and waited on inside ``meshpar::pp.*``
+#   module-level function and has no hook for it. ``Stage`` tags its ops (``label_p2p_ops``), and
+#   inside ``p2p_labels()`` (around a pipeline's step; importing meshpar changes nothing in torch) the
+#   schedules issue through ``_labelled_p2p`` ([Note: torch's pipeline p2p issue, replaced for a block]
+#   in meshpar/distributed/_torch.py): tagged ops are issued and waited on inside ``meshpar::pp.*``
 #   ranges (a receive's wait is the bubble seen from that stage), untagged ones pass straight through.
 
 
@@ -183,23 +185,17 @@ class _LabelledWork:
         return getattr(self._work, attr)
 
 
-_unlabelled_p2p: Callable | None = None  # torch's own issue function, once install_p2p_labels replaced it
-
-
-def _labelled_p2p(p2p_ops: list[dist.P2POp], desc: str | None = None) -> list[Any]:
+def _labelled_p2p(torch_issue: Callable, p2p_ops: list[dist.P2POp], desc: str | None = None) -> list[Any]:
     names = [getattr(op, _LABEL, None) for op in p2p_ops]
     if not names or None in names or not profiler_on():
-        return _unlabelled_p2p(p2p_ops, desc)
+        return torch_issue(p2p_ops, desc)
     name = "meshpar::" + "+".join(dict.fromkeys(names))  # a mixed batch: pp.send_forward[0,2]+pp.recv_backward[0,1]
     with record_function(name):
-        works = _unlabelled_p2p(p2p_ops, desc)
+        works = torch_issue(p2p_ops, desc)
     return [_LabelledWork(w, f"{name}.wait") for w in works]
 
 
-def install_p2p_labels() -> None:
-    """Route torch's pipeline schedules' point-to-point issue through ``_labelled_p2p``
-    (idempotent; untagged ops are passed through unchanged)."""
-    global _unlabelled_p2p
-    if _unlabelled_p2p is None:
-        _unlabelled_p2p = schedule_p2p()
-        set_schedule_p2p(_labelled_p2p)
+def p2p_labels() -> contextlib.AbstractContextManager:
+    """In this block torch's pipeline schedules issue and wait on tagged point-to-point ops inside
+    ``meshpar::pp.*`` ranges: [Note: labelling collectives meshpar does not issue]."""
+    return schedule_p2p_through(_labelled_p2p)

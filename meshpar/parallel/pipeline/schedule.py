@@ -39,7 +39,7 @@ from torch.distributed.pipelining import (
 from meshpar.config.recipe import RecipeError
 from meshpar.distributed.tracing import trace_range
 from meshpar.fsdp import FSDPModule
-from meshpar.profiling.labels import install_p2p_labels, label_p2p_ops
+from meshpar.profiling.labels import label_p2p_ops, p2p_labels
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,8 @@ class Pipeline:
         self._check(inputs)
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         args = (inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses, return_outputs=False)
+        with p2p_labels():  # [Note: labelling collectives meshpar does not issue]
+            self.schedule.step(*args, target=targets if self.has_last else None, losses=losses, return_outputs=False)
         return None if losses is None else torch.stack([loss.detach() for loss in losses]).sum()
 
     def step_microbatches(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
@@ -369,7 +370,6 @@ def build_schedule(stages: list[tuple[int, nn.Module]], n_stages: int, pp_group:
     group = pp_group.get_group() if isinstance(pp_group, DeviceMesh) else pp_group
     pp = dist.get_world_size(group)
     check_microbatches(name, n_microbatches, pp, len(stages))
-    install_p2p_labels()  # here, not at import: [Note: labelling collectives meshpar does not issue]
     spec = SCHEDULES[name]
     if n_stages != pp * len(stages):
         raise ValueError(f"{n_stages} stages over pp = {pp} ranks is not {len(stages)} per rank")
