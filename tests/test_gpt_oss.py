@@ -422,8 +422,8 @@ def test_context_parallelism_refused_saying_why():
     from meshpar.training.preflight import check_model
 
     family = ["--model.family=gpt_oss", "--model.size=debug"]
-    with pytest.raises(RecipeError, match=r"parallel\.cp = 2: context parallelism is not built yet for model family "
-                                          r"'gpt_oss': .*neither a sliding window nor sink logits.*set parallel\.cp = 1"):
+    why = r"parallel\.cp = 2: context parallelism is not built yet for model family 'gpt_oss': .*neither a sliding "
+    with pytest.raises(RecipeError, match=why + r"window nor sink logits.*set parallel\.cp = 1"):
         check_model(recipelib.load(None, [*family, "--parallel.cp=2"]))
     assert check_model(recipelib.load(None, [*family, "--parallel.tp=2", "--parallel.ep=2"]))[1] == DEBUG
 

@@ -38,7 +38,7 @@ from meshpar.models.gpt_oss.args import SLIDING, GptOssArgs, Yarn
 from meshpar.models.init import ParamInit
 from meshpar.models.llama.model import Attention, _trunc_normal, apply_rope
 from meshpar.models.moe.grouped import Kernel, grouped_mm
-from meshpar.models.moe.model import Experts, LocalExperts, MoE, MoEBlock, MoETransformer
+from meshpar.models.moe.model import Experts, MoE, MoEBlock, MoETransformer
 
 # [Note: attention sinks as one more key]
 # gpt-oss's softmax over a query's keys has one more logit per head h, the learned sink s_h, with no
@@ -165,20 +165,18 @@ class GptOssAttention(Attention):
 class GptOssExperts(Experts):
     """E experts with biases and the clamped SwiGLU (module docstring), stacked as transformers stores
     them: gate_up_proj[E, D, 2F] (gate and up columns interleaved), gate_up_proj_bias[E, 2F],
-    down_proj[E, F, D], down_proj_bias[E, D]. Slot: ``dispatch``, as ``Experts``'."""
+    down_proj[E, F, D], down_proj_bias[E, D]. Slot: ``dispatch``, ``Experts``'."""
 
     stacked = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
     def __init__(self, args: GptOssArgs) -> None:
-        nn.Module.__init__(self)  # not Experts.__init__: its w1, w2, w3 are not gpt-oss's parameters
+        super().__init__()  # kernel and the dispatch slot
         e, d, f = args.n_experts, args.dim, args.moe_ffn_dim
         self.gate_up_proj = nn.Parameter(torch.empty(e, d, 2 * f))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * f))
         self.down_proj = nn.Parameter(torch.empty(e, f, d))
         self.down_proj_bias = nn.Parameter(torch.empty(e, d))
         self.alpha, self.limit = args.swiglu_alpha, args.swiglu_limit
-        self.kernel: Kernel = "auto"
-        self.dispatch = LocalExperts()
 
     def compute(self, x: Tensor, counts: Tensor, weights: Mapping[str, Tensor],
                 mm: Callable[[Tensor, Tensor, Tensor, Kernel], Tensor] = grouped_mm) -> Tensor:

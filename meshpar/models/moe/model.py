@@ -107,23 +107,20 @@ class ChosenSlots:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, stacked: w1, w3[E, F, D], w2[E, D, F] (each slice is an nn.Linear weight).
+    """A family's E experts, stacked: what expert parallelism and the planner ask of them, and no
+    parameters of its own (a family's experts subclass this: ``SwiGLUExperts``, gpt-oss's).
 
     Slot: ``dispatch(experts, x[S, D], counts[E]) -> [S, D]`` runs the experts on rows sorted by
     expert (``LocalExperts`` unless expert parallelism filled it).
 
-    What a family's experts promise to expert parallelism and the planner (a family with other
-    experts subclasses this): ``stacked`` names every parameter whose dim 0 is the expert, which
+    What a subclass declares: ``stacked`` names every parameter whose dim 0 is the expert, which
     ep shards on that dim; ``compute`` runs any run of experts from those tensors (all of them, or
-    one rank's share), with ``mm`` the per-expert matmul."""
+    one rank's share), with ``mm`` the per-expert matmul; ``init_weights`` initializes them."""
 
-    stacked: tuple[str, ...] = ("w1", "w2", "w3")
+    stacked: tuple[str, ...] = ()
 
-    def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.kernel: Kernel = "auto"  # grouped_mm's choice; tests and benchmarks force one
         self.dispatch: Callable[[Experts, Tensor, Tensor], Tensor] = LocalExperts()
 
@@ -138,6 +135,25 @@ class Experts(nn.Module):
                 mm: Callable[[Tensor, Tensor, Tensor, Kernel], Tensor] = grouped_mm) -> Tensor:
         """x[S, D] sorted by expert, counts[L] -> [S, D], for the L experts whose ``stacked`` tensors
         ``weights`` holds ([L, ...] each)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no compute")
+
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
+        raise NotImplementedError(f"{type(self).__name__} declares no init_weights")
+
+
+class SwiGLUExperts(Experts):
+    """E SwiGLU experts, stacked: w1, w3[E, F, D], w2[E, D, F] (each slice is an nn.Linear weight)."""
+
+    stacked = ("w1", "w2", "w3")
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def compute(self, x: Tensor, counts: Tensor, weights: Mapping[str, Tensor],
+                mm: Callable[[Tensor, Tensor, Tensor, Kernel], Tensor] = grouped_mm) -> Tensor:
         return swiglu_experts(x, weights["w1"], weights["w2"], weights["w3"], counts, self.kernel, mm)
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
@@ -159,7 +175,7 @@ class MoE(nn.Module):
         self.capacity_factor, self.aux_free = args.capacity_factor, args.aux_free_bias
         self.per_sequence = args.balance_loss == "sequence"
         self.router = nn.Linear(args.dim, args.n_experts, bias=False)
-        self.experts = Experts(args.n_experts, args.dim, args.moe_ffn_dim)
+        self.experts: Experts = SwiGLUExperts(args.n_experts, args.dim, args.moe_ffn_dim)
         # [Note: aux-free balancing]: the bias is training state (saved) only when it is used
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=args.aux_free_bias)
         self.register_buffer("expert_load", torch.zeros(args.n_experts), persistent=False)  # slots since update
