@@ -136,8 +136,8 @@ def test_the_graph_sees_deferred_imports_and_packages():
     assert "meshpar.models" in graph["meshpar.training.preflight"]
     # meshpar.planner.dry_run imports FakeStore from meshpar.distributed._torch inside a function
     assert "meshpar.distributed._torch" in graph["meshpar.planner.dry_run"]
-    # importing meshpar.models.gpt2.convert runs meshpar.models and meshpar.models.gpt2 first ...
-    assert {"meshpar.models", "meshpar.models.gpt2"} <= set(graph["meshpar.convert.spec"])
+    # importing meshpar.models.moe.model runs meshpar.models and meshpar.models.moe first ...
+    assert {"meshpar.models", "meshpar.models.moe"} <= set(graph["meshpar.parallel.expert_parallel"])
     # ... but not for a module inside them, whose enclosing packages are already running
     assert "meshpar.models.llama" not in graph["meshpar.models.llama.convert"]
 

@@ -84,7 +84,7 @@ def test_the_coefficient_weights_the_model_aux_loss_exactly():
     (["--model.bias_update_rate=0.01"], r"model\.bias_update_rate = 0\.01 has no effect without aux-free balancing: "
                                         r"set model\.aux_free_bias = true", None),
     (["--model.capacity_factor=1.25"], r"model\.capacity_factor = 1\.25: model family 'llama' has no experts "
-                                       r"\(it applies to qwen3_moe, mixtral, deepseek_v3\); remove it",
+                                       r"\(it applies to qwen3_moe, mixtral, deepseek_v3, gpt_oss\); remove it",
      "llama_debug.toml"),
     (["--model.family=gpt2", "--model.aux_free_bias=true"], r"model\.aux_free_bias = true: model family 'gpt2'",
      "llama_debug.toml"),
