@@ -190,9 +190,7 @@ def _check_sampling(recipe: Recipe) -> None:
     family = get_family(recipe.model.family)
     if family.sample_refusal is not None:
         raise RecipeError(f"train.sample_every with model family '{family.name}' is not built "
-                          f"({family.sample_refusal}); set train.sample_every = 0, or sample a checkpoint "
-                          "(`meshpar generate`, or transformers' generate after `meshpar convert --to hf`)",
-                          "train.sample_every")
+                          f"({family.sample_refusal}); set train.sample_every = 0", "train.sample_every")
 
 
 def preflight(recipe: Recipe, world_size: int) -> Preflight:

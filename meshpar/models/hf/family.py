@@ -49,4 +49,5 @@ def _cut(model: HFCausalLM, keep: Sequence[int], first: bool, last: bool) -> nn.
 
 FAMILIES = (HFFamily("hf", _model, HFArgs, {}, TPPlan({}, {}, "model.embed_tokens", "lm_head", sequence_parallel=False),
                      check_hf_layout, ROPE_DIMS, hf_convert, plan_of=hf_tp_plan, cut=_cut,
-                     sample_refusal="the sampler runs meshpar's own KV cache; transformers' models keep theirs"),)
+                     sample_refusal="the sampler runs meshpar's own KV cache; transformers' models keep theirs: "
+                                    "sample a converted checkpoint with transformers' generate"),)
