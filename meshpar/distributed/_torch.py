@@ -64,6 +64,7 @@ __all__ = [
     "profiler_enabled", "record_function_enter", "record_function_exit", "record_cuda_memory_history",
     "dump_cuda_memory_snapshot", "attach_cuda_oom_observer", "schedule_p2p_through",
     "backward_launch_context", "clear_dtensor_caches", "stop_dcp_save_process", "resolve",
+    "shard_placement_result", "fsdp_mesh_info_parts",
 ]
 
 
@@ -408,6 +409,7 @@ def dtensor_shapes_in_own_fake_mode() -> Iterator[None]:
 #   which fake mode is running. Public alternative: none.
 # - FakeStore: ``meshpar plan``'s dry run joins a "fake" process group, whose collectives return at
 #   once. Public alternative: none outside torch.testing.
+_FSDP_COMMON = "torch.distributed.fsdp._fully_shard._fsdp_common"
 _LAZY: MappingProxyType[str, tuple[str, str | None]] = MappingProxyType({
     "MemTracker": ("torch.distributed._tools.mem_tracker", "MemTracker"),
     "MemRefType": ("torch.distributed._tools.mem_tracker", "_MemRefType"),
@@ -421,6 +423,12 @@ _LAZY: MappingProxyType[str, tuple[str, str | None]] = MappingProxyType({
     # A mode seeing every op a thread runs (float8 collectives over gloo: meshpar/parallel/float8.py).
     # Public alternative: none (``torch.utils._python_dispatch`` is the only home of the base class).
     "TorchDispatchMode": ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    # What ``fully_shard(shard_placement_fn=...)`` may return to put a parameter on a mesh of its own (a
+    # unit of several parameter groups: meshpar/fsdp/api.py), and the mesh infos it names. Public
+    # alternative: none (torch 2.13 exports neither from torch.distributed.fsdp).
+    "ShardPlacementResult": (_FSDP_COMMON, "ShardPlacementResult"),
+    "FSDPMeshInfo": (_FSDP_COMMON, "FSDPMeshInfo"),
+    "HSDPMeshInfo": (_FSDP_COMMON, "HSDPMeshInfo"),
 })
 
 
@@ -437,6 +445,23 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+def shard_placement_result(result: Any) -> tuple[Any, Any] | None:
+    """``(placement, mesh_info)`` of a ``ShardPlacementResult`` that ``shard_placement_fn`` returned,
+    None for anything else. Call it only on what is neither None nor a ``Shard``: that keeps torch's
+    FSDP modules unimported for the common case."""
+    cls = __getattr__("ShardPlacementResult")
+    return (result.placement, result.mesh_info) if isinstance(result, cls) else None
+
+
+def fsdp_mesh_info_parts(info: Any) -> tuple[DeviceMesh, int, int | None]:
+    """``(mesh, shard dim, replicate dim or None)`` of torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo``;
+    TypeError for anything else."""
+    if not isinstance(info, __getattr__("FSDPMeshInfo")):
+        raise TypeError(f"ShardPlacementResult.mesh_info must be an FSDPMeshInfo or HSDPMeshInfo; got {info!r}")
+    hsdp = isinstance(info, __getattr__("HSDPMeshInfo"))
+    return info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim if hsdp else None
 
 
 # --- the classes of a DCP checkpoint's metadata ------------------------------------------------------------
@@ -538,6 +563,9 @@ REQUIRED: MappingProxyType[str, str] = MappingProxyType({
     "torch._subclasses.fake_tensor.FakeTensor": "meshpar plan's memory simulation: device queries",
     "torch._guards.active_fake_mode": "meshpar plan's memory simulation: device queries",
     "torch.testing._internal.distributed.fake_pg.FakeStore": "meshpar plan's dry run (planner/dry_run.py)",
+    f"{_FSDP_COMMON}.ShardPlacementResult": "fully_shard with a parameter on a mesh of its own (fsdp/api.py)",
+    f"{_FSDP_COMMON}.FSDPMeshInfo": "fully_shard with a parameter on a mesh of its own (fsdp/api.py)",
+    f"{_FSDP_COMMON}.HSDPMeshInfo": "fully_shard with a parameter on a mesh of its own (fsdp/api.py)",
     "torch.utils._python_dispatch.TorchDispatchMode":
         "float8 tensor parallelism over gloo: float8 all-gathers as bytes (meshpar/parallel/float8.py)",
     f"{_MT}.MemTracker": _MEMORY,

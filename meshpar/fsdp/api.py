@@ -7,7 +7,8 @@
 ``fully_shard`` changes the module's class to also derive from ``FSDPModule`` (no wrapper;
 parameter names unchanged) and replaces each managed parameter with an
 ``nn.Parameter(DTensor)`` sharded on dim 0 (or the dim ``shard_placement_fn`` picks) over
-``mesh`` (1-D), or over the second dim of a 2-D ``(replicate, shard)`` mesh (hybrid).
+``mesh`` (1-D), or over the second dim of a 2-D ``(replicate, shard)`` mesh (hybrid);
+``shard_placement_fn`` may put some parameters on another mesh (placement.py).
 
 The API is PyTorch 2.13's FSDP2 API, name for name and signature for signature
 (tests/test_fsdp_api.py checks it; tests/test_fsdp_compat.py runs the same scripts under both
@@ -20,6 +21,7 @@ parameter group (param_group.py) -> sharded parameter (sharded_param.py) -> coll
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshpar.distributed._torch import module_parameters, unflatten_mesh
 from meshpar.fsdp.module import FSDPModule
 from meshpar.fsdp.param_group import ParamGroup
+from meshpar.fsdp.placement import Placements
 from meshpar.fsdp.policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from meshpar.fsdp.sharded_param import MeshInfo, ShardedParam
 from meshpar.fsdp.state import FSDPState
@@ -131,35 +134,13 @@ def _check_spmd_param(p: nn.Parameter, name: str, info: MeshInfo) -> None:
                              f"(FSDP shards it)")
 
 
-def _shard_dim(fn: Callable | None, param: nn.Parameter, name: str, world: int) -> int:
-    """The dim ``shard_placement_fn`` picks for ``param`` (None: dim 0)."""
-    placement = fn(param) if fn is not None else None
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
-        raise ValueError(f"shard_placement_fn returned {placement!r} for {name}; it must return Shard(dim) or None "
-                         f"(None: the default, Shard(0))")
-    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
-    if not 0 <= dim < param.ndim:
-        raise ValueError(f"shard_placement_fn returned Shard({placement.dim}) for {name}, of shape "
-                         f"{tuple(param.shape)}; the dim must exist")
-    if dim and param.shape[dim] % world:
-        raise ValueError(f"shard_placement_fn returned Shard({dim}) for {name}, of shape {tuple(param.shape)}: dim "
-                         f"{dim} ({param.shape[dim]}) must divide evenly by the {world} shard ranks (only dim 0 may "
-                         f"be uneven); pick another dim or return None for Shard(0)")
-    if dim and isinstance(param, DTensor):
-        raise NotImplementedError(f"{name} is tensor-parallel; FSDP shards a tensor-parallel parameter on dim 0 "
-                                  f"only (return None from shard_placement_fn for it)")
-    return dim
-
-
 _FULL_PRECISION = MixedPrecisionPolicy()
 _NO_OFFLOAD = OffloadPolicy()
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None,
-                shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+                shard_placement_fn: Callable[[nn.Parameter], Shard | Any | None] | None = None,
                 mp_policy: MixedPrecisionPolicy = _FULL_PRECISION, offload_policy: OffloadPolicy = _NO_OFFLOAD,
                 ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: DataParallelMeshDims | None = None,
                 shard_threshold: int = 0, accumulate_dtype: torch.dtype | None = None) -> nn.Module | list[nn.Module]:
@@ -173,7 +154,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     ([Note: int reshard_after_forward]); None (the default) is True, except for the root,
     which backward needs first and so keeps them (as PyTorch's ``fully_shard`` does).
     ``shard_placement_fn(param)``: ``Shard(d)`` shards ``param`` on dim d (which must divide
-    evenly unless d is 0), None on dim 0. ``offload_policy``: ``CPUOffloadPolicy()`` keeps
+    evenly unless d is 0), None on dim 0; ``ShardPlacementResult(Shard(d) or None, mesh_info)``
+    shards it over ``mesh_info``'s mesh, in a parameter group of its own ([Note: several
+    parameter groups in one unit] in placement.py). ``offload_policy``: ``CPUOffloadPolicy()`` keeps
     shards, gradients and so optimizer state on CPU. ``ignored_params``: left alone (not
     sharded, not reduced). ``dp_mesh_dims``: ``mesh`` is the full SPMD mesh, every parameter a
     DTensor on it (Replicate on the dims named here), sharded over ``shard`` and replicated
@@ -212,7 +195,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         raise ValueError(f"{type(modules[0]).__name__} has parameters on several devices "
                          f"({sorted(map(str, devices))}); move it to one device (or build it on meta) before "
                          f"fully_shard")
-    dims = {}
+    dims, placements = {}, Placements(info)
     for pid, p in params.items():
         name = f"{type(places[pid][0][0]).__name__}.{places[pid][0][1]}"
         earlier = _unit_sharding(p)  # a nested unit or a sibling: [Note: a parameter in two units]
@@ -232,23 +215,28 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         if p.ndim == 0:
             raise ValueError(f"{name} is a 0-dim parameter; fully_shard needs at least one dim to shard "
                              f"(make it shape [1], or pass it in ignored_params)")
-        dims[pid] = _shard_dim(shard_placement_fn, p, name, info.shard_size)
+        dims[pid] = placements.add(pid, p, name, shard_placement_fn(p) if shard_placement_fn is not None else None)
+    grouped = placements.groups()  # [Note: several parameter groups in one unit] in placement.py
+    several = len(grouped) > 1
+    if several and isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("CPUOffloadPolicy on a unit whose shard_placement_fn puts parameters on several "
+                                  "meshes (not proven equal to PyTorch's engine); offload a unit of one mesh, or "
+                                  "fully_shard the parameters of the other mesh as a unit of their own")
     device = _device(info.mesh)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-    sharded = [ShardedParam(p, places[pid], info, device, shard=p.numel() >= shard_threshold, shard_dim=dims[pid],
-                            offload=offload) for pid, p in params.items()]
+    groups = []
+    for group_info, pids in grouped:
+        sharded = [ShardedParam(params[pid], places[pid], group_info, device, offload=offload, shard_dim=dims[pid],
+                                shard=params[pid].numel() >= shard_threshold) for pid in pids]
+        group = ParamGroup(sharded, group_info, mp_policy, accumulate_dtype, several=several)
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            _reshard_to(group, reshard_after_forward)
+        groups.append(group)
     unit = ", ".join(type(m).__name__ for m in modules)
     for p in params.values():  # [Note: a parameter in two units]
         _remember_sharded(p, unit)
-    group = ParamGroup(sharded, info, mp_policy, accumulate_dtype) if sharded else None
-    if group is not None and reshard_after_forward is not None and not isinstance(reshard_after_forward, bool) \
-            and reshard_after_forward < info.shard_size:
-        if len({group.compute_dtype(p) for p in group.params}) > 1:
-            raise NotImplementedError("an int reshard_after_forward with parameters of several dtypes in one unit "
-                                      "(no param_dtype to cast them to); pass True, or a param_dtype")
-        group.post_forward = _post_forward_group(info, reshard_after_forward)
-    state = FSDPState(modules, group, mp_policy, reshard_after_forward)
-    if group is not None:
+    state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
+    for group in groups:
         _register_state_dict_hooks(group)
     for m in modules:
         m._fsdp_state = state
@@ -267,6 +255,21 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
         m.register_state_dict_pre_hook(lambda *_: group.reshard())
         m.register_load_state_dict_pre_hook(lambda *_: group.reshard())
         m.register_load_state_dict_post_hook(lambda *_: group.refresh())
+
+
+def _reshard_to(group: ParamGroup, k: int) -> None:
+    """An int ``reshard_after_forward`` for one group: backward gathers in k-rank groups, unless k is
+    the group's whole shard size (then it reshards fully, as True)."""
+    info = group.mesh_info
+    if info.shard_size % k:  # fully_shard checked the default mesh; a group on a mesh of its own here
+        raise ValueError(f"reshard_after_forward={k}: an int must divide the shard group size {info.shard_size} of "
+                         f"every mesh shard_placement_fn names ({info.shard_dim_name})")
+    if k >= info.shard_size:
+        return
+    if len({group.compute_dtype(p) for p in group.params}) > 1:
+        raise NotImplementedError("an int reshard_after_forward with parameters of several dtypes in one unit "
+                                  "(no param_dtype to cast them to); pass True, or a param_dtype")
+    group.post_forward = _post_forward_group(info, k)
 
 
 def _post_forward_group(info: MeshInfo, k: int) -> tuple:

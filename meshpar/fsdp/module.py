@@ -60,7 +60,7 @@ class FSDPModule:
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         modules = self.modules() if recurse else [self]
         states = {id(m._fsdp_state): m._fsdp_state for m in modules if isinstance(m, FSDPModule)}
-        return [s.group for s in states.values() if s.group is not None]
+        return [g for s in states.values() for g in s.groups]
 
     # --- unshard / reshard ---------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -120,8 +120,8 @@ class FSDPModule:
                              f"an int is accepted by fully_shard only")
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
-            if state.group is not None:
-                state.group.post_forward = None
+            for group in state.groups:
+                group.post_forward = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: keep the unsharded parameters after backward (no all-gather before the next
@@ -176,6 +176,7 @@ class FSDPModule:
         all-reduce output under HSDP), divided, before it is written to ``.grad``; ``hook`` may
         change it in place (e.g. all-reduce it over another group). ``stream``: a CUDA stream to
         run it on (not with HSDP)."""
+        self._one_group("set_all_reduce_hook")
         for group in self._groups(recurse=False):
             if stream is not None and group.mesh_info.replicate_dim is not None:
                 raise ValueError("set_all_reduce_hook: stream cannot be set under HSDP (the hook runs after "
@@ -208,6 +209,7 @@ class FSDPModule:
     def set_custom_all_gather(self, comm: Any) -> None:
         """Use ``comm`` (PyTorch's ``AllGather`` interface: ``allocate(size, *, dtype, device)`` and
         ``comm(output_tensor, input_tensor, group, async_op)``) for this unit's all-gathers."""
+        self._one_group("set_custom_all_gather")
         for group in self._groups(recurse=False):
             group.custom_all_gather = comm
             group.refresh_layout()  # no aliasing at one rank: the user's collective runs
@@ -215,6 +217,7 @@ class FSDPModule:
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Use ``comm`` (PyTorch's ``ReduceScatter`` interface: ``allocate`` and ``comm(output_tensor,
         input_tensor, group, op, async_op)``) for this unit's reduce-scatters."""
+        self._one_group("set_custom_reduce_scatter")
         for group in self._groups(recurse=False):
             group.custom_reduce_scatter = comm
 
@@ -241,6 +244,17 @@ class FSDPModule:
             f"copy-engine / symmetric-kernel GPU feature); drop the call, or use PyTorch's fully_shard for it.")
 
     # --- helpers ---------------------------------------------------------------------------------------
+    def _one_group(self, method: str) -> None:
+        """Refuse ``method`` on a unit of several parameter groups, as PyTorch's engine does: it names one
+        collective (or hook) for the unit, and each group has its own process groups."""
+        groups = self._fsdp_state.groups
+        if len(groups) > 1:
+            meshes = ", ".join(g.mesh_info.shard_dim_name for g in groups)
+            raise ValueError(f"{method} on {self._fsdp_state.name}, a unit with {len(groups)} parameter groups "
+                             f"(shard_placement_fn put its parameters on several meshes: {meshes}); one collective "
+                             f"cannot serve them all. Call it on a unit of one mesh, or fully_shard the parameters "
+                             f"of each mesh as a unit of their own")
+
     def _states(self, recurse: bool) -> list[FSDPState]:
         modules = self.modules() if recurse else [self]
         states = {id(m._fsdp_state): m._fsdp_state for m in modules if isinstance(m, FSDPModule)}
@@ -297,5 +311,5 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
         if state.iteration is not None:  # already ran: switch the live iteration's queue too
             state.iteration.comm_ctx = ctx
             for s in state.iteration.states:
-                if s.group is not None:
-                    s.group.reduce_queue = ctx.reduce_queue
+                for group in s.groups:
+                    group.reduce_queue = ctx.reduce_queue

@@ -56,7 +56,8 @@ class ParamGroup:
     the phases of an iteration, done by the ``unsharder`` and the ``reducer`` it owns."""
 
     def __init__(self, params: list[ShardedParam], mesh_info: MeshInfo, mp: MixedPrecisionPolicy,
-                 accumulate_dtype: torch.dtype | None = None):
+                 accumulate_dtype: torch.dtype | None = None, several: bool = False):
+        self.several = several  # one of several groups of a unit: [Note: several parameter groups in one unit]
         self.params = [p for p in params if p.is_sharded]
         self.replicated = [p for p in params if not p.is_sharded]
         self.mesh_info, self.mp, self.accumulate_dtype = mesh_info, mp, accumulate_dtype
@@ -136,6 +137,10 @@ class ParamGroup:
             if p.extension is None or p.extension.local is not local:
                 p.extension, p.unsharded, p.unsharded_padded = Extension(p.name, local), None, None
         self.extended = [p for p in self.params if p.extension is not None]
+        if self.extended and self.several:
+            raise NotImplementedError(f"{self.extended[0].name}: an all-gather extension in a unit whose "
+                                      f"shard_placement_fn puts parameters on several meshes (not proven equal to "
+                                      f"PyTorch's engine); fully_shard the parameters of the other mesh apart")
         if self.extended and self.post_forward is not None:
             raise NotImplementedError(f"{self.extended[0].name}: an int reshard_after_forward with an all-gather "
                                       f"extension (PyTorch's engine does not run it either); pass True or False")

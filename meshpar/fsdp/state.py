@@ -95,14 +95,15 @@ class Iteration:
             return
         self.record = record
         for state in self.states:
-            if state.group is not None:
-                state.group.record = record
+            for group in state.groups:
+                group.record = record
 
 
 class FSDPState:
-    def __init__(self, modules: list[nn.Module], group: ParamGroup | None, mp: MixedPrecisionPolicy,
+    def __init__(self, modules: list[nn.Module], groups: list[ParamGroup], mp: MixedPrecisionPolicy,
                  reshard_after_forward: bool | int | None):
-        self.modules, self.group, self.mp = modules, group, mp
+        # one group per mesh: [Note: several parameter groups in one unit] in placement.py; none without parameters
+        self.modules, self.groups, self.mp = modules, groups, mp
         self.module = modules[0]
         self.reshard_after_forward = reshard_after_forward  # None: True, except at the root
         self.is_root: bool | None = None
@@ -119,6 +120,14 @@ class FSDPState:
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward, prepend=False)
+
+    @property
+    def group(self) -> ParamGroup | None:
+        """The unit's one parameter group (None without parameters); ``groups`` where there may be several."""
+        if len(self.groups) > 1:
+            raise RuntimeError(f"{self.name} has {len(self.groups)} parameter groups (shard_placement_fn put its "
+                               f"parameters on several meshes); read FSDPState.groups")
+        return self.groups[0] if self.groups else None
 
     @property
     def name(self) -> str:
@@ -141,11 +150,11 @@ class FSDPState:
                 state.is_root = False
             state.iteration = self.iteration
             self.iteration.states.append(state)
-            if state.group is not None:
-                state.group.reduce_queue, state.group.record = self.iteration.reduce_queue, None
-                params = state.group.all_params
-                state.group.streams = self.iteration.comm_ctx.streams(params[0].compute_device) if params else None
-                state.group.refresh()
+            for group in state.groups:
+                group.reduce_queue, group.record = self.iteration.reduce_queue, None
+                params = group.all_params
+                group.streams = self.iteration.comm_ctx.streams(params[0].compute_device) if params else None
+                group.refresh()
 
     def _reshards_after_forward(self) -> bool:
         reshard = self.reshard_after_forward
@@ -165,20 +174,22 @@ class FSDPState:
             first = not self._to_run  # the first of this unit's modules in this pass
             if first:
                 self._to_run = {id(m) for m in self.modules}
-            if self.group is not None:
+            if self.groups:
                 if first and not self._in_backward and not it.order_frozen and torch.is_grad_enabled():
                     it.order.append(self)
-                self.group.unshard()  # ours first: [Note: prefetch after our own unshard]
+                for group in self.groups:  # ours first: [Note: prefetch after our own unshard]
+                    group.unshard()
                 if first and not self._in_backward:
                     for target in self._forward_targets():
-                        target.group.unshard(async_op=True)
+                        for group in target.groups:
+                            group.unshard(async_op=True)
             if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
                 args, kwargs = cast_floats((args, kwargs), self.mp.param_dtype)
         return args, kwargs
 
     def _forward_targets(self) -> list[FSDPState]:
         if self.forward_prefetch is not None:
-            return [t for t in self.forward_prefetch if t.group is not None]
+            return [t for t in self.forward_prefetch if t.groups]
         order = self.iteration.order
         if not self.iteration.order_frozen or self not in order:
             return []
@@ -206,11 +217,12 @@ class FSDPState:
         """The unit's post-forward: reshard (per ``reshard_after_forward``) and hook ``output``'s
         gradients to unshard this unit again in backward."""
         if not torch.is_grad_enabled():  # no backward will come: free everything now
-            if self.group is not None:
-                self.group.reshard()
+            for group in self.groups:
+                group.reshard()
             return output
-        if self.group is not None and self._reshards_after_forward():
-            self.group.reshard(after_forward=True)
+        if self._reshards_after_forward():
+            for group in self.groups:
+                group.reshard(after_forward=True)
         self._register_pre_backward(output)
         return output
 
@@ -229,18 +241,22 @@ class FSDPState:
             it.callback_queued = True
             queue_backward_callback(self._root_end_of_backward)
         with trace_range("meshpar::fsdp.pre_backward"):
-            if self.group is not None and self.group.unshard_in_backward:
-                self.group.unshard()  # ours first: [Note: prefetch after our own unshard]
+            for group in self.groups:  # ours first: [Note: prefetch after our own unshard]
+                if group.unshard_in_backward:
+                    group.unshard()
             if not self._in_backward:
                 self._in_backward = True
                 for inner in self._nested():  # [Note: units inside a unit]
                     inner._in_backward = True  # its recompute, inside ours, neither prefetches nor reshards
-                    if inner.group.unshard_in_backward:
-                        inner.group.unshard(async_op=True)
+                    inner._unshard_in_backward(async_op=True)
                 for target in self._backward_targets():
-                    if target.group.unshard_in_backward:
-                        target.group.unshard(async_op=True)
+                    target._unshard_in_backward(async_op=True)
         return grad
+
+    def _unshard_in_backward(self, async_op: bool) -> None:
+        for group in reversed(self.groups):  # backward's order, as PyTorch's engine prefetches them
+            if group.unshard_in_backward:
+                group.unshard(async_op=async_op)
 
     # [Note: units inside a unit]
     # A mixture-of-experts block is one unit with its experts (or whole sparse layer) a unit inside it,
@@ -261,13 +277,13 @@ class FSDPState:
         if self._nested_of is not self.iteration:
             inside = {id(m) for top in self.modules for m in top.modules() if m is not top}
             self._nested_units = [s for s in self.iteration.states
-                                  if s is not self and s.group is not None and any(id(m) in inside for m in s.modules)]
+                                  if s is not self and s.groups and any(id(m) in inside for m in s.modules)]
             self._nested_of = self.iteration
         return self._nested_units
 
     def _backward_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
-            return [t for t in self.backward_prefetch if t.group is not None]
+            return [t for t in self.backward_prefetch if t.groups]
         order = self.iteration.order
         if self not in order:
             return []
@@ -279,10 +295,11 @@ class FSDPState:
             self._end_iteration(ParamGroup.finish_backward)
 
     def _end_iteration(self, end_group: Callable[[ParamGroup], None]) -> None:
-        """``end_group`` on every unit's group, then clear the iteration's per-pass state."""
+        """``end_group`` on every unit's groups (last first, as PyTorch's engine ends them), then clear the
+        iteration's per-pass state."""
         for state in self.iteration.states:
-            if state.group is not None:
-                end_group(state.group)
+            for group in reversed(state.groups):
+                end_group(group)
             state._in_backward = False
             state._to_run.clear()
         self.iteration.callback_queued = False
