@@ -175,8 +175,9 @@ def test_model_not_in_the_registry(tmp_path, text, message):
 
 @pytest.mark.parametrize(("family", "dim"), NOT_BUILT_DIMS, ids=[f"{f}-{d}" for f, d in NOT_BUILT_DIMS])
 def test_parallel_dim_not_built_yet(tmp_path, family, dim):
+    reason = "" if dim not in FAMILIES[family].not_built else ": " + re.escape(FAMILIES[family].not_built[dim])
     message = (rf"^parallel\.{dim} = 2: {re.escape(NOT_BUILT[dim])} is not built yet for "
-               rf"model family '{family}' \(built: .*\); set parallel\.{dim} = 1$")
+               rf"model family '{family}'{reason} \(built: .*\); set parallel\.{dim} = 1$")
     text = f'[model]\nfamily = "{family}"\n[parallel]\n{dim} = 2\n'
     for recipe in (load(_write(tmp_path, text)), load(None, [f"--model.family={family}", f"--parallel.{dim}=2"])):
         with pytest.raises(RecipeError, match=message) as err:
