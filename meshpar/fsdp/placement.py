@@ -32,8 +32,8 @@ def shard_dim(placement: Any, param: nn.Parameter, name: str, world: int) -> int
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
-        raise ValueError(f"shard_placement_fn returned {placement!r} for {name}; it must return Shard(dim), "
-                         f"ShardPlacementResult(Shard(dim) or None, mesh_info) or None (None: the default, Shard(0))")
+        raise ValueError(f"shard_placement_fn returned {placement!r} for {name}; it must return Shard(dim) or None "
+                         f"(None: the default, Shard(0)), or ShardPlacementResult(Shard(dim) or None, mesh_info)")
     dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.ndim:
         raise ValueError(f"shard_placement_fn returned Shard({placement.dim}) for {name}, of shape "
