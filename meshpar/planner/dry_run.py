@@ -311,12 +311,12 @@ def _rows(stage: torch.nn.Module) -> tuple[list[ParamRow], int, int, int]:
 def _units(stage: torch.nn.Module) -> list[Unit]:
     units = []
     for name, m in stage.named_modules():
-        group = m._fsdp_state.group if isinstance(m, FSDPModule) else None
-        if group is None or not group.params:
-            continue
-        compute, reduce = group.compute_dtype(group.params[0]), group.reduce_dtype()
-        n = group.world * group.per_rank_numel
-        units.append(Unit(name or "root", n * compute.itemsize, n * reduce.itemsize))
+        groups = [g for g in m._fsdp_state.groups if g.params] if isinstance(m, FSDPModule) else []
+        for group in groups:  # a unit holds one group per mesh its parameters shard over
+            compute, reduce = group.compute_dtype(group.params[0]), group.reduce_dtype()
+            n = group.world * group.per_rank_numel
+            label = (name or "root") + (f" ({group.mesh_info.shard_dim_name})" if len(groups) > 1 else "")
+            units.append(Unit(label, n * compute.itemsize, n * reduce.itemsize))
     return units
 
 
