@@ -77,7 +77,7 @@ CLUSTER = sorted(p.stem for p in RECIPES.glob("*.toml") if "`meshpar plan" in p.
 def test_every_cluster_recipe_is_planned_here():
     assert set(CLUSTER) == {"llama3_8b", "llama3_70b", "llama3_70b_3d", "llama3_405b", "qwen3_8b", "qwen2_7b",
                             "gpt2_xl", "llama3_8b_float8", "llama3_70b_float8", "llama3_8b_sft", "deepseek_v3_16b",
-                            "deepseek_v3_671b"}
+                            "deepseek_v3_671b", "gpt_oss_20b", "gpt_oss_120b"}
 
 
 @pytest.mark.slow  # a cluster recipe planned at its target size
