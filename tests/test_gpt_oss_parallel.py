@@ -1,5 +1,5 @@
 """recipes/gpt_oss_debug.toml trained on 4 ranks equals one rank in float64: the recipe's layout (FSDP 4,
-experts over ep 2 within it), pipeline parallelism 2 and tensor parallelism 2, each with ep 2. Losses,
+experts over ep 2 within it), HSDP, pipeline parallelism 2 and tensor parallelism 2, each with ep 2. Losses,
 auxiliary and validation losses, gradient norms and every parameter (sinks, biases, router and experts
 included) after 3 steps, as tests/test_deepseek.py checks the DeepSeek-V3 recipe. The attention's tp
 plan and the experts under ep are checked piece by piece in tests/test_gpt_oss.py."""
@@ -20,6 +20,7 @@ STEPS = ["--train.steps=3", "--train.eval_every=3", "--data.val_fraction=0.1"]
 WORLD = 4
 LAYOUTS = {  # name: overrides of the recipe, each on WORLD ranks with its ep 2
     "dp_shard4-ep2": [],  # the recipe: FSDP over 4, the experts over ep 2 and FSDP over the 2 ranks left
+    "dp_replicate2-dp_shard2-ep2": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],  # HSDP
     "pp2-dp_shard2-ep2": ["--parallel.pp=2", "--parallel.dp_shard=2"],  # a sliding block per stage, then a full one
     "dp_shard2-tp2-ep2": ["--parallel.dp_shard=2", "--parallel.tp=2"],  # heads and sinks split, sequence sharded
 }
