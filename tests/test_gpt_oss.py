@@ -552,3 +552,15 @@ def test_mxfp4_folder_loads_into_expert_parallel_shards():
     for name, whole in ranks[0][1].items():
         for r, (local, _) in enumerate(ranks):
             assert torch.equal(local[name], whole.chunk(2)[r]), (name, r)
+
+
+def test_generate_refused_saying_why(tmp_path):
+    """``meshpar generate`` fills the attention slots with a KV cache that has no window and no sinks:
+    a gpt-oss folder is refused by name before any weight is read."""
+    from meshpar.convert.spec import ConvertError
+    from meshpar.inference.generate import load_model
+
+    _random_hf().save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConvertError, match="`meshpar generate` is not built for model family 'gpt_oss' "
+                                           r"\(meshpar's KV-cache attention has no sliding window and no sinks"):
+        load_model(tmp_path / "hf")

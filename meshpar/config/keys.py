@@ -33,9 +33,9 @@ MOE_KEYS = ("aux_loss_coef", "capacity_factor", "aux_free_bias", "bias_update_ra
 @dataclass(frozen=True)
 class ModelConfig:
     family: str = option("llama", "Model family: llama, qwen2, qwen3, gpt2, the mixture-of-experts qwen3_moe, "
-                                         "mixtral or deepseek_v3 (see meshpar/models/), or hf: any Hugging Face causal "
-                                         "LM, built by transformers from model.hf_path's config.json (pip install "
-                                         "'meshpar[hf]').")
+                                         "mixtral, deepseek_v3 or gpt_oss (see meshpar/models/), or hf: any Hugging "
+                                         "Face causal LM, built by transformers from model.hf_path's config.json (pip "
+                                         "install 'meshpar[hf]').")
     size: str = option("debug", "Named size of the family, e.g. debug, 1b, 8b, 70b, 405b for llama (unused by hf).")
     hf_path: str = option("", "With family = hf: the Hugging Face model folder whose config.json is the architecture; "
                               "empty means checkpoint.hf_weights.")

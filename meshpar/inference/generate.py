@@ -21,13 +21,18 @@ from meshpar.models.decode import generate, prompt_ids
 def load_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model of a meshpar checkpoint folder (saved at any layout) or a Hugging Face folder, in one
     process, read one tensor at a time (meshpar/convert)."""
+    from meshpar.convert.spec import ConvertError
     from meshpar.convert.stream import open_checkpoint
     from meshpar.models import get_family
 
     source = open_checkpoint(path)
     spec = source.spec
+    family = get_family(spec.family)
+    if family.generate_refusal is not None:
+        raise ConvertError(f"{path}: `meshpar generate` is not built for model family '{family.name}' "
+                           f"({family.generate_refusal})")
     with torch.device("meta"):
-        model = get_family(spec.family).model_cls(spec.args)
+        model = family.model_cls(spec.args)
     model.to_empty(device=device)
     model.init_weights()  # derived buffers (RoPE tables); every parameter is then read
     state = model.state_dict()

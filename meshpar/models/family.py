@@ -59,8 +59,10 @@ class Family:
     # keys, the identity flag, args from and to a config.json
     adapter: Any
     moe: MoEPart | None = None  # the mixture-of-experts part; None for a dense family
-    # why meshpar's sampler (``train.sample_every``, meshpar/inference) cannot run it, or None
+    # why meshpar's sampler during training (``train.sample_every``) cannot run it, or None
     sample_refusal: str | None = None
+    # why ``meshpar generate`` (meshpar/models/decode.py's KV cache) cannot run it, or None
+    generate_refusal: str | None = None
     plan_of: Callable[[Any], TPPlan] | None = None  # a plan that depends on the args (family hf), else tp_plan
     # (model, blocks kept, holds the input end, holds the output end) -> a pipeline stage, for a model that
     # keeps its blocks itself (family hf); None: meshpar/parallel/pipeline/split.py copies the model

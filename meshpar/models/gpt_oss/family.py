@@ -15,5 +15,10 @@ NO_CP = ("cp fills every layer's attention slot with meshpar's context-parallel 
          "window and each head's learned sink would drop out of its softmax; tp's sequence parallelism still "
          "splits activations over the sequence")
 
+# meshpar/models/decode.py fills the attention slots with a KV cache that has no window and no sinks
+NO_CACHE = "meshpar's KV-cache attention has no sliding window and no sinks; generate with transformers after " \
+           "`meshpar convert --to hf`"
+
 FAMILIES = (Family("gpt_oss", GptOssTransformer, GptOssArgs, GPT_OSS_SIZES, GPT_OSS_TP_PLAN, check_moe_layout,
-                   DENSE_DIMS | {"ep"}, convert, moe=MOE, sample_refusal=NO_SAMPLER, not_built={"cp": NO_CP}),)
+                   DENSE_DIMS | {"ep"}, convert, moe=MOE, sample_refusal=NO_SAMPLER, generate_refusal=NO_CACHE,
+                   not_built={"cp": NO_CP}),)
