@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import Shard
 
-from meshpar.distributed import _torch
 from tests.distributed import CaseSet
 from tests.fsdp_compat_models import Record, assert_same_record, engines, subcases
 from tests.parity import TOL
@@ -91,7 +91,7 @@ _MESHES: dict = {}
 
 def _experts_fn(kind: str):
     info = {"fsdp": _MESHES["experts_fsdp"], "hsdp": _MESHES["experts_hsdp"]}[kind]
-    return lambda p: _torch.ShardPlacementResult(None, info) if p.ndim == 3 else None
+    return lambda p: ShardPlacementResult(None, info) if p.ndim == 3 else None
 
 
 def _setup(tmp: Path) -> None:
@@ -99,9 +99,9 @@ def _setup(tmp: Path) -> None:
     torch.set_default_dtype(torch.float64)
     _MESHES["dense"] = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     ep = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep_replicate", "ep_shard"))
-    _MESHES["experts_fsdp"] = _torch.FSDPMeshInfo(ep["ep_shard"], shard_mesh_dim=0)
-    _MESHES["experts_hsdp"] = _torch.HSDPMeshInfo(ep, shard_mesh_dim=1, replicate_mesh_dim=0)
-    _MESHES["dense_info"] = _torch.FSDPMeshInfo(_MESHES["dense"], shard_mesh_dim=0)
+    _MESHES["experts_fsdp"] = FSDPMeshInfo(ep["ep_shard"], shard_mesh_dim=0)
+    _MESHES["experts_hsdp"] = HSDPMeshInfo(ep, shard_mesh_dim=1, replicate_mesh_dim=0)
+    _MESHES["dense_info"] = FSDPMeshInfo(_MESHES["dense"], shard_mesh_dim=0)
 
 
 def _same(kind: str, **kwargs) -> None:
@@ -148,7 +148,7 @@ def _case_shard1_on_default_mesh(_: None = None) -> None:
     info = _MESHES["dense_info"]
 
     def result(p):
-        return _torch.ShardPlacementResult(Shard(1) if p.ndim > 1 else None, info)
+        return ShardPlacementResult(Shard(1) if p.ndim > 1 else None, info)
 
     def plain(p):
         return Shard(1) if p.ndim > 1 else None

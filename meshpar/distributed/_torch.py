@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import sys
 from collections.abc import Callable, Iterator
 from types import MappingProxyType
 from typing import Any
@@ -423,12 +424,6 @@ _LAZY: MappingProxyType[str, tuple[str, str | None]] = MappingProxyType({
     # A mode seeing every op a thread runs (float8 collectives over gloo: meshpar/parallel/float8.py).
     # Public alternative: none (``torch.utils._python_dispatch`` is the only home of the base class).
     "TorchDispatchMode": ("torch.utils._python_dispatch", "TorchDispatchMode"),
-    # What ``fully_shard(shard_placement_fn=...)`` may return to put a parameter on a mesh of its own (a
-    # unit of several parameter groups: meshpar/fsdp/api.py), and the mesh infos it names. Public
-    # alternative: none (torch 2.13 exports neither from torch.distributed.fsdp).
-    "ShardPlacementResult": (_FSDP_COMMON, "ShardPlacementResult"),
-    "FSDPMeshInfo": (_FSDP_COMMON, "FSDPMeshInfo"),
-    "HSDPMeshInfo": (_FSDP_COMMON, "HSDPMeshInfo"),
 })
 
 
@@ -447,21 +442,30 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
+# What ``fully_shard(shard_placement_fn=...)`` may return to put a parameter on a mesh of its own (a unit
+# of several parameter groups: meshpar/fsdp/api.py), and the mesh infos it names. Public alternative:
+# none (torch 2.13 exports neither from torch.distributed.fsdp). meshpar never imports torch's FSDP
+# (DESIGN.md): a caller holding such an object has imported its module, so the classes are read from
+# ``sys.modules``, and without that module no value can be one of them.
+def _fsdp_class(name: str) -> type | None:
+    module = sys.modules.get(_FSDP_COMMON)
+    return getattr(module, name, None) if module is not None else None
+
+
 def shard_placement_result(result: Any) -> tuple[Any, Any] | None:
     """``(placement, mesh_info)`` of a ``ShardPlacementResult`` that ``shard_placement_fn`` returned,
-    None for anything else. Call it only on what is neither None nor a ``Shard``: that keeps torch's
-    FSDP modules unimported for the common case."""
-    cls = __getattr__("ShardPlacementResult")
-    return (result.placement, result.mesh_info) if isinstance(result, cls) else None
+    None for anything else."""
+    cls = _fsdp_class("ShardPlacementResult")
+    return (result.placement, result.mesh_info) if cls is not None and isinstance(result, cls) else None
 
 
 def fsdp_mesh_info_parts(info: Any) -> tuple[DeviceMesh, int, int | None]:
     """``(mesh, shard dim, replicate dim or None)`` of torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo``;
     TypeError for anything else."""
-    if not isinstance(info, __getattr__("FSDPMeshInfo")):
+    fsdp, hsdp = _fsdp_class("FSDPMeshInfo"), _fsdp_class("HSDPMeshInfo")
+    if fsdp is None or not isinstance(info, fsdp):
         raise TypeError(f"ShardPlacementResult.mesh_info must be an FSDPMeshInfo or HSDPMeshInfo; got {info!r}")
-    hsdp = isinstance(info, __getattr__("HSDPMeshInfo"))
-    return info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim if hsdp else None
+    return info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim if isinstance(info, hsdp) else None
 
 
 # --- the classes of a DCP checkpoint's metadata ------------------------------------------------------------
