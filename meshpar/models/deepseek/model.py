@@ -53,10 +53,11 @@ from meshpar.models.moe.model import MoE, MoEBlock, MoETransformer
 # keeping a value 1.5 x wider. It also gives the cp ring one width for its K | V tensor.
 
 
-def yarn_frequencies(head_dim: int, theta: float, yarn) -> Tensor:
+def yarn_frequencies(head_dim: int, theta: float, yarn, *, truncate: bool = True) -> Tensor:
     """RoPE frequencies freq[Dh/2] under YaRN, in float64: each frequency blends its interpolated
     value (divided by ``factor``) and its own by a ramp over the dims whose number of rotations in
-    the original context lies between beta_slow and beta_fast."""
+    the original context lies between beta_slow and beta_fast, that range rounded out to whole dims
+    when ``truncate`` (DeepSeek-V3; gpt-oss does not round: transformers' ``truncate``)."""
     freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if yarn is None:
         return freqs
@@ -64,7 +65,10 @@ def yarn_frequencies(head_dim: int, theta: float, yarn) -> Tensor:
     def dim_of(rotations: float) -> float:  # the dim whose wavelength fits ``rotations`` times in the context
         return head_dim * math.log(yarn.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = max(math.floor(dim_of(yarn.beta_fast)), 0), min(math.ceil(dim_of(yarn.beta_slow)), head_dim - 1)
+    low, high = dim_of(yarn.beta_fast), dim_of(yarn.beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     high = high + 0.001 if low == high else high
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     return freqs / yarn.factor * ramp + freqs * (1 - ramp)
@@ -210,13 +214,8 @@ class DeepSeekTransformer(MoETransformer):
         """Each block's MLA: its ``inner_attention`` and ``sequence_keys`` slots."""
         return [(block.attention, True) for block in self.layers.values()]
 
-    def _init_rope(self) -> None:
-        if self.rope_cos.is_meta:
-            return
-        cos, sin = rope_tables(self.args, self.args.max_seq_len)
-        with torch.no_grad():
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+    def rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
+        return rope_tables(self.args, length)
 
 
 def rope_tables(args: DeepSeekArgs, length: int) -> tuple[Tensor, Tensor]:

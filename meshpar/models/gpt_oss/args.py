@@ -28,7 +28,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_typ
 @dataclass(frozen=True)
 class Yarn:
     """YaRN RoPE scaling (arXiv 2309.00071) as gpt-oss configures it: no mscale, correction range
-    not rounded. See ``yarn_frequencies`` in meshpar/models/gpt_oss/model.py."""
+    not rounded. See ``yarn_frequencies`` in meshpar/models/deepseek/model.py."""
 
     factor: float = 32.0  # context extension: low frequencies are divided by this
     original_max_seq_len: int = 4096  # the context length RoPE was trained at

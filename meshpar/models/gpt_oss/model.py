@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshpar.models.attention import InnerAttention
-from meshpar.models.gpt_oss.args import SLIDING, GptOssArgs, Yarn
+from meshpar.models.deepseek.model import yarn_frequencies
+from meshpar.models.gpt_oss.args import SLIDING, GptOssArgs
 from meshpar.models.init import ParamInit
 from meshpar.models.llama.model import Attention, _trunc_normal, apply_rope
 from meshpar.models.moe.grouped import Kernel, grouped_mm
@@ -56,30 +57,11 @@ from meshpar.models.moe.model import Experts, MoE, MoEBlock, MoETransformer
 # Dh a power of 4 (gpt-oss: 64).
 
 
-def yarn_frequencies(head_dim: int, theta: float, yarn: Yarn | None) -> Tensor:
-    """RoPE frequencies freq[Dh/2] under YaRN, in float64: each frequency blends its interpolated value
-    (divided by ``factor``) and its own by a ramp over the dims whose rotations in the original
-    context lie between beta_slow and beta_fast (transformers' ``_compute_yarn_parameters``)."""
-    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if yarn is None:
-        return freqs
-
-    def dim_of(rotations: float) -> float:  # the dim whose wavelength fits ``rotations`` times in the context
-        return head_dim * math.log(yarn.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = dim_of(yarn.beta_fast), dim_of(yarn.beta_slow)
-    if yarn.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    high = high + 0.001 if low == high else high
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    return freqs / yarn.factor * ramp + freqs * (1 - ramp)
-
-
 def rope_tables(args: GptOssArgs, length: int) -> tuple[Tensor, Tensor]:
     """RoPE's cos, sin[length, Dh/2] in float64, times YaRN's attention factor 0.1 ln(factor) + 1
     (the model's ``rope_cos``, ``rope_sin``)."""
-    freqs = yarn_frequencies(args.resolved_head_dim, args.rope_theta, args.yarn)
+    freqs = yarn_frequencies(args.resolved_head_dim, args.rope_theta, args.yarn,
+                             truncate=args.yarn is not None and args.yarn.truncate)
     angles = torch.outer(torch.arange(length, dtype=torch.float64), freqs)
     factor = 1.0 if args.yarn is None or args.yarn.factor <= 1 else 0.1 * math.log(args.yarn.factor) + 1.0
     return angles.cos() * factor, angles.sin() * factor
@@ -234,13 +216,8 @@ class GptOssTransformer(MoETransformer):
         raise NotImplementedError("gpt-oss has no slot for context-parallel attention, which has neither a sliding "
                                   "window nor sink logits; run with parallel.cp = 1")
 
-    def _init_rope(self) -> None:
-        if self.rope_cos.is_meta:
-            return
-        cos, sin = rope_tables(self.args, self.args.max_seq_len)
-        with torch.no_grad():
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+    def rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
+        return rope_tables(self.args, length)
 
     def forward(self, tokens: Tensor) -> Tensor:
         args, eos = self.args, self.args.document_eos

@@ -227,15 +227,21 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
+    def rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
+        """RoPE's cos, sin[length, Dh/2] for ``rope_cos`` / ``rope_sin``; a family with other
+        frequencies (YaRN: DeepSeek-V3, gpt-oss) overrides this."""
+        # angles in float64 on the CPU: positions up to 131072 lose ~1e-2 rad in float32
+        freqs = rope_frequencies(self.args.resolved_head_dim, self.args.rope_theta, self.args.rope_scaling)
+        angles = torch.outer(torch.arange(length, dtype=torch.float64), freqs)  # [T, Dh/2]
+        return angles.cos(), angles.sin()
+
     def _init_rope(self) -> None:
         if self.rope_cos.is_meta:
             return
-        # angles in float64 on the CPU: positions up to 131072 lose ~1e-2 rad in float32
-        freqs = rope_frequencies(self.args.resolved_head_dim, self.args.rope_theta, self.args.rope_scaling)
-        angles = torch.outer(torch.arange(self.args.max_seq_len, dtype=torch.float64), freqs)  # [T, Dh/2]
+        cos, sin = self.rope_tables(self.args.max_seq_len)
         with torch.no_grad():
-            self.rope_cos.copy_(angles.cos())
-            self.rope_sin.copy_(angles.sin())
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
     def init_weights(self) -> None:
         """Initialize every parameter and the RoPE tables in place (see [Note: initialization])."""
