@@ -67,14 +67,15 @@ def test_checkpointed_blocks_compile_without_a_graph_break(mode):
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_compiled_moe_blocks_in_fp32_match_eager(family):
     """torch 2.13's grouped_mm runs on CPU in fp32 eagerly, but its meta function, which dynamo traces
     with, takes bf16 only: compiled fp32 experts take the loop (meshpar/models/moe/grouped.py), where
     they failed to compile. DeepSeek-V3: one dense block, then one of shared and routed experts under
-    group-limited sigmoid routing, with MLA (YaRN RoPE, values padded to the keys' width). Tolerance
+    group-limited sigmoid routing, with MLA (YaRN RoPE, values padded to the keys' width). gpt-oss: a
+    sliding and a full layer of sink attention (window 8 < 16 tokens), biased clamped experts. Tolerance
     as the dense test's (see the module docstring): K <= 256 here, 1.5e-5 relative per sum."""
-    overrides = {"mlp_only_layers": ()} if family == "qwen3_moe" else {"first_k_dense": 1}
+    overrides = {"qwen3_moe": {"mlp_only_layers": ()}, "deepseek_v3": {"first_k_dense": 1}}.get(family, {})
     eager = build_model(family, n_layers=2, max_seq_len=32, **overrides)
     args = eager.args
     compiled = copy.deepcopy(eager)
